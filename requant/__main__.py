@@ -1,0 +1,3 @@
+from requant.cli import main
+
+main()

@@ -1,0 +1,163 @@
+"""Command line: parses arguments and calls the library; nothing else happens here."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+import click
+
+from requant import __version__
+from requant.errors import RequantError
+
+INPUT_SCALE_HELP = (
+    "Activation scale (input_scale) written for every converted projection. Default: a data-free "
+    "bound from the checkpoint itself (MoE input <= sqrt(hidden) * max|ffn_norm|; down-projection "
+    "input <= 1.5 * 10 * silu(10)), divided by 6 * 448, so no activation can overflow a W4A4 kernel. "
+    "NVIDIA's calibration-free policy is 1.0. Weight-only (W4A16/Marlin) engines ignore it."
+)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n):,} B"
+        n /= 1024
+    return str(n)
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"requant: error: {message}", err=True)
+    sys.exit(code)
+
+
+def reports_errors(fn):
+    """Turn library failures into one line on stderr and a non-zero exit status."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RequantError as e:
+            _fail(str(e), e.exit_code)
+        except KeyboardInterrupt:
+            _fail("interrupted; no finished output was left behind", 130)
+        except OSError as e:
+            _fail(f"{e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}", 1)
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="requant")
+def cli():
+    """requant: convert mixture-of-experts checkpoints between 4-bit formats, offline, on a CPU.
+
+    \b
+    Typical use:
+      requant synth demo-src                         # a small synthetic DeepSeek-V4-Flash
+      requant convert demo-src demo-nvfp4 --in mxfp4 --out nvfp4
+      requant inspect demo-nvfp4
+    """
+
+
+@cli.command()
+@click.argument("dest", type=click.Path(file_okay=False))
+@click.option("--layers", type=int, help="Transformer layers (default 5; 43 at full scale).")
+@click.option("--experts", type=int, help="Routed experts per layer (default 8; 256 at full scale).")
+@click.option("--hidden", type=int, help="hidden_size, a multiple of 128 (default 256; 4096 at full scale).")
+@click.option("--intermediate", type=int, help="moe_intermediate_size, a multiple of 128 (default 128; 2048).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Random seed; same seed, same bytes.")
+@click.option("--full-scale", is_flag=True, help="The real release's dimensions: 46 shards, 69,187 tensors, ~160 GB.")
+@click.option("--sparse", is_flag=True, help="Leave tensor data as holes (zeros): the layout costs almost no disk.")
+@click.option("--out-of-window", type=int, default=0, show_default=True,
+              help="Per expert projection, blocks whose exponent lies below NVFP4's lossless window.")
+@click.option("--zero-blocks", type=int, default=0, show_default=True, help="Per projection, all-zero blocks.")
+@click.option("--neg-zero-blocks", type=int, default=0, show_default=True,
+              help="Per projection, blocks made only of -0 codes.")
+@reports_errors
+def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse, out_of_window, zero_blocks,
+          neg_zero_blocks):
+    """Write a synthetic DeepSeek-V4-Flash checkpoint (MXFP4 experts) to DEST.
+
+    The layout is the release's: tensor names, dtypes, shapes, shard and index layout, config.json,
+    generation config, tokenizer and inference/ files. Expert weights are MXFP4 encodings of
+    heavy-tailed continuous weights, so block exponents spread as in a trained model.
+    """
+    from requant import synth as synth_lib
+
+    if os.path.exists(dest) and os.listdir(dest):
+        raise RequantError(f"{dest} exists and is not empty")
+    base = synth_lib.FULL_SCALE if full_scale else synth_lib.Dims()
+    dims = synth_lib.dims_with(base, layers=layers, experts=experts, hidden=hidden, intermediate=intermediate)
+    dims = synth_lib.dims_with(dims, hash_layers=min(3, dims.layers))
+    try:
+        dims.check()
+    except ValueError as e:
+        raise RequantError(str(e)) from None
+    hard = synth_lib.HardCases(out_of_window, zero_blocks, neg_zero_blocks)
+    from tqdm import tqdm
+    with tqdm(total=len(synth_lib.layout(dims)), unit="shard", desc="synth") as bar:
+        shards = synth_lib.write_checkpoint(dest, dims, seed, hard, sparse,
+                                            progress=lambda done, total: bar.update(1))
+    click.echo(f"wrote {dest}: {len(shards)} shards, {dims.layers} layers x {dims.experts} experts, "
+               f"hidden {dims.hidden}, intermediate {dims.intermediate}{' (sparse)' if sparse else ''}")
+
+
+@cli.command()
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@click.option("--in", "in_format", type=click.Choice(["mxfp4"]), default="mxfp4", show_default=True,
+              help="Format of SRC's routed experts.")
+@click.option("--out", "out_format", type=click.Choice(["nvfp4"]), required=True,
+              help="nvfp4: NVIDIA's ModelOpt layout (Blackwell W4A4; Hopper via Marlin W4A16).")
+@click.option("--mtp", type=click.Choice(["keep", "convert"]), default="keep", show_default=True,
+              help="keep: MTP experts stay MXFP4, as in NVIDIA's release; convert: them too.")
+@click.option("--input-scale", type=float, default=None, help=INPUT_SCALE_HELP)
+@click.option("--scale-headroom", type=click.IntRange(0, 8), default=0, show_default=True,
+              help="NVFP4: place the largest block scale at 2^(8-N) instead of 2^8. Guards vLLM's "
+                   "Hopper Marlin path (fp16 scale conversion) at the cost of an N-step narrower lossless window.")
+@click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Threads encoding experts; more helps when the disk outruns one core.")
+@click.option("--dry-run", is_flag=True, help="Read headers only and print the plan; write nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary (or plan) as JSON.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@reports_errors
+def convert(src, dst, in_format, out_format, mtp, input_scale, scale_headroom, workers, dry_run, as_json, quiet):
+    """Convert checkpoint SRC into a new directory DST.
+
+    Routed experts are re-encoded; every other tensor is copied byte for byte; the index,
+    config.json (quantization_config) and format side files are rewritten; tokenizer, generation
+    config and other files are copied. DST is complete only once its index is written, so an
+    interrupted run never leaves something that loads.
+    """
+    from requant import convert as convert_lib
+    from requant.targets import Options
+
+    if input_scale is not None and not (0 < input_scale < float("inf")):
+        raise RequantError(f"--input-scale must be a finite positive number, got {input_scale}")
+    options = Options(mtp=mtp, input_scale=input_scale, extra={"top_exponent": 8 - scale_headroom})
+    if dry_run:
+        plan = convert_lib.plan_conversion(src, out_format, options, in_format)
+        summary = convert_lib.describe_plan(plan, dst)
+        click.echo(json.dumps(summary, indent=2) if as_json else convert_lib.format_plan(summary))
+        return
+    result = convert_lib.convert(src, dst, out_format, options, in_format, workers, progress=not quiet)
+    summary = convert_lib.describe_result(result)
+    click.echo(json.dumps(summary, indent=2) if as_json else convert_lib.format_result(summary))
+
+
+@cli.command()
+@click.argument("path", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@reports_errors
+def inspect(path, as_json):
+    """Describe checkpoint PATH: model, expert format, tensors per dtype, shards, quantization."""
+    from requant.inspect import format_report, inspect_checkpoint
+
+    info = inspect_checkpoint(path)
+    click.echo(json.dumps(info, indent=2) if as_json else format_report(info))
+
+
+def main():
+    cli(prog_name="requant")

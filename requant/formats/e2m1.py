@@ -1,0 +1,47 @@
+"""E2M1 (FP4) element grid shared by MXFP4 and NVFP4.
+
+A nibble is sign (bit 3) and a 3-bit magnitude index into MAGNITUDES. Two nibbles pack into one
+byte along K: the low nibble holds the even element.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+MAX = 6.0
+# Midpoints between neighbouring magnitudes; index i lies between magnitude i and i+1.
+_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
+
+
+def signed_values(dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """The 16 nibble values, indexed by the nibble."""
+    mags = torch.tensor(MAGNITUDES, dtype=dtype, device=device)
+    return torch.cat([mags, -mags])
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> nibbles uint8 [..., K] (even element from the low nibble)."""
+    packed = packed.view(torch.uint8)
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
+
+
+def pack(nibbles: torch.Tensor) -> torch.Tensor:
+    """nibbles uint8 [..., K] -> uint8 [..., K/2]."""
+    nibbles = nibbles.to(torch.uint8)
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def round_to_nibbles(x: np.ndarray) -> np.ndarray:
+    """Round float32 values onto the E2M1 grid: round-half-to-even, saturating at 6.
+
+    The sign bit is taken from `x < 0`, so a negative value that rounds to zero gives -0 (0x8) and
+    -0.0 gives +0: the convention of NVIDIA's quantizer, which the NVFP4 bytes must reproduce.
+    """
+    a = np.abs(x)
+    index = (a[..., None] > _MIDPOINTS).sum(axis=-1).astype(np.uint8)
+    # A value exactly on a midpoint went to the lower neighbour; ties go to the even index.
+    on_midpoint = (a[..., None] == _MIDPOINTS).any(axis=-1)
+    index += (on_midpoint & (index % 2 == 1)).astype(np.uint8)
+    return index | ((x < 0).astype(np.uint8) << 3)

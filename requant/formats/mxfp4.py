@@ -1,0 +1,74 @@
+"""MXFP4: E2M1 elements with one power-of-two E8M0 scale per 32 consecutive K elements.
+
+Weight bytes are [out, K/2] (two nibbles per byte, even element low), scales are [out, K/32] E8M0
+bytes meaning 2^(byte - 127). Byte 0xFF is NaN, which no valid checkpoint contains.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from requant.errors import FormatError
+from requant.formats import e2m1
+
+BLOCK = 32
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+
+
+def check_shapes(weight_shape, scale_shape) -> None:
+    """Raise FormatError unless scale_shape is the block-scale shape of a packed weight_shape."""
+    if len(weight_shape) != 2 or len(scale_shape) != 2:
+        raise FormatError(f"expected 2-D weight and scale, got {list(weight_shape)} and {list(scale_shape)}")
+    rows, half_k = weight_shape
+    if scale_shape[0] != rows or half_k * 2 != scale_shape[1] * BLOCK:
+        raise FormatError(
+            f"scale shape {list(scale_shape)} does not match packed weight shape {list(weight_shape)} "
+            f"(expected [{rows}, {half_k * 2 // BLOCK}] for blocks of {BLOCK})"
+        )
+
+
+def check_scales(scales: np.ndarray) -> None:
+    """Raise FormatError if any E8M0 byte is the NaN encoding."""
+    nan = scales == E8M0_NAN
+    if nan.any():
+        row, col = np.argwhere(nan)[0]
+        raise FormatError(f"E8M0 scale is NaN (byte 0xFF) at [{row}, {col}], {int(nan.sum())} in all")
+
+
+def max_exponent(scales: np.ndarray) -> int | None:
+    """Largest unbiased exponent over non-zero scale bytes; None when every block is all-zero."""
+    largest = int(scales.max(initial=0))
+    return largest - E8M0_BIAS if largest > 0 else None
+
+
+def decode(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Dequantize to float32 [out, K]. Plain torch, independent of the fast cast."""
+    check_shapes(tuple(weight.shape), tuple(scale.shape))
+    values = e2m1.signed_values(device=weight.device)[e2m1.unpack(weight).long()]
+    exponents = scale.view(torch.uint8).to(torch.float32) - E8M0_BIAS
+    if (scale.view(torch.uint8) == E8M0_NAN).any():
+        raise FormatError("E8M0 scale is NaN (byte 0xFF)")
+    factors = torch.exp2(exponents).repeat_interleave(BLOCK, dim=-1)
+    return values * factors
+
+
+def encode(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize float32 [out, K] to (packed uint8 [out, K/2], E8M0 uint8 [out, K/32]).
+
+    OCP MX rule: the block exponent is floor(log2(amax)) - 2, so the largest element lands in [4, 8)
+    and saturates at 6; an all-zero block gets scale byte 0, as DeepSeek's quantizer writes it.
+    """
+    rows, k = x.shape
+    if k % BLOCK:
+        raise FormatError(f"K={k} is not a multiple of {BLOCK}")
+    blocks = x.astype(np.float32).reshape(rows, k // BLOCK, BLOCK)
+    amax = np.abs(blocks).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        exponent = np.floor(np.log2(amax)) - 2
+    exponent = np.where(amax > 0, np.clip(exponent, -E8M0_BIAS, E8M0_BIAS), -E8M0_BIAS)
+    scaled = blocks / np.exp2(exponent)[..., None].astype(np.float32)
+    nibbles = e2m1.round_to_nibbles(scaled.reshape(rows, k))
+    packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+    return packed.astype(np.uint8), (exponent + E8M0_BIAS).astype(np.uint8)

@@ -1,0 +1,67 @@
+"""What a checkpoint is: model, expert format, tensor counts and bytes, quantization config."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+from requant.errors import RequantError
+from requant.io.checkpoint import Checkpoint
+from requant.model import ModelSpec
+from requant.plan import expert_format
+
+
+def inspect_checkpoint(path: str) -> dict:
+    with Checkpoint.open(path) as ck:
+        by_dtype: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for header in ck.headers.values():
+            for info in header.tensors.values():
+                by_dtype[info.spec.dtype][0] += 1
+                by_dtype[info.spec.dtype][1] += info.nbytes
+        try:
+            model = ModelSpec.for_config(ck.config)
+        except RequantError:
+            model = None
+        experts = model.group_experts(ck.names) if model else []
+        blocks = defaultdict(set)
+        for e in experts:
+            fmt = expert_format(model, ck, [e])
+            blocks[fmt or "unknown"].add(e.block)
+        qc = ck.config.get("quantization_config") or {}
+        return {
+            "path": os.path.abspath(path),
+            "model_type": ck.config.get("model_type"),
+            "recipe": model.name if model else None,
+            "expert_format": expert_format(model, ck, experts) if experts else None,
+            "expert_blocks_by_format": {fmt: len(b) for fmt, b in sorted(blocks.items())},
+            "routed_experts": len(experts),
+            "shards": len(ck.shard_names),
+            "tensors": len(ck.locations),
+            "tensor_bytes": ck.tensor_bytes,
+            "index_total_size": ck.index_metadata.get("total_size"),
+            "dtypes": {k: {"tensors": v[0], "bytes": v[1]} for k, v in sorted(by_dtype.items())},
+            "quantization_config": {
+                k: qc.get(k) for k in ("quant_method", "quant_algo", "moe_quant_algo", "group_size", "format")
+                if k in qc
+            } | ({"quantized_layers": len(qc["quantized_layers"])} if "quantized_layers" in qc else {})
+              | ({"ignore": qc["ignore"]} if "ignore" in qc else {}),
+            "expert_dtype": ck.config.get("expert_dtype"),
+        }
+
+
+def format_report(info: dict) -> str:
+    lines = [
+        f"checkpoint     {info['path']}",
+        f"model          {info['model_type']} (recipe: {info['recipe'] or 'none'})",
+        f"experts        {info['routed_experts']:,} routed experts, format {info['expert_format'] or 'unknown'}"
+        + "".join(f"; {n} blocks {fmt}" for fmt, n in info["expert_blocks_by_format"].items()),
+        f"shards         {info['shards']}  tensors {info['tensors']:,}  bytes {info['tensor_bytes']:,}",
+    ]
+    if info["index_total_size"] is not None and info["index_total_size"] != info["tensor_bytes"]:
+        lines.append(f"WARNING        index total_size {info['index_total_size']:,} differs from the shards")
+    lines.append("dtypes")
+    for dtype, v in info["dtypes"].items():
+        lines.append(f"  {dtype:<9} {v['tensors']:>8,} tensors {v['bytes']:>18,} bytes")
+    qc = info["quantization_config"]
+    lines.append("quantization   " + (", ".join(f"{k}={v}" for k, v in qc.items()) if qc else "none"))
+    return "\n".join(lines)

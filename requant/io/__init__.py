@@ -1,0 +1,1 @@
+"""I/O: safetensors headers and shards, the index, checkpoints on disk. No numerics here."""

@@ -1,0 +1,272 @@
+"""safetensors files read and written without loading whole files.
+
+Reading parses and validates the header only; tensor bytes are fetched with pread on demand.
+Writing lays out the header from a list of tensor specs first, so each tensor's place in the file
+is known before any data exists and tensors can be written in any order, by any thread.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from requant.errors import CheckpointError
+
+# safetensors dtype name -> (bytes per element, torch dtype)
+DTYPES: dict[str, tuple[int, torch.dtype]] = {
+    "BOOL": (1, torch.bool),
+    "U8": (1, torch.uint8),
+    "I8": (1, torch.int8),
+    "F8_E4M3": (1, torch.float8_e4m3fn),
+    "F8_E5M2": (1, torch.float8_e5m2),
+    "F8_E8M0": (1, torch.float8_e8m0fnu),
+    "I16": (2, torch.int16),
+    "U16": (2, torch.uint16),
+    "F16": (2, torch.float16),
+    "BF16": (2, torch.bfloat16),
+    "I32": (4, torch.int32),
+    "U32": (4, torch.uint32),
+    "F32": (4, torch.float32),
+    "I64": (8, torch.int64),
+    "U64": (8, torch.uint64),
+    "F64": (8, torch.float64),
+}
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit the reference safetensors parser enforces
+ALIGNMENT = 8
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor's name, safetensors dtype and shape: all a header needs to place it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return DTYPES[self.dtype][0] * math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor inside a file: its spec and absolute byte range [start, end)."""
+
+    spec: TensorSpec
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class Header:
+    path: str
+    tensors: dict[str, TensorInfo]   # in file-offset order
+    metadata: dict[str, str]
+    data_start: int
+    file_size: int
+
+
+def read_header(path: str) -> Header:
+    """Parse and validate a safetensors header; raise CheckpointError naming file and tensor."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError("file is shorter than a safetensors header", file=path)
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > MAX_HEADER_BYTES:
+                raise CheckpointError(f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit", file=path)
+            if 8 + header_len > size:
+                raise CheckpointError(f"header length {header_len} runs past the end of the file ({size} bytes): truncated?", file=path)
+            raw = f.read(header_len)
+    except OSError as e:
+        raise CheckpointError(f"cannot read: {e.strerror}", file=path) from None
+    try:
+        entries = json.loads(raw, object_pairs_hook=_reject_duplicates)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"header is not valid JSON ({str(e).splitlines()[0]})", file=path) from None
+    if not isinstance(entries, dict):
+        raise CheckpointError("header is not a JSON object", file=path)
+    metadata = entries.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError("__metadata__ is not an object", file=path)
+    data_start = 8 + header_len
+    infos = [_parse_entry(path, name, entry, data_start, size) for name, entry in entries.items()]
+    infos.sort(key=lambda i: (i.start, i.end))
+    for prev, cur in zip(infos, infos[1:]):
+        if cur.start < prev.end:
+            raise CheckpointError(f"byte range overlaps tensor {prev.spec.name}", file=path, tensor=cur.spec.name)
+    return Header(path=path, tensors={i.spec.name: i for i in infos}, metadata=metadata,
+                  data_start=data_start, file_size=size)
+
+
+def _reject_duplicates(pairs):
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"duplicate key {key!r}")
+        seen[key] = value
+    return seen
+
+
+def _parse_entry(path, name, entry, data_start, size) -> TensorInfo:
+    def bad(msg):
+        return CheckpointError(msg, file=path, tensor=name)
+
+    if not isinstance(entry, dict):
+        raise bad("header entry is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPES:
+        raise bad(f"unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise bad(f"invalid shape {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        raise bad(f"invalid data_offsets {offsets!r}")
+    begin, end = offsets
+    spec = TensorSpec(name, dtype, tuple(shape))
+    if not 0 <= begin <= end:
+        raise bad(f"invalid data_offsets {offsets}")
+    if end - begin != spec.nbytes:
+        raise bad(f"{end - begin} bytes stored but dtype {dtype} and shape {list(shape)} need {spec.nbytes}")
+    if data_start + end > size:
+        raise bad(f"data ends at byte {data_start + end}, past the end of the file ({size} bytes): truncated?")
+    return TensorInfo(spec, data_start + begin, data_start + end)
+
+
+def read_tensor(fd: int, info: TensorInfo, path: str = "?") -> torch.Tensor:
+    """Read one tensor's bytes with pread and return it in its stored dtype."""
+    buf = bytearray(info.nbytes)
+    view = memoryview(buf)
+    done = 0
+    while done < info.nbytes:
+        n = os.preadv(fd, [view[done:]], info.start + done)
+        if n <= 0:
+            raise CheckpointError("unexpected end of file while reading tensor data", file=path, tensor=info.spec.name)
+        done += n
+    itemsize, dtype = DTYPES[info.spec.dtype]
+    if info.nbytes == 0:
+        return torch.empty(info.spec.shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(info.spec.shape)
+
+
+def encode_header(specs: list[TensorSpec], metadata: dict[str, str] | None = None) -> tuple[bytes, dict[str, int]]:
+    """Header bytes (length prefix included) and each tensor's offset from the file start.
+
+    Data follows in the order of `specs`; the JSON is padded with spaces to 8-byte alignment.
+    """
+    entries: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    relative = {}
+    for spec in specs:
+        if spec.name in relative:
+            raise ValueError(f"duplicate tensor {spec.name}")
+        entries[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
+                              "data_offsets": [offset, offset + spec.nbytes]}
+        relative[spec.name] = offset
+        offset += spec.nbytes
+    body = json.dumps(entries, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % ALIGNMENT)
+    start = 8 + len(body)
+    return struct.pack("<Q", len(body)) + body, {name: start + off for name, off in relative.items()}
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor (any dtype), without a copy when it is contiguous."""
+    t = t.detach().contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(-1).view(torch.uint8).numpy())
+
+
+class ShardWriter:
+    """Writes one safetensors file whose layout is fixed up front by its tensor specs.
+
+    The file is created at `path` (the caller picks a temporary name) and sized in full; tensors
+    are then written at their offsets, in any order. `close()` fsyncs; renaming is the caller's.
+    """
+
+    def __init__(self, path: str, specs: list[TensorSpec], metadata: dict[str, str] | None = None):
+        self.path = path
+        self.specs = {s.name: s for s in specs}
+        header, self.offsets = encode_header(specs, metadata)
+        self.size = len(header) + sum(s.nbytes for s in specs)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(self.fd, self.size)
+            _pwrite_all(self.fd, header, 0)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def write(self, name: str, data) -> None:
+        """Write a tensor (torch tensor or bytes-like) at its planned offset."""
+        spec = self.specs[name]
+        raw = tensor_bytes(data) if isinstance(data, torch.Tensor) else memoryview(data)
+        if raw.nbytes != spec.nbytes:
+            raise ValueError(f"{name}: {raw.nbytes} bytes given, {spec.nbytes} planned")
+        _pwrite_all(self.fd, raw.cast("B"), self.offsets[name])
+
+    def copy_from(self, name: str, src_fd: int, src_offset: int) -> None:
+        """Copy a tensor's bytes from another file inside the kernel (no trip through Python)."""
+        remaining = self.specs[name].nbytes
+        src, dst = src_offset, self.offsets[name]
+        while remaining:
+            try:
+                n = os.copy_file_range(src_fd, self.fd, remaining, src, dst)
+            except OSError:
+                n = 0
+            if n <= 0:  # unsupported across these filesystems, or a short source: copy by hand
+                chunk = os.pread(src_fd, min(remaining, 64 << 20), src)
+                if not chunk:
+                    raise CheckpointError("unexpected end of file while copying", tensor=name)
+                n = _pwrite_all(self.fd, chunk, dst)
+            src, dst, remaining = src + n, dst + n, remaining - n
+
+    def close(self) -> None:
+        try:
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+
+    def abort(self) -> None:
+        os.close(self.fd)
+
+
+def _pwrite_all(fd: int, data, offset: int) -> int:
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+    return done
+
+
+def save_file(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Write a small safetensors file in one go (synthetic checkpoints, tests)."""
+    specs = [TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()]
+    writer = ShardWriter(path, specs, metadata)
+    try:
+        for name, t in tensors.items():
+            writer.write(name, t)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+
+
+_TORCH_TO_NAME = {dtype: name for name, (_, dtype) in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _TORCH_TO_NAME[dtype]
+

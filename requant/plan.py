@@ -1,0 +1,130 @@
+"""Plan a conversion from metadata alone: every output shard, tensor, dtype, shape and byte count
+is fixed before any tensor data is read."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+from requant import formats
+from requant.errors import FormatError, UnsupportedError
+from requant.io.checkpoint import Checkpoint
+from requant.io.safetensors import TensorSpec, encode_header
+from requant.model import Expert, ModelSpec
+from requant.targets import Options, Target, Unit, get_target
+
+
+@dataclass
+class ShardPlan:
+    name: str
+    units: list[Unit]
+
+    @property
+    def specs(self) -> list[TensorSpec]:
+        return [s for u in self.units for s in u.outputs]
+
+    @property
+    def file_size(self) -> int:
+        header, _ = encode_header(self.specs)
+        return len(header) + sum(s.nbytes for s in self.specs)
+
+
+@dataclass
+class Plan:
+    source: Checkpoint
+    model: ModelSpec
+    target: Target
+    shards: list[ShardPlan]
+    blocks: list[str]                       # blocks whose routed experts are converted
+    source_format: str
+    counts: Counter = field(default_factory=Counter)
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return {s.name: shard.name for shard in self.shards for s in shard.specs}
+
+    @property
+    def total_size(self) -> int:
+        return sum(s.nbytes for shard in self.shards for s in shard.specs)
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(shard.file_size for shard in self.shards)
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(os.path.getsize(self.source.shard_path(s)) for s in self.source.shard_names)
+
+
+def expert_format(model: ModelSpec, source: Checkpoint, experts: list[Expert]) -> str | None:
+    """How the checkpoint stores its (non-MTP, when there are any) routed experts."""
+    main = [e for e in experts if not model.is_mtp(e.block)] or experts
+    if not main:
+        return None
+    first = main[0]
+    proj = model.projections[0]
+    parts = {part: source.info(name).spec.dtype for part, name in first.parts.get(proj, {}).items()}
+    return formats.identify(parts)
+
+
+def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: str = "mxfp4") -> Plan:
+    model = ModelSpec.for_config(source.config, os.path.join(source.path, "config.json"))
+    experts = model.group_experts(source.names)
+    found = expert_format(model, source, experts)
+    if found is None:
+        raise UnsupportedError(f"{source.path}: no routed experts in a known format were found")
+    if found != in_format:
+        raise UnsupportedError(f"{source.path}: routed experts are stored as {found}, not {in_format} (--in {in_format})")
+    target = get_target(out_format)(model, source, options)
+    if target.source_format != in_format:
+        raise UnsupportedError(f"--out {out_format} converts from {target.source_format}, not {in_format}")
+
+    units_by_first_tensor: dict[str, Unit] = {}
+    owned: set[str] = set()
+    blocks: list[str] = []
+    for expert in experts:
+        if not target.converts(expert.block):
+            continue
+        names = [n for parts in expert.parts.values() for n in parts.values()]
+        shards = {source.locations[n] for n in names}
+        if len(shards) > 1:
+            raise FormatError(f"expert {expert.expert} of {expert.block} is split across shards {sorted(shards)}; "
+                              "its projections must be converted together", tensor=names[0])
+        _check_against_config(model, source, expert)
+        unit = target.plan_expert(expert)
+        first = min(names, key=lambda n: source.info(n).start)
+        units_by_first_tensor[first] = unit
+        owned.update(names)
+        if expert.block not in blocks:
+            blocks.append(expert.block)
+
+    counts: Counter = Counter()
+    shards = []
+    for shard_name in source.shard_names:
+        units = []
+        for name, info in source.headers[shard_name].tensors.items():
+            if name in units_by_first_tensor:
+                unit = units_by_first_tensor[name]
+                counts["converted tensors"] += len(unit.inputs)
+                units.append(unit)
+            elif name not in owned:
+                unit = target.plan_tensor(info.spec)
+                counts["passed through" if unit.encode is None else "rewritten"] += 1
+                units.append(unit)
+        shards.append(ShardPlan(shard_name, units))
+    return Plan(source, model, target, shards, blocks, found, counts)
+
+
+def _check_against_config(model: ModelSpec, source: Checkpoint, expert: Expert) -> None:
+    """A config.json that disagrees with the tensors would make the converted model unloadable."""
+    hidden, inter = model.value("hidden_size"), model.value("intermediate_size")
+    down = model.recipe["down_projection"]
+    for proj, parts in expert.parts.items():
+        if "weight" not in parts:
+            continue
+        shape = source.info(parts["weight"]).spec.shape
+        expected = (hidden, inter) if proj == down else (inter, hidden)
+        if len(shape) != 2 or (shape[0], shape[1] * 2) != expected:
+            raise FormatError(f"shape {list(shape)} does not match config.json (hidden_size={hidden}, "
+                              f"moe_intermediate_size={inter} give logical {list(expected)})", tensor=parts["weight"])

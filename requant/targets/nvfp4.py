@@ -1,0 +1,101 @@
+"""NVFP4 experts in the layout of NVIDIA's ModelOpt export (formats.md section 2)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from requant.errors import FormatError
+from requant.formats import mxfp4, nvfp4
+from requant.io.safetensors import TensorSpec
+from requant.model import Expert
+from requant.targets import PRODUCER, Options, Stats, Target, Unit, register
+
+GROUP = nvfp4.BLOCK
+
+
+@register("nvfp4")
+class NVFP4Target(Target):
+    def __init__(self, model, source, options: Options):
+        super().__init__(model, source, options)
+        self.top = int(options.extra.get("top_exponent", nvfp4.DEFAULT_TOP))
+
+    def plan_expert(self, expert: Expert) -> Unit:
+        specs = self.source_expert_specs(expert)
+        outputs = []
+        for proj in self.model.projections:
+            weight, _ = specs[proj]
+            rows, half_k = weight.shape
+            prefix = expert.prefixes[proj]
+            outputs += [
+                TensorSpec(f"{prefix}.weight", "U8", (rows, half_k)),
+                TensorSpec(f"{prefix}.weight_scale", "F8_E4M3", (rows, half_k * 2 // GROUP)),
+                TensorSpec(f"{prefix}.weight_scale_2", "F32", ()),
+                TensorSpec(f"{prefix}.input_scale", "F32", ()),
+            ]
+        inputs = [expert.parts[p][part] for p in self.model.projections for part in ("weight", "scale")]
+        return Unit(inputs, outputs, lambda tensors: self.encode_expert(expert, tensors))
+
+    def encode_expert(self, expert: Expert, tensors: dict[str, torch.Tensor]):
+        sources = {p: self.read_mxfp4(expert, tensors, p) for p in self.model.projections}
+        k_max = {p: mxfp4.max_exponent(scale.numpy()) for p, (_, scale) in sources.items()}
+        input_scales = self.input_scales(expert.block)
+        out, stats = {}, Stats()
+        for proj, (weight, scale) in sources.items():
+            # Fused partners share one global scale: engines keep only one for the pair.
+            shared = [k for k in (k_max[proj], k_max.get(self.model.fused_partner(proj) or "")) if k is not None]
+            try:
+                cast = nvfp4.cast_from_mxfp4(weight, scale, max(shared) if shared else None, self.top)
+            except FormatError as e:
+                raise FormatError(str(e), tensor=expert.parts[proj]["weight"]) from None
+            prefix = expert.prefixes[proj]
+            out[f"{prefix}.weight"] = cast.weight
+            out[f"{prefix}.weight_scale"] = cast.weight_scale
+            out[f"{prefix}.weight_scale_2"] = torch.tensor(cast.weight_scale_2, dtype=torch.float32)
+            out[f"{prefix}.input_scale"] = torch.tensor(input_scales[proj], dtype=torch.float32)
+            stats.tensors_converted += 1
+            stats.blocks += cast.blocks
+            stats.exact_blocks += cast.exact_blocks
+            stats.requantized_blocks += cast.requantized_blocks
+        return out, stats
+
+    def ignore(self) -> list[str]:
+        key = "nvfp4_ignore_mtp_converted" if self.options.mtp == "convert" else "nvfp4_ignore"
+        return list(self.model.recipe[key])
+
+    def quantized_layers(self, blocks: list[str]) -> dict:
+        return {self.model.experts_module(b): {"quant_algo": "NVFP4", "group_size": GROUP} for b in blocks}
+
+    def config(self, blocks: list[str]) -> dict:
+        config = copy.deepcopy(self.model.config)
+        fp4 = {"num_bits": 4, "type": "float", "group_size": GROUP, "dynamic": False}
+        # quant_method stays "fp8": engines dispatch DeepSeek-V4 on it, and the block-FP8
+        # attention must keep loading as before.
+        config.setdefault("quantization_config", {}).update({
+            "quant_algo": "MIXED_PRECISION",
+            "moe_quant_algo": "NVFP4",
+            "group_size": GROUP,
+            "kv_cache_quant_algo": None,
+            "producer": dict(PRODUCER),
+            "quantized_layers": self.quantized_layers(blocks),
+            "config_groups": {"group_0": {"weights": dict(fp4), "input_activations": dict(fp4), "targets": ["Linear"]}},
+            "ignore": self.ignore(),
+        })
+        return config
+
+    def extra_files(self, blocks: list[str]) -> dict[str, dict]:
+        return {"hf_quant_config.json": {
+            "producer": dict(PRODUCER),
+            "quantization": {
+                "quant_algo": "MIXED_PRECISION",
+                "kv_cache_quant_algo": None,
+                "group_size": GROUP,
+                "quantized_layers": self.quantized_layers(blocks),
+                "exclude_modules": self.ignore(),
+            },
+        }}
+
+    def summary(self, stats: Stats) -> str:
+        return (f"exact blocks {stats.exact_blocks:,} / {stats.blocks:,}, "
+                f"re-quantized blocks {stats.requantized_blocks:,}")
