@@ -11,6 +11,7 @@ import click
 
 from requant import __version__
 from requant.errors import RequantError
+from requant.targets import TARGETS
 
 INPUT_SCALE_HELP = (
     "Activation scale (input_scale) written for every converted projection. Default: a data-free "
@@ -109,7 +110,7 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
 @click.argument("dst", type=click.Path())
 @click.option("--in", "in_format", type=click.Choice(["mxfp4"]), default="mxfp4", show_default=True,
               help="Format of SRC's routed experts.")
-@click.option("--out", "out_format", type=click.Choice(["nvfp4"]), required=True,
+@click.option("--out", "out_format", type=click.Choice(sorted(TARGETS)), required=True,
               help="nvfp4: NVIDIA's ModelOpt layout (Blackwell W4A4; Hopper via Marlin W4A16).")
 @click.option("--mtp", type=click.Choice(["keep", "convert"]), default="keep", show_default=True,
               help="keep: MTP experts stay MXFP4, as in NVIDIA's release; convert: them too.")
