@@ -1,0 +1,1 @@
+"""Triton kernels (need the optional `triton` dependency)."""

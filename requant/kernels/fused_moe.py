@@ -1,0 +1,323 @@
+"""Fused-MoE grouped GEMM over 4-bit expert weights as requant reads and writes them.
+
+Weights stay packed in device memory; each program dequantizes its weight tile in registers and
+feeds it to the tensor cores (`tl.dot`) against BF16 activations, accumulating in FP32.
+
+The GEMM is computed transposed (weights x activations^T): the dequantized weight tile is the
+first operand, which Hopper's wgmma can take straight from registers, and the token count per
+expert (often tiny when decoding) becomes the MMA's N dimension, which may be as small as 8-16,
+while the weight rows fill the 64-row M dimension.
+
+Pairs (token, k) are sorted by expert and padded per expert to the M tile (`moe_align`), as
+serving engines do. Two launches: w1/w3 with the SwiGLU clamp fused, then w2 with the routing
+weight; the top-k sum is a torch reduction.
+
+Under TRITON_INTERPRET=1 (CPU) bf16 dots and arithmetic are wrong, so everything takes a compute
+dtype: float32 there, bfloat16 on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from requant.errors import FormatError
+
+NVFP4 = tl.constexpr(0)
+MXFP4 = tl.constexpr(1)
+INT4 = tl.constexpr(2)
+_FORMAT_CODES = {"nvfp4": 0, "mxfp4": 1, "int4": 2}
+_NIBBLES_PER_WORD = {"nvfp4": 2, "mxfp4": 2, "int4": 8}
+_FIXED_GROUP = {"nvfp4": 16, "mxfp4": 32}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass
+class ExpertWeights:
+    """One projection of every expert of a layer, stacked on dim 0 exactly as stored."""
+
+    format: str                               # "nvfp4" | "mxfp4" | "int4"
+    packed: torch.Tensor                      # uint8 [E, N, K/2] (FP4) | int32 [E, N, K/8] (INT4, q+8)
+    scale: torch.Tensor                       # uint8 E4M3 [E, N, K/16] | uint8 E8M0 [E, N, K/32] | bf16 [E, N, K/g]
+    global_scale: torch.Tensor | None = None  # float32 [E], NVFP4 only
+    zero_point: torch.Tensor | None = None    # int32 [E, N/8, K/g] packed along N, INT4 asymmetric only
+
+    def __post_init__(self):
+        if self.format not in _FORMAT_CODES:
+            raise FormatError(f"unknown expert weight format {self.format!r}")
+        int4 = self.format == "int4"
+        want = torch.int32 if int4 else torch.uint8
+        if self.packed.dtype != want or self.packed.dim() != 3:
+            raise FormatError(f"{self.format} weights must be {want} [E, N, K/{_NIBBLES_PER_WORD[self.format]}], "
+                              f"got {self.packed.dtype} {list(self.packed.shape)}")
+        e, n, _ = self.packed.shape
+        if tuple(self.scale.shape[:2]) != (e, n) or self.scale.dim() != 3 or self.k % self.scale.shape[2]:
+            raise FormatError(f"scale shape {list(self.scale.shape)} does not fit weights {list(self.packed.shape)}")
+        if self.format in _FIXED_GROUP and self.group != _FIXED_GROUP[self.format]:
+            raise FormatError(f"{self.format} needs one scale per {_FIXED_GROUP[self.format]} elements, got {self.group}")
+        if (self.format == "nvfp4") != (self.global_scale is not None):
+            raise FormatError("a global scale per expert is required for nvfp4 and only for it")
+        if self.global_scale is not None and tuple(self.global_scale.shape) != (e,):
+            raise FormatError(f"global scale must be [E]={e}, got {list(self.global_scale.shape)}")
+        if self.zero_point is not None:
+            if not int4 or tuple(self.zero_point.shape) != (e, triton.cdiv(n, 8), self.scale.shape[2]):
+                raise FormatError(f"zero point shape {list(self.zero_point.shape)} does not fit weights")
+
+    @property
+    def experts(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.packed.shape[1]
+
+    @property
+    def k(self) -> int:
+        return self.packed.shape[2] * _NIBBLES_PER_WORD[self.format]
+
+    @property
+    def group(self) -> int:
+        return self.k // self.scale.shape[2]
+
+    def to(self, device) -> "ExpertWeights":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return ExpertWeights(self.format, move(self.packed), move(self.scale), move(self.global_scale),
+                             move(self.zero_point))
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int      # pairs per program (the MMA's N dimension)
+    block_n: int      # weight rows per program (the MMA's M dimension: 64 per warpgroup on Hopper)
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(pairs: int, experts: int) -> KernelConfig:
+    if interpreting():
+        # Few, large programs: the interpreter's cost is per program and per op, not per element.
+        return KernelConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1)
+    per_expert = pairs / experts
+    if per_expert <= 16:
+        return KernelConfig(16, 64, 256, num_warps=4, num_stages=4)
+    if per_expert <= 32:
+        return KernelConfig(32, 64, 256, num_warps=4, num_stages=4)
+    if per_expert <= 64:
+        return KernelConfig(64, 128, 128, num_warps=4, num_stages=4)
+    return KernelConfig(128, 128, 128, num_warps=8, num_stages=3)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort (token, k) pairs by expert, padding each expert's run to a multiple of block_m.
+
+    Returns `sorted_ids` (pair index = token * top_k + k, or the pair count as padding) and
+    `block_expert` (expert of each block of block_m rows, -1 for unused blocks). Sizes are upper
+    bounds known on the host, so nothing waits for the device.
+    """
+    flat = topk_ids.flatten().long()
+    pairs = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    blocks = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0)
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    rank = torch.arange(pairs, device=device) - (torch.cumsum(counts, 0) - counts)[expert_of]
+    dest = (block_end - blocks)[expert_of] * block_m + rank
+    # Each non-empty expert wastes less than one block, so this many blocks always suffice.
+    max_blocks = triton.cdiv(pairs, block_m) + min(num_experts, pairs)
+    sorted_ids = torch.full((max_blocks * block_m,), pairs, dtype=torch.int32, device=device)
+    sorted_ids[dest] = order.to(torch.int32)
+    block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=device), right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_ids, block_expert
+
+
+@triton.jit
+def _e4m3_to_f32(b):
+    b = b.to(tl.int32)
+    normal = (((b & 0x7F) << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    subnormal = (b & 7).to(tl.float32) * 0.001953125  # mantissa/8 * 2^-6
+    v = tl.where(((b >> 3) & 15) == 0, subnormal, normal)
+    return tl.where((b & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def _e8m0_to_f32(b):
+    b = b.to(tl.int32)
+    # Byte 0 is 2^-127, an FP32 subnormal; 0xFF (NaN) is rejected on the host.
+    return tl.where(b == 0, 0x00400000, b << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dequant_tile(w_ptr, s_ptr, z_ptr, stride_wn, stride_sn, stride_zn, offs_n, n_mask, k0,
+                  FMT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr, SCALES: tl.constexpr,
+                  HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] starting at column k0, dequantized in registers."""
+    offs_w = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :], mask=n_mask[:, None], other=0)
+    shifts = tl.arange(0, PER_WORD) * 4
+    nib = (words.to(tl.int32)[:, :, None] >> shifts[None, None, :]) & 15
+    nib = tl.reshape(nib, (BLOCK_N, BLOCK_K))  # element j of a word is column PER_WORD * word + j
+
+    offs_s = k0 // GROUP + tl.arange(0, SCALES)
+    raw = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_s[None, :], mask=n_mask[:, None], other=0)
+    if FMT == NVFP4:
+        scale = _e4m3_to_f32(raw)
+    elif FMT == MXFP4:
+        scale = _e8m0_to_f32(raw)
+    else:
+        scale = raw.to(tl.float32)
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, SCALES, BLOCK_K // SCALES)),
+                       (BLOCK_N, BLOCK_K))
+
+    if FMT == INT4:
+        if HAS_ZP:
+            zw = tl.load(z_ptr + (offs_n // 8)[:, None] * stride_zn + offs_s[None, :], mask=n_mask[:, None], other=0)
+            z = (zw >> ((offs_n % 8) * 4)[:, None]) & 15
+            z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, SCALES, BLOCK_K // SCALES)), (BLOCK_N, BLOCK_K))
+            val = (nib - z).to(tl.float32)
+        else:
+            val = (nib - 8).to(tl.float32)
+    else:
+        # E2M1 -> FP32 bits: magnitude eem (ee > 0) is 2^(ee-1) * (1 + m/2), i.e. exponent ee + 126
+        # with m as the top mantissa bit; magnitude 1 is the subnormal 0.5, magnitude 0 is zero.
+        mag = nib & 7
+        bits = tl.where(mag >= 2, (mag << 22) + (126 << 23), tl.where(mag == 1, 0x3F000000, 0))
+        val = (bits | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
+    return (val * scale).to(COMPUTE)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, stride_am,
+    w_ptr, s_ptr, gs_ptr, z_ptr,
+    w3_ptr, s3_ptr, gs3_ptr, z3_ptr,
+    stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn,
+    out_ptr, stride_om,
+    sorted_ids_ptr, block_expert_ptr, route_w_ptr,
+    num_pairs, N, K,
+    A_ROW_DIV: tl.constexpr, FMT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr,
+    SCALES: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GLOBAL: tl.constexpr, GATED: tl.constexpr,
+    ROUTE_WEIGHT: tl.constexpr, LIMIT: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[pair, n] for the pairs of one M block (one expert) and one N tile.
+
+    GATED: out = silu(min(x@w1.T, L)) * clamp(x@w3.T, -L, L), with A row = pair // top_k.
+    Otherwise: out = (h @ w2.T) * routing weight, with A row = pair.
+    """
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = pairs < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[None, :] * stride_am + offs_k[:, None]  # [BK, BM]
+
+    e = expert.to(tl.int64)
+    w_ptr += e * stride_we
+    s_ptr += e * stride_se
+    z_ptr += e * stride_ze
+    if GATED:
+        w3_ptr += e * stride_we
+        s3_ptr += e * stride_se
+        z3_ptr += e * stride_ze
+        acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs, mask=row_mask[None, :], other=0.0).to(COMPUTE)
+        w = _dequant_tile(w_ptr, s_ptr, z_ptr, stride_wn, stride_sn, stride_zn, offs_n, n_mask, k0,
+                          FMT, PER_WORD, GROUP, SCALES, HAS_ZP, BLOCK_N, BLOCK_K, COMPUTE)
+        acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            w3 = _dequant_tile(w3_ptr, s3_ptr, z3_ptr, stride_wn, stride_sn, stride_zn, offs_n, n_mask, k0,
+                               FMT, PER_WORD, GROUP, SCALES, HAS_ZP, BLOCK_N, BLOCK_K, COMPUTE)
+            acc3 = tl.dot(w3, a, acc3, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+
+    if HAS_GLOBAL:
+        acc *= tl.load(gs_ptr + e)
+    if GATED:
+        if HAS_GLOBAL:
+            acc3 *= tl.load(gs3_ptr + e)  # w3's own global scale, never w1's
+        g = tl.minimum(acc, LIMIT)
+        u = tl.minimum(tl.maximum(acc3, -LIMIT), LIMIT)
+        acc = g * tl.sigmoid(g) * u
+    if ROUTE_WEIGHT:
+        acc *= tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[None, :]
+    out_ptrs = out_ptr + pairs.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[None, :] & n_mask[:, None])
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
+
+
+def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pairs, compute, cfg, limit):
+    if w.k % cfg.block_k or (cfg.block_k % w.group and w.group % cfg.block_k):
+        raise ValueError(f"K={w.k} and group {w.group} do not fit block_k={cfg.block_k}")
+    gated = w3 is not None
+    if gated and (w3.format != w.format or w3.packed.shape != w.packed.shape or w3.scale.shape != w.scale.shape
+                  or (w3.zero_point is None) != (w.zero_point is None)):
+        raise FormatError("w1 and w3 must share format and shapes")
+    w3 = w3 if gated else w
+    dummy = w.packed
+    zp, zp3 = (w.zero_point, w3.zero_point) if w.zero_point is not None else (dummy, dummy)
+    gs, gs3 = (w.global_scale, w3.global_scale) if w.global_scale is not None else (dummy, dummy)
+    grid = (triton.cdiv(w.n, cfg.block_n), block_expert.numel())
+    _moe_gemm_kernel[grid](
+        a, a.stride(0),
+        w.packed, w.scale, gs, zp,
+        w3.packed, w3.scale, gs3, zp3,
+        w.packed.stride(0), w.packed.stride(1), w.scale.stride(0), w.scale.stride(1),
+        zp.stride(0), zp.stride(1),
+        out, out.stride(0),
+        sorted_ids, block_expert, route_w if route_w is not None else out,
+        num_pairs, w.n, w.k,
+        A_ROW_DIV=a_row_div, FMT=_FORMAT_CODES[w.format], PER_WORD=_NIBBLES_PER_WORD[w.format],
+        GROUP=w.group, SCALES=max(cfg.block_k // w.group, 1), HAS_ZP=w.zero_point is not None,
+        HAS_GLOBAL=w.global_scale is not None, GATED=gated, ROUTE_WEIGHT=route_w is not None,
+        LIMIT=float(limit), COMPUTE=_TL_DTYPES[compute],
+        DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+              w1: ExpertWeights, w3: ExpertWeights, w2: ExpertWeights, *, swiglu_limit: float = 10.0,
+              compute_dtype: torch.dtype | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+    """Routed-expert output [T, H] (BF16): sum_k w_k * (silu(min(x W1_e.T, L)) * clamp(x W3_e.T, L)) W2_e.T.
+
+    x: [T, H] activations; topk_ids: [T, top_k] expert indices; topk_weights: [T, top_k] routing
+    weights. w1 (gate), w3 (up): N = intermediate, K = H; w2 (down): N = H, K = intermediate.
+    """
+    compute = compute_dtype or (torch.float32 if interpreting() else torch.bfloat16)
+    tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    pairs = tokens * top_k
+    if (w1.k, w2.n, w2.k) != (hidden, hidden, w1.n) or w1.experts != w2.experts:
+        raise FormatError(f"expert shapes w1 {list(w1.packed.shape)} w2 {list(w2.packed.shape)} "
+                          f"do not fit hidden size {hidden}")
+    cfg = config or default_config(pairs, w1.experts)
+    sorted_ids, block_expert = moe_align(topk_ids, w1.experts, cfg.block_m)
+    a = x.to(compute).contiguous()
+    h = torch.empty(pairs, w1.n, dtype=compute, device=x.device)
+    _launch(a, top_k, w1, w3, h, sorted_ids, block_expert, None, pairs, compute, cfg, swiglu_limit)
+    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    route_w = topk_weights.to(torch.float32).flatten().contiguous()
+    _launch(h, 1, w2, None, y, sorted_ids, block_expert, route_w, pairs, compute, cfg, swiglu_limit)
+    return y.view(tokens, top_k, hidden).sum(1).to(torch.bfloat16)

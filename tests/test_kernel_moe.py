@@ -1,0 +1,139 @@
+"""The Triton fused-MoE kernel against the torch reference, on the CPU through Triton's interpreter.
+
+Tolerance: the kernel runs in FP32 here (the interpreter's compute dtype), so it differs from the
+FP32 reference only by summation order (~1e-6 relative) and by rounding its output to BF16, at most
+half a BF16 ulp (2^-9 relative). Elementwise rtol 2^-8 covers both; atol covers outputs that cancel
+to near zero, where FP32 summation noise dominates.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from moe_fixtures import make_layer, nvfp4_dense  # noqa: E402
+from requant.errors import FormatError  # noqa: E402
+from requant.kernels.fused_moe import ExpertWeights, fused_moe, moe_align  # noqa: E402
+from requant.moe import MoEConfig, MoELayer, route, routed_experts  # noqa: E402
+
+EXPERTS, HIDDEN, INTER, LIMIT = 8, 256, 128, 10.0
+
+
+def assert_matches(y: torch.Tensor, ref: torch.Tensor):
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.float(), ref, rtol=2**-8, atol=1e-4 * float(ref.abs().max()))
+
+
+def run_case(fmt, ids, weights, gen, group=32, x_scale=None):
+    (w1, d1), (w3, d3), (w2, d2) = make_layer(fmt, EXPERTS, HIDDEN, INTER, gen, group=group)
+    x = torch.randn(ids.shape[0], HIDDEN, generator=gen)
+    # Scale the input so that a good share of gate/up values exceed the SwiGLU limit.
+    gate = torch.einsum("th,eih->tei", x, d1)
+    x = (x * (x_scale or 25.0 / float(gate.abs().max()))).bfloat16()
+    y = fused_moe(x, ids, weights, w1, w3, w2, swiglu_limit=LIMIT)
+    ref = routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), LIMIT)
+    clamped = (torch.einsum("th,eih->tei", x.float(), d3).abs() > LIMIT).float().mean()
+    return y, ref, clamped
+
+
+def random_routing(tokens, top_k, gen):
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:top_k] for _ in range(tokens)])
+    return ids, torch.rand(tokens, top_k, generator=gen) * 1.5
+
+
+@pytest.mark.parametrize("fmt,group", [
+    ("mxfp4", 32), ("nvfp4", 16), ("nvfp4-any", 16),
+    ("int4-sym", 32), ("int4-sym", 128), ("int4-asym", 64), ("int4-asym", 32),
+])
+def test_formats_match_reference(fmt, group):
+    gen = torch.Generator().manual_seed(hash((fmt, group)) % 2**31)
+    ids, weights = random_routing(7, 3, gen)
+    y, ref, clamped = run_case(fmt, ids, weights, gen, group=group)
+    assert clamped > 0.02, "the SwiGLU clamp must be exercised"
+    assert_matches(y, ref)
+
+
+def test_w1_and_w3_global_scales_are_separate():
+    """Engines that apply w1's global scale to w3 are silently wrong; this test must see that."""
+    gen = torch.Generator().manual_seed(11)
+    (w1, d1), (w3, _), (w2, d2) = make_layer("nvfp4-any", EXPERTS, HIDDEN, INTER, gen)
+    w3.global_scale = w1.global_scale * torch.linspace(0.5, 2.0, EXPERTS)
+    d3 = nvfp4_dense(w3)
+    ids, weights = random_routing(9, 2, gen)
+    x = (torch.randn(9, HIDDEN, generator=gen) * 0.05).bfloat16()
+    y = fused_moe(x, ids, weights, w1, w3, w2)
+    assert_matches(y, routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), LIMIT))
+    shared_scale = d3 * (w1.global_scale / w3.global_scale)[:, None, None]
+    wrong = routed_experts(x, ids, weights, lambda e: (d1[e], shared_scale[e], d2[e]), LIMIT)
+    assert (y.float() - wrong).norm() > 0.05 * wrong.norm()
+
+
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_token_counts(tokens):
+    # 37 tokens x top-4 over 8 experts puts ~18 pairs on an expert: more than one 16-row block.
+    gen = torch.Generator().manual_seed(tokens)
+    ids, weights = random_routing(tokens, 4, gen)
+    y, ref, _ = run_case("nvfp4", ids, weights, gen)
+    assert_matches(y, ref)
+
+
+def test_all_tokens_on_one_expert():
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.full((21, 1), 5)
+    y, ref, _ = run_case("mxfp4", ids, torch.rand(21, 1, generator=gen), gen)
+    assert_matches(y, ref)
+
+
+def test_most_experts_empty():
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.tensor([[1, 6], [6, 1], [1, 6], [6, 1], [1, 6]])
+    y, ref, _ = run_case("int4-asym", ids, torch.rand(5, 2, generator=gen), gen)
+    assert_matches(y, ref)
+
+
+def test_hash_layer_routing():
+    """Hash layers take their experts from tid2eid; the kernel must follow whatever routing it gets."""
+    gen = torch.Generator().manual_seed(5)
+    cfg = MoEConfig(HIDDEN, INTER, EXPERTS, 3, 1.5, LIMIT, 1)
+    tid2eid = torch.stack([torch.randperm(EXPERTS, generator=gen)[:3] for _ in range(50)])
+    layer = MoELayer(torch.randn(EXPERTS, HIDDEN, generator=gen), None, tid2eid, experts=None)
+    token_ids = torch.randint(0, 50, (11,), generator=gen)
+    x = torch.randn(11, HIDDEN, generator=gen)
+    ids, weights = route(x, layer, cfg, token_ids)
+    assert torch.equal(ids, tid2eid[token_ids])
+    y, ref, _ = run_case("nvfp4", ids, weights, gen)
+    assert_matches(y, ref)
+
+
+def test_moe_align_invariants():
+    gen = torch.Generator().manual_seed(6)
+    for tokens, top_k, block in [(1, 6, 16), (13, 3, 4), (40, 2, 16)]:
+        ids, _ = random_routing(tokens, top_k, gen)
+        ids[: tokens // 2] = ids[0]  # skew the load onto a few experts
+        sorted_ids, block_expert = moe_align(ids, EXPERTS, block)
+        pairs = tokens * top_k
+        real = sorted_ids[sorted_ids < pairs]
+        assert torch.equal(real.sort().values, torch.arange(pairs, dtype=torch.int32))  # each pair once
+        rows = sorted_ids.view(-1, block)
+        for b, e in enumerate(block_expert.tolist()):
+            members = rows[b][rows[b] < pairs].long()
+            if e < 0:
+                assert members.numel() == 0
+            else:
+                assert members.numel() > 0 and (ids.flatten()[members] == e).all()
+        # Blocks are contiguous per expert and padding only ends an expert's run.
+        used = block_expert[block_expert >= 0]
+        assert torch.equal(used, used.sort().values)
+        assert (block_expert[len(used):] == -1).all()
+
+
+def test_rejects_mismatched_scales():
+    with pytest.raises(FormatError):
+        ExpertWeights("nvfp4", torch.zeros(2, 64, 32, dtype=torch.uint8), torch.zeros(2, 64, 2, dtype=torch.uint8),
+                      torch.ones(2))
+    with pytest.raises(FormatError):
+        ExpertWeights("int4", torch.zeros(2, 64, 8, dtype=torch.int32), torch.zeros(2, 64, 2, dtype=torch.bfloat16),
+                      torch.ones(2))
