@@ -160,5 +160,23 @@ def inspect(path, as_json):
     click.echo(json.dumps(info, indent=2) if as_json else format_report(info))
 
 
+@cli.command()
+@click.argument("path", type=click.Path())
+@click.option("--deep", is_flag=True, help="Also decode every block (reads all expert bytes).")
+@click.option("--source", type=click.Path(), help="With --deep: count exact vs re-quantized blocks against this checkpoint.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@reports_errors
+def verify(path, deep, source, as_json, quiet):
+    """Lint FP4 MoE checkpoint PATH (NVFP4, W4A16, MXFP4): completeness, scales, engine dispatch
+    (vLLM, SGLang), Hopper Marlin hazard. Exits 1 when it finds errors."""
+    from requant.verify import format_result, verify as verify_lib
+
+    result = verify_lib(path, deep=deep or source is not None, source=source, progress=not quiet)
+    click.echo(json.dumps(result, indent=2) if as_json else format_result(result))
+    if not result["ok"]:
+        sys.exit(1)
+
+
 def main():
     cli(prog_name="requant")

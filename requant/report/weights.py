@@ -1,0 +1,133 @@
+"""Decode one routed-expert projection of any supported format, and compare two decodings.
+
+Statistics are kept as sums (float64) so per-projection numbers compose exactly into per-layer
+and overall numbers, whatever order experts are read in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from requant import formats
+from requant.errors import FormatError, UnsupportedError
+from requant.formats import mxfp4, nvfp4
+
+# Parts each format's decoder reads; anything else (input_scale, ...) is not part of the weight.
+DECODE_PARTS = {
+    "mxfp4": ("weight", "scale"),
+    "nvfp4": ("weight", "weight_scale", "weight_scale_2"),
+    "w4a16": ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"),
+}
+
+# |error| histogram: fixed log10 bins so histograms from separate experts simply add up.
+HIST_LOG10_MIN, HIST_LOG10_MAX, HIST_BINS = -12.0, 1.0, 52
+
+
+def projection_format(parts: dict[str, str]) -> str | None:
+    """The format of one projection from its part -> safetensors dtype map."""
+    return formats.identify(parts)
+
+
+def scalar(t: torch.Tensor) -> float:
+    """A per-tensor scale stored as [] or [1]."""
+    return float(t.reshape(-1)[0].float())
+
+
+def decode_projection(fmt: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """float32 [out, in] of one projection, from its tensors by part name."""
+    if fmt == "mxfp4":
+        return mxfp4.decode(tensors["weight"].view(torch.uint8), tensors["scale"])
+    if fmt == "nvfp4":
+        return nvfp4.decode(tensors["weight"].view(torch.uint8), tensors["weight_scale"],
+                            scalar(tensors["weight_scale_2"]))
+    if fmt == "w4a16":
+        try:
+            from requant.formats import int4
+        except ImportError:
+            raise UnsupportedError("decoding W4A16 needs requant.formats.int4, which this install lacks") from None
+        return int4.decode(tensors["weight_packed"], tensors["weight_scale"], tensors.get("weight_zero_point"))
+    raise UnsupportedError(f"cannot decode routed experts stored as {fmt}")
+
+
+def block_size(fmt: str, tensors: dict[str, torch.Tensor]) -> int:
+    """K elements per scale of this projection's format (the unit of 'exact blocks')."""
+    if fmt == "mxfp4":
+        return mxfp4.BLOCK
+    if fmt == "nvfp4":
+        return nvfp4.BLOCK
+    k = tensors["weight_packed"].shape[1] * 8
+    return k // tensors["weight_scale"].shape[1]
+
+
+@dataclass
+class Stats:
+    """Sums over compared weights: reference a, candidate b, error e = b - a."""
+
+    n: int = 0
+    blocks: int = 0
+    exact_blocks: int = 0
+    sum_a2: float = 0.0
+    sum_b2: float = 0.0
+    sum_ab: float = 0.0
+    sum_e2: float = 0.0
+    max_abs: float = 0.0
+    nonfinite: int = 0
+    hist: list[int] = field(default_factory=lambda: [0] * HIST_BINS)
+    zero_error: int = 0   # elements whose error is exactly zero (outside the log histogram)
+
+    def add(self, other: "Stats") -> None:
+        self.n += other.n
+        self.blocks += other.blocks
+        self.exact_blocks += other.exact_blocks
+        self.sum_a2 += other.sum_a2
+        self.sum_b2 += other.sum_b2
+        self.sum_ab += other.sum_ab
+        self.sum_e2 += other.sum_e2
+        self.max_abs = max(self.max_abs, other.max_abs)
+        self.nonfinite += other.nonfinite
+        self.zero_error += other.zero_error
+        self.hist = [x + y for x, y in zip(self.hist, other.hist)]
+
+    def metrics(self) -> dict:
+        """The derived numbers; SQNR is null when the error is exactly zero (infinite SQNR)."""
+        denom = math.sqrt(self.sum_a2 * self.sum_b2)
+        return {
+            "elements": self.n,
+            "blocks": self.blocks,
+            "exact_blocks": self.exact_blocks,
+            "exact_block_fraction": self.exact_blocks / self.blocks if self.blocks else None,
+            "sqnr_db": 10 * math.log10(self.sum_a2 / self.sum_e2) if self.sum_e2 > 0 and self.sum_a2 > 0 else None,
+            "rel_rmse": math.sqrt(self.sum_e2 / self.sum_a2) if self.sum_a2 > 0 else None,
+            "max_abs_error": self.max_abs,
+            "cosine": self.sum_ab / denom if denom > 0 else None,
+            "nonfinite": self.nonfinite,
+        }
+
+
+def compare(a: torch.Tensor, b: torch.Tensor, block: int) -> Stats:
+    """Statistics of b against reference a (both float32 [out, in]); exactness per K block."""
+    if a.shape != b.shape:
+        raise FormatError(f"decoded shapes differ: {list(a.shape)} vs {list(b.shape)}")
+    finite = torch.isfinite(b)
+    nonfinite = int(finite.numel() - finite.sum())
+    if nonfinite:
+        b = torch.where(finite, b, torch.zeros_like(b))
+    err = b - a
+    abs_err = err.abs()
+    rows, k = a.shape
+    exact = (abs_err == 0).view(rows, k // block, block).all(dim=-1)
+    a64, b64 = a.double(), b.double()
+    nonzero = abs_err[abs_err > 0]
+    hist = torch.histc(nonzero.log10().clamp(HIST_LOG10_MIN, HIST_LOG10_MAX - 1e-9),
+                       bins=HIST_BINS, min=HIST_LOG10_MIN, max=HIST_LOG10_MAX) if nonzero.numel() else None
+    return Stats(
+        n=a.numel(), blocks=exact.numel(), exact_blocks=int(exact.sum()),
+        sum_a2=float((a64 * a64).sum()), sum_b2=float((b64 * b64).sum()), sum_ab=float((a64 * b64).sum()),
+        sum_e2=float((err.double() ** 2).sum()), max_abs=float(abs_err.max()) if abs_err.numel() else 0.0,
+        nonfinite=nonfinite,
+        hist=[int(x) for x in hist.tolist()] if hist is not None else [0] * HIST_BINS,
+        zero_error=a.numel() - nonzero.numel(),
+    )
