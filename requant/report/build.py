@@ -1,0 +1,161 @@
+"""Compare the routed experts of two checkpoints, one expert at a time, into report.json's dict.
+
+Schema: docs/report-schema.md. Each expert's projections are read from both checkpoints,
+decoded to float32 and compared; only sums (weights.Stats) outlive the expert, so memory stays
+at a few experts whatever the checkpoint size. Experts are spread over threads: reading
+(pread) and torch's kernels release the GIL.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from tqdm import tqdm
+
+from requant import __version__
+from requant.errors import RequantError, UnsupportedError
+from requant.io.checkpoint import Checkpoint
+from requant.model import Expert, ModelSpec
+from requant.report.weights import (DECODE_PARTS, HIST_BINS, HIST_LOG10_MAX, HIST_LOG10_MIN, Stats, block_size,
+                                    compare, decode_projection, projection_format)
+
+SCHEMA = "requant.report/1"
+
+
+def parse_layers(spec: str | None, blocks: list[str]) -> list[str]:
+    """Blocks selected by --layers: comma-separated layer numbers, ranges A-B, or block names."""
+    if not spec:
+        return blocks
+    wanted = set()
+    for item in spec.split(","):
+        item = item.strip()
+        if m := re.fullmatch(r"(\d+)-(\d+)", item):
+            wanted.update(f"layers.{i}" for i in range(int(m[1]), int(m[2]) + 1))
+        elif item.isdigit():
+            wanted.add(f"layers.{item}")
+        elif item:
+            wanted.add(item)
+    unknown = wanted - set(blocks)
+    if unknown:
+        raise RequantError(f"--layers names blocks without routed experts in both checkpoints: {sorted(unknown)[:5]}")
+    return [b for b in blocks if b in wanted]
+
+
+def _format_of(ck: Checkpoint, parts: dict[str, str]) -> str | None:
+    return projection_format({p: ck.info(n).spec.dtype for p, n in parts.items()})
+
+
+def _read(ck: Checkpoint, parts: dict[str, str], fmt: str):
+    return {p: ck.tensor(n) for p, n in parts.items() if p in DECODE_PARTS[fmt]}
+
+
+def compare_expert(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, projections) -> dict[str, Stats]:
+    """proj -> Stats of dst's decoding against src's, for one expert."""
+    out = {}
+    for proj in projections:
+        fa, fb = _format_of(src, a.parts[proj]), _format_of(dst, b.parts[proj])
+        if fa is None or fb is None:
+            raise UnsupportedError(f"expert {a.expert} of {a.block}, {proj}: format not recognised "
+                                   f"({fa or 'unknown'} vs {fb or 'unknown'})")
+        ta, tb = _read(src, a.parts[proj], fa), _read(dst, b.parts[proj], fb)
+        out[proj] = compare(decode_projection(fa, ta), decode_projection(fb, tb), block_size(fa, ta))
+    return out
+
+
+def build(src_path: str, dst_path: str, layers: str | None = None, workers: int | None = None,
+          progress: bool = True) -> dict:
+    started = time.monotonic()
+    with Checkpoint.open(src_path) as src, Checkpoint.open(dst_path) as dst:
+        model = ModelSpec.for_config(src.config, os.path.join(src_path, "config.json"))
+        src_experts = {(e.block, e.expert): e for e in model.group_experts(src.names)}
+        dst_experts = {(e.block, e.expert): e for e in model.group_experts(dst.names)}
+        common = [k for k in src_experts if k in dst_experts]
+        unmatched = sorted(f"{model.experts_module(b)}.{i}" for b, i in set(src_experts) ^ set(dst_experts))
+        blocks = parse_layers(layers, list(dict.fromkeys(b for b, _ in common)))
+        selected = [k for k in common if k[0] in blocks]
+        if not selected:
+            raise UnsupportedError(f"{src_path} and {dst_path} share no routed experts to compare")
+        projections = model.projections
+        per = {}   # (block, expert) -> {proj: Stats}
+        nbytes = sum(dst.info(n).nbytes for k in selected for p in dst_experts[k].parts.values() for n in p.values())
+        nbytes += sum(src.info(n).nbytes for k in selected for p in src_experts[k].parts.values() for n in p.values())
+        workers = workers or min(4, os.cpu_count() or 1)
+        for ck in (src, dst):   # open every shard now: Checkpoint.fd is not thread-safe on first use
+            for shard in ck.shard_names:
+                ck.fd(shard)
+        with tqdm(total=len(selected), unit="expert", desc="report", disable=not progress, dynamic_ncols=True) as bar, \
+                ThreadPoolExecutor(workers) as pool:
+            window = workers * 2   # experts in flight: bounds memory
+            pending = {}
+            for key in selected:
+                pending[key] = pool.submit(compare_expert, src, dst, src_experts[key], dst_experts[key], projections)
+                if len(pending) >= window:
+                    done = next(iter(pending))
+                    per[done] = pending.pop(done).result()
+                    bar.update(1)
+            for key, fut in pending.items():
+                per[key] = fut.result()
+                bar.update(1)
+        formats = {b: {"source": _format_of(src, src_experts[k].parts[projections[0]]),
+                       "candidate": _format_of(dst, dst_experts[k].parts[projections[0]])}
+                   for k in selected for b in [k[0]]}
+        n_experts = model.value("num_experts")
+    return _assemble(src_path, dst_path, model, blocks, per, formats, unmatched, n_experts,
+                     layers, time.monotonic() - started, nbytes)
+
+
+def _assemble(src_path, dst_path, model, blocks, per, formats, unmatched, n_experts, layers, seconds, nbytes):
+    projections = model.projections
+    overall, by_proj = Stats(), {p: Stats() for p in projections}
+    by_layer = []
+    exact_map = []
+    for block in blocks:
+        layer, layer_proj = Stats(), {p: Stats() for p in projections}
+        row = [None] * n_experts
+        for (b, e), stats in per.items():
+            if b != block:
+                continue
+            expert_total = Stats()
+            for proj, s in stats.items():
+                layer_proj[proj].add(s)
+                expert_total.add(s)
+            layer.add(expert_total)
+            if e < n_experts:
+                row[e] = expert_total.exact_blocks / expert_total.blocks if expert_total.blocks else None
+        for proj in projections:
+            by_proj[proj].add(layer_proj[proj])
+        overall.add(layer)
+        exact_map.append(row)
+        by_layer.append({"block": block, "source_format": formats[block]["source"],
+                         "candidate_format": formats[block]["candidate"],
+                         "experts": sum(1 for (b, _) in per if b == block),
+                         "metrics": layer.metrics(),
+                         "by_projection": {p: s.metrics() for p, s in layer_proj.items()}})
+    step = (HIST_LOG10_MAX - HIST_LOG10_MIN) / HIST_BINS
+    return {
+        "schema": SCHEMA,
+        "generated_by": {"name": "requant", "version": __version__},
+        "source": {"path": os.path.abspath(src_path), "format": _main_format(by_layer, "source_format")},
+        "candidate": {"path": os.path.abspath(dst_path), "format": _main_format(by_layer, "candidate_format")},
+        "selection": {"layers": layers, "blocks": blocks, "experts_compared": len(per),
+                      "unmatched_experts": unmatched},
+        "overall": overall.metrics(),
+        "by_projection": {p: s.metrics() for p, s in by_proj.items()},
+        "by_layer": by_layer,
+        "exact_block_map": {"blocks": blocks, "experts": n_experts, "fraction": exact_map},
+        "error_histogram": {
+            "log10_abs_error_edges": [HIST_LOG10_MIN + i * step for i in range(HIST_BINS + 1)],
+            "by_projection": {p: s.hist for p, s in by_proj.items()},
+            "zero_error_elements": {p: s.zero_error for p, s in by_proj.items()},
+        },
+        "forward": None,
+        "timing": {"weights_seconds": seconds, "expert_bytes_read": nbytes},
+    }
+
+
+def _main_format(by_layer, key):
+    found = [layer[key] for layer in by_layer]
+    return max(set(found), key=found.count) if found else None

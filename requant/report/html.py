@@ -1,0 +1,168 @@
+"""Plots (PNG, via matplotlib's Agg backend) and a self-contained report.html.
+
+matplotlib gives labelled axes, legends and colour bars in both the PNG files and the page
+without a hand-written rasterizer; the page embeds the same PNGs as data: URIs and uses no
+script, font or stylesheet from elsewhere, so it renders offline.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+
+from requant.report.render import METRIC_COLUMNS, fmt, forward_lines
+
+PLOTS = {
+    "sqnr_per_layer.png": "Per-layer SQNR (dB)",
+    "forward_error_per_layer.png": "Per-layer MoE forward error",
+    "error_histogram.png": "Histogram of |weight error|",
+    "exact_block_map.png": "Exact-block fraction, layers x experts",
+}
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    _pyplot().close(fig)
+    return buf.getvalue()
+
+
+def plots(report: dict) -> dict[str, bytes]:
+    """File name -> PNG bytes, for the plots the report's data supports."""
+    plt = _pyplot()
+    out = {}
+    layers = report["by_layer"]
+    labels = [layer["block"] for layer in layers]
+    x = range(len(layers))
+
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    for proj in report["by_projection"]:
+        ys = [layer["by_projection"][proj]["sqnr_db"] for layer in layers]
+        ax.plot(x, [float("nan") if y is None else y for y in ys], marker="o", ms=3, label=proj)
+    exact = [i for i, layer in enumerate(layers) if layer["metrics"]["sqnr_db"] is None]
+    for i in exact:
+        ax.axvline(i, color="#2a9d8f", alpha=0.25, lw=6)
+    ax.set_xticks(list(x), labels, rotation=90, fontsize=7)
+    ax.set_ylabel("SQNR (dB), higher is better")
+    ax.set_title("Weight SQNR per layer" + (" (shaded: exact, SQNR ∞)" if exact else ""))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    out["sqnr_per_layer.png"] = _png(fig)
+
+    forward = report.get("forward")
+    if forward and forward.get("status") == "run":
+        fig, ax = plt.subplots(figsize=(9, 3.2))
+        rows = forward["by_layer"]
+        ax.semilogy(range(len(rows)), [max(r["rel_error"], 1e-12) for r in rows], marker="o", ms=3)
+        ax.set_xticks(range(len(rows)), [r["block"] for r in rows], rotation=90, fontsize=7)
+        ax.set_ylabel("relative output error")
+        ax.set_title(f"MoE forward error per layer ({forward['device']})")
+        ax.grid(alpha=0.3, which="both")
+        out["forward_error_per_layer.png"] = _png(fig)
+
+    hist = report["error_histogram"]
+    edges = hist["log10_abs_error_edges"]
+    fig, ax = plt.subplots(figsize=(9, 3.2))
+    width = edges[1] - edges[0]
+    for proj, counts in hist["by_projection"].items():
+        ax.step(edges[:-1], counts, where="post", label=f"{proj} ({hist['zero_error_elements'][proj]:,} exact)")
+    ax.set_yscale("symlog")
+    ax.set_xlim(edges[0], edges[-1] + width)
+    ax.set_xlabel("log10 |candidate - source| (non-zero errors)")
+    ax.set_ylabel("elements")
+    ax.set_title("Weight error histogram")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    out["error_histogram.png"] = _png(fig)
+
+    grid = report["exact_block_map"]
+    values = [[float("nan") if v is None else 100 * v for v in row] for row in grid["fraction"]]
+    fig, ax = plt.subplots(figsize=(9, max(2.2, 0.22 * len(values) + 1.2)))
+    image = ax.imshow(values, aspect="auto", cmap="viridis", vmin=min(99.0, _finite_min(values)), vmax=100,
+                      interpolation="nearest")
+    ax.set_yticks(range(len(grid["blocks"])), grid["blocks"], fontsize=7)
+    ax.set_xlabel("expert")
+    ax.set_title("Exact-block fraction (%) per expert")
+    fig.colorbar(image, ax=ax, label="% exact blocks")
+    out["exact_block_map.png"] = _png(fig)
+    return out
+
+
+def _finite_min(values) -> float:
+    found = [v for row in values for v in row if v == v]
+    return min(found) if found else 0.0
+
+
+def _table(first: str, rows: list[tuple[str, dict]]) -> str:
+    head = "".join(f"<th>{html.escape(t)}</th>" for t in [first] + [t for _, t in METRIC_COLUMNS])
+    body = "".join("<tr><td>" + html.escape(label) + "</td>"
+                   + "".join(f"<td>{html.escape(fmt(k, m[k]))}</td>" for k, _ in METRIC_COLUMNS) + "</tr>"
+                   for label, m in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+STYLE = """
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:24px auto;max-width:1040px;color:#222}
+h1{font-size:22px}h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd;padding-bottom:4px}
+table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
+td:first-child,th:first-child{text-align:left}th{background:#f3f3f3}code{background:#f5f5f5;padding:1px 4px}
+.note{color:#555}.notrun{background:#fff4e5;border:1px solid #f0b25a;padding:8px 12px}
+figure{margin:12px 0}figcaption{color:#555;font-size:12px}img{max-width:100%}
+"""
+
+
+def page(report: dict, pngs: dict[str, bytes]) -> str:
+    src, dst, sel = report["source"], report["candidate"], report["selection"]
+    figures = "".join(
+        f'<figure><img alt="{html.escape(PLOTS[name])}" src="data:image/png;base64,'
+        f'{base64.b64encode(data).decode()}"><figcaption>{html.escape(PLOTS[name])} ({name})</figcaption></figure>'
+        for name, data in pngs.items() if name != "forward_error_per_layer.png")
+    forward = report["forward"]
+    if forward and forward.get("status") == "run":
+        fwd_png = pngs.get("forward_error_per_layer.png")
+        fwd = "".join(f"<p>{html.escape(line)}</p>" for line in forward_lines(forward)[:1])
+        if fwd_png:
+            fwd += f'<img alt="forward error" src="data:image/png;base64,{base64.b64encode(fwd_png).decode()}">'
+    else:
+        fwd = f'<p class="notrun">{html.escape(forward_lines(forward)[0].replace("**", ""))}</p>'
+    per_layer = _table("block", [(layer["block"], layer["metrics"]) for layer in report["by_layer"]])
+    overall = _table("scope", [("all experts", report["overall"])] + list(report["by_projection"].items()))
+    t = report["timing"]
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>requant accuracy report</title>
+<style>{STYLE}</style></head><body>
+<h1>requant accuracy report</h1>
+<p>source <code>{html.escape(src['path'])}</code> ({html.escape(str(src['format']))})<br>
+candidate <code>{html.escape(dst['path'])}</code> ({html.escape(str(dst['format']))})<br>
+{sel['experts_compared']:,} experts compared in {len(sel['blocks'])} blocks{
+    html.escape(f" (--layers {sel['layers']})") if sel['layers'] else ""}; {len(sel['unmatched_experts'])} unmatched</p>
+<p class="note">Weights decoded to float32, candidate against source. A block is one scale block of the source
+format along K; exact means every value decodes identically. SQNR ∞ means no error.</p>
+<h2>Overall</h2>{overall}
+<h2>Plots</h2>{figures}
+<h2>MoE forward</h2>{fwd}
+<h2>Per layer</h2>{per_layer}
+<p class="note">Weights compared in {t['weights_seconds']:.1f} s; {t['expert_bytes_read'] / 2**20:,.0f} MiB of expert
+tensors read. Generated by requant {html.escape(report['generated_by']['version'])}.</p>
+</body></html>
+"""
+
+
+def write(report: dict, out_dir: str) -> dict[str, str]:
+    """Write the PNGs and report.html into out_dir; return PNG name -> title."""
+    pngs = plots(report)
+    for name, data in pngs.items():
+        with open(os.path.join(out_dir, name), "wb") as f:
+            f.write(data)
+    with open(os.path.join(out_dir, "report.html"), "w", encoding="utf-8") as f:
+        f.write(page(report, pngs))
+    return {name: PLOTS[name] for name in pngs}
