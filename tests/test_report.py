@@ -1,0 +1,165 @@
+"""requant report: numbers against an independent computation, outputs, and an offline render."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from requant.cli import cli
+from requant.convert import convert
+from requant.report import make_report
+from requant.synth import Dims, HardCases, write_checkpoint
+from requant.targets import Options
+
+DIMS = Dims(layers=2, experts=6, hidden=256, intermediate=128, hash_layers=1)
+ROOT = Path(__file__).resolve().parents[1]
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float64)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report")
+    src, dst = str(root / "src"), str(root / "nvfp4")
+    write_checkpoint(src, DIMS, seed=11, hard=HardCases(out_of_window=3, zero_blocks=1))
+    convert(src, dst, "nvfp4", Options(), progress=False)
+    return src, dst, convert
+
+
+def _load(path):
+    """Routed-expert tensors as numpy (1-byte dtypes as uint8), read through the safetensors package."""
+    out = {}
+    for shard in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for k in f.keys():
+                if ".ffn.experts." in k:
+                    t = f.get_tensor(k)
+                    out[k] = (t.view(torch.uint8) if t.element_size() == 1 else t).numpy()
+    return out
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    b = packed.view(np.uint8)
+    return np.stack([b & 15, b >> 4], axis=-1).reshape(b.shape[0], -1)
+
+
+def _mx(t, prefix):
+    scale = np.exp2(t[f"{prefix}.scale"].view(np.uint8).astype(np.float64) - 127)
+    return E2M1[_nibbles(t[f"{prefix}.weight"])] * np.repeat(scale, 32, axis=1)
+
+
+def _nv(t, prefix):
+    s = t[f"{prefix}.weight_scale"].view(np.uint8).astype(np.int64)
+    # E4M3 by hand: sign, 4-bit exponent (bias 7), 3-bit mantissa, subnormals below exponent 1
+    exp, man = (s >> 3) & 15, s & 7
+    val = np.where(exp == 0, man / 8 * 2.0**-6, (1 + man / 8) * np.exp2(exp - 7.0))
+    g = float(t[f"{prefix}.weight_scale_2"].reshape(-1)[0])
+    return E2M1[_nibbles(t[f"{prefix}.weight"])] * np.repeat(val, 16, axis=1) * g
+
+
+def test_numbers_match_an_independent_computation(pair, tmp_path):
+    src, dst, _ = pair
+    report = make_report(src, dst, str(tmp_path / "r"), progress=False)
+    a, b = _load(src), _load(dst)
+    prefixes = sorted({k.rsplit(".", 1)[0] for k in a if ".ffn.experts." in k})
+    sa2 = se2 = sab = sb2 = 0.0
+    blocks = exact = 0
+    max_abs = 0.0
+    for p in prefixes:
+        x = _mx(a, p)
+        y = _nv(b, p) if f"{p}.weight_scale" in b else _mx(b, p)
+        e = y - x
+        sa2, sb2, sab, se2 = sa2 + (x * x).sum(), sb2 + (y * y).sum(), sab + (x * y).sum(), se2 + (e * e).sum()
+        max_abs = max(max_abs, np.abs(e).max())
+        eq = (e == 0).reshape(x.shape[0], -1, 32).all(axis=-1)
+        blocks, exact = blocks + eq.size, exact + int(eq.sum())
+    o = report["overall"]
+    assert o["blocks"] == blocks and o["exact_blocks"] == exact and 0 < blocks - exact
+    assert o["sqnr_db"] == pytest.approx(10 * math.log10(sa2 / se2), rel=1e-9)
+    assert o["rel_rmse"] == pytest.approx(math.sqrt(se2 / sa2), rel=1e-9)
+    assert o["max_abs_error"] == pytest.approx(max_abs, rel=1e-6)
+    assert o["cosine"] == pytest.approx(sab / math.sqrt(sa2 * sb2), abs=1e-15)
+    # per-layer numbers add up to the overall, and the kept-MXFP4 MTP block is exact (SQNR infinite)
+    assert sum(layer["metrics"]["blocks"] for layer in report["by_layer"]) == blocks
+    mtp = next(layer for layer in report["by_layer"] if layer["block"] == "mtp.0")
+    assert mtp["metrics"]["sqnr_db"] is None and mtp["metrics"]["exact_block_fraction"] == 1.0
+
+
+def test_outputs_and_schema(pair, tmp_path):
+    src, dst, _ = pair
+    out = tmp_path / "r"
+    run = CliRunner().invoke(cli, ["report", src, dst, "--out", str(out), "--layers", "1,mtp.0", "--quiet"])
+    assert run.exit_code == 0, run.output
+    assert "lowest SQNR: layers.1" in run.output and "forward" in run.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["schema"] == "requant.report/1"
+    assert report["selection"]["blocks"] == ["layers.1", "mtp.0"]
+    assert report["selection"]["experts_compared"] == 2 * DIMS.experts
+    assert len(report["exact_block_map"]["fraction"]) == 2
+    assert len(report["exact_block_map"]["fraction"][0]) == DIMS.experts
+    assert report["forward"]["status"] in ("run", "not run") and report["forward"].get("reason", "x")
+    edges = report["error_histogram"]["log10_abs_error_edges"]
+    for proj, counts in report["error_histogram"]["by_projection"].items():
+        assert len(counts) == len(edges) - 1
+        m = report["by_projection"][proj]
+        assert sum(counts) + report["error_histogram"]["zero_error_elements"][proj] == m["elements"]
+    documented = set(re.findall(r"^\| `([a-z_0-9]+)`", (ROOT / "docs" / "report-schema.md").read_text(), re.M))
+    assert set(report) <= documented and set(report["overall"]) <= documented
+    md = (out / "report.md").read_text()
+    assert "## Per layer" in md and "| layers.1 |" in md and ("not run" in md or "run on" in md)
+    for png in ("sqnr_per_layer.png", "error_histogram.png", "exact_block_map.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (out / "report.html").read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["'](?!data:)""", page), "the page must not load anything"
+    assert page.count('src="data:image/png;base64,') == 3
+
+
+def test_nvfp4_against_another_nvfp4_build(pair, tmp_path):
+    src, dst, _ = pair
+    safe = str(tmp_path / "safe")
+    convert(src, safe, "nvfp4", Options(extra={"top_exponent": 5}), progress=False)
+    report = make_report(dst, safe, str(tmp_path / "r"), layers="0-1", progress=False)
+    assert report["source"]["format"] == report["candidate"]["format"] == "nvfp4"
+    # a narrower window re-rounds more of the planted low blocks, never fewer
+    assert 0 < report["overall"]["exact_block_fraction"] < 1
+
+
+def test_unknown_layers_are_refused(pair, tmp_path):
+    run = CliRunner().invoke(cli, ["report", pair[0], pair[1], "--out", str(tmp_path / "r"), "--layers", "7"])
+    assert run.exit_code == 1 and "layers.7" in run.output
+
+
+def _screenshot_module():
+    spec = importlib.util.spec_from_file_location("screenshot_report", ROOT / "scripts" / "screenshot_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_html_renders_offline_in_chromium(pair, tmp_path):
+    shot = _screenshot_module()
+    if shot.find_browser() is None:
+        pytest.skip("no Chromium installed (apt-get install -y chromium) to render report.html")
+    from PIL import Image
+
+    out = tmp_path / "r"
+    make_report(pair[0], pair[1], str(out), progress=False)
+    png = tmp_path / "shot.png"
+    shot.screenshot(str(out / "report.html"), str(png), width=1100, height=2400)
+    image = np.asarray(Image.open(png).convert("RGB")).astype(int)
+    assert image.shape[:2] == (2400, 1100)
+    # the plots drew: saturated colours (lines, heat map) cover a real area, not a blank page
+    saturation = image.max(axis=-1) - image.min(axis=-1)
+    assert (saturation > 80).mean() > 0.02
+    # and the heat map's viridis band is where the page put it: well below the header
+    rows = np.nonzero((saturation > 80).any(axis=1))[0]
+    assert rows.min() > 150 and rows.max() > 1000
