@@ -198,5 +198,26 @@ def report(src, dst, out_dir, layers, workers, as_json, quiet):
     click.echo(json.dumps(result, indent=2) if as_json else terminal(result, out_dir))
 
 
+@cli.command()
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@click.option("--layers", help="Layer numbers and ranges (0,5,10-12) or block names (mtp.0); default all.")
+@click.option("--tokens", type=click.IntRange(1), default=64, show_default=True, help="Random hidden states per layer.")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), help="Default: cuda when available (cpu: Triton interpreter).")
+@click.option("--activations", type=click.Path(dir_okay=False), help="Real MoE inputs (.safetensors or .pt).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@reports_errors
+def validate(src, dst, layers, tokens, device, activations, as_json, quiet):
+    """Run the same hidden states through each MoE layer of SRC and DST with requant's fused-MoE
+    kernel; report error, cosine, routing agreement and the kernel's error against a torch
+    reference. Exits 1 when a layer is past its threshold."""
+    from requant.validate import format_table, validate as run_validation
+
+    result = run_validation(src, dst, layers, tokens, device, activations, progress=not quiet)
+    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_table(result))
+    sys.exit(0 if result.passed else 1)
+
+
 def main():
     cli(prog_name="requant")
