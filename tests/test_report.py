@@ -84,10 +84,10 @@ def test_numbers_match_an_independent_computation(pair, tmp_path):
         blocks, exact = blocks + eq.size, exact + int(eq.sum())
     o = report["overall"]
     assert o["blocks"] == blocks and o["exact_blocks"] == exact and 0 < blocks - exact
-    assert o["sqnr_db"] == pytest.approx(10 * math.log10(sa2 / se2), rel=1e-9)
-    assert o["rel_rmse"] == pytest.approx(math.sqrt(se2 / sa2), rel=1e-9)
+    assert o["sqnr_db"] == pytest.approx(10 * math.log10(sa2 / se2), rel=1e-6)
+    assert o["rel_rmse"] == pytest.approx(math.sqrt(se2 / sa2), rel=1e-6)
     assert o["max_abs_error"] == pytest.approx(max_abs, rel=1e-6)
-    assert o["cosine"] == pytest.approx(sab / math.sqrt(sa2 * sb2), abs=1e-15)
+    assert o["cosine"] == pytest.approx(sab / math.sqrt(sa2 * sb2), abs=1e-12)
     # per-layer numbers add up to the overall, and the kept-MXFP4 MTP block is exact (SQNR infinite)
     assert sum(layer["metrics"]["blocks"] for layer in report["by_layer"]) == blocks
     mtp = next(layer for layer in report["by_layer"] if layer["block"] == "mtp.0")
