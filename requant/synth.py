@@ -230,7 +230,9 @@ class _Values:
     def expert(self, rows: int, k: int, pooled: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One MXFP4 projection: heavy-tailed weights with per-row spread, like a trained layer."""
         if pooled:  # full-size layers: derive from a few encoded matrices instead of encoding each
-            pool = self._pools.setdefault((rows, k), [self._encode_expert(rows, k) for _ in range(4)])
+            if (rows, k) not in self._pools:
+                self._pools[(rows, k)] = [self._encode_expert(rows, k) for _ in range(4)]
+            pool = self._pools[(rows, k)]
             w, s = pool[int(self.rng.integers(len(pool)))]
             shift = int(self.rng.integers(rows))
             w, s = np.roll(w, shift, axis=0), np.roll(s, shift, axis=0)
