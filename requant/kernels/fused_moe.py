@@ -278,7 +278,7 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
     zp, zp3 = (w.zero_point, w3.zero_point) if w.zero_point is not None else (dummy, dummy)
     gs, gs3 = (w.global_scale, w3.global_scale) if w.global_scale is not None else (dummy, dummy)
     grid = (triton.cdiv(w.n, cfg.block_n), block_expert.numel())
-    _moe_gemm_kernel[grid](
+    return _moe_gemm_kernel[grid](
         a, a.stride(0),
         w.packed, w.scale, gs, zp,
         w3.packed, w3.scale, gs3, zp3,

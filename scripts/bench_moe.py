@@ -1,0 +1,228 @@
+"""Benchmark requant's fused-MoE kernel on one DeepSeek-V4-Flash routed-expert layer (GPU only).
+
+hidden 4096, intermediate 2048, 256 experts, top-6, uniform random routing. One run checks the
+kernel against the torch reference (every format, the small- and large-batch configs), measures
+the device's copy bandwidth and a BF16 grouped-GEMM baseline, then times the kernel over the token
+counts and prints a table. Full results go to $OUT (or --out) as JSON.
+
+    python3 scripts/bench_moe.py [--tokens 1,4,...] [--formats nvfp4,int4,mxfp4] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import triton
+from triton.testing import do_bench, do_bench_cudagraph
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from requant.formats import mxfp4, nvfp4  # noqa: E402
+from requant.kernels import fused_moe as fm  # noqa: E402
+from requant.moe import routed_experts  # noqa: E402
+
+E, H, I, TOP_K, LIMIT = 256, 4096, 2048, 6, 10.0
+SWEEP = [
+    fm.KernelConfig(16, 64, 256, 4, 4), fm.KernelConfig(16, 64, 128, 4, 4), fm.KernelConfig(16, 128, 128, 4, 4),
+    fm.KernelConfig(32, 64, 256, 4, 4), fm.KernelConfig(64, 128, 128, 4, 4), fm.KernelConfig(64, 128, 128, 8, 3),
+    fm.KernelConfig(128, 128, 128, 8, 3), fm.KernelConfig(128, 128, 64, 8, 4), fm.KernelConfig(128, 256, 64, 8, 3),
+]
+
+
+def random_weights(fmt: str, n: int, k: int, gen: torch.Generator) -> fm.ExpertWeights:
+    """Random codes with scales that keep gate/up values around the SwiGLU limit."""
+    dev = "cuda"
+    if fmt == "int4":
+        packed = torch.randint(-2**31, 2**31 - 1, (E, n, k // 8), generator=gen, device=dev, dtype=torch.int32)
+        scale = (torch.rand(E, n, k // 128, generator=gen, device=dev) * 0.004 + 0.002).bfloat16()
+        return fm.ExpertWeights("int4", packed, scale)
+    if fmt == "int4-asym":
+        w = random_weights("int4", n, k, gen)
+        w.zero_point = torch.randint(-2**31, 2**31 - 1, (E, n // 8, k // 128), generator=gen, device=dev,
+                                     dtype=torch.int32)
+        return w
+    packed = torch.randint(0, 256, (E, n, k // 2), generator=gen, device=dev, dtype=torch.uint8)
+    if fmt == "mxfp4":
+        return fm.ExpertWeights("mxfp4", packed, torch.randint(118, 122, (E, n, k // 32), generator=gen, device=dev,
+                                                               dtype=torch.uint8))
+    e4m3 = torch.tensor([nvfp4.e4m3_power_of_two(e) for e in range(2, 9)], dtype=torch.uint8, device=dev)
+    scale = e4m3[torch.randint(0, 7, (E, n, k // 16), generator=gen, device=dev)]
+    return fm.ExpertWeights("nvfp4", packed, scale, torch.rand(E, generator=gen, device=dev) * 2**-9 + 2**-10)
+
+
+def dense(w: fm.ExpertWeights, e: int) -> torch.Tensor:
+    """Float32 decoding of expert e by requant's plain torch decoders (independent of the kernel)."""
+    if w.format == "nvfp4":
+        return nvfp4.decode(w.packed[e], w.scale[e], w.global_scale[e])
+    if w.format == "mxfp4":
+        return mxfp4.decode(w.packed[e], w.scale[e])
+    q = ((w.packed[e][..., None] >> torch.arange(0, 32, 4, device="cuda")) & 15).flatten(-2).float()
+    z = 8.0 if w.zero_point is None else (
+        (w.zero_point[e][:, None, :] >> torch.arange(0, 32, 4, device="cuda")[None, :, None]) & 15
+    ).flatten(0, 1).float().repeat_interleave(w.group, -1)
+    return (q - z) * w.scale[e].float().repeat_interleave(w.group, -1)
+
+
+def routing(tokens: int, gen: torch.Generator):
+    ids = torch.rand(tokens, E, generator=gen, device="cuda").topk(TOP_K, dim=-1).indices
+    weights = torch.rand(tokens, TOP_K, generator=gen, device="cuda") * 0.5
+    return ids, weights
+
+
+def layer_bytes(ws, ids) -> int:
+    used = ids.unique().numel()
+    per_expert = sum(sum(t[0].numel() * t.element_size() for t in (w.packed, w.scale, w.global_scale, w.zero_point)
+                         if t is not None) for w in ws)
+    return used * per_expert
+
+
+def check(fmt, ws, gen, tokens, cfg=None):
+    w1, w3, w2 = ws
+    ids, weights = routing(tokens, gen)
+    x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
+    y = fm.fused_moe(x, ids, weights, w1, w3, w2, config=cfg)
+    ref = routed_experts(x, ids, weights, lambda e: (dense(w1, e), dense(w3, e), dense(w2, e)), LIMIT)
+    rel = float((y.float() - ref).norm() / ref.norm())
+    return rel, bool(torch.isfinite(y).all())
+
+
+def bf16_baseline(w13, w2d, x, ids, weights):
+    """The same routed computation with BF16 weights through torch's grouped GEMM."""
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    xs = x[order // TOP_K]
+    gu = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+    h = torch.nn.functional.silu(gu[:, :I].clamp(max=LIMIT)) * gu[:, I:].clamp(-LIMIT, LIMIT)
+    o = torch._grouped_mm(h, w2d.transpose(1, 2), offs=offs)
+    out = torch.empty_like(o)
+    out[order] = o * weights.flatten()[order, None]
+    return out.view(-1, TOP_K, H).float().sum(1).bfloat16()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1,4,16,64,256,1024,4096,16384")
+    ap.add_argument("--formats", default="nvfp4,int4,mxfp4")
+    ap.add_argument("--sweep", action="store_true", help="try every config in SWEEP (nvfp4) and keep the best")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    tokens_list = [int(t) for t in args.tokens.split(",")]
+    formats = args.formats.split(",")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    results = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+               "triton": triton.__version__, "correctness": [], "timings": []}
+    print(results, flush=True)
+
+    src = torch.empty(2**31, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    copy_bw = 2 * src.numel() / (t * 1e-3)
+    results["copy_bw_GBps"] = copy_bw / 1e9
+    del src, dst
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
+
+    weights = {f: [random_weights(f, n, k, gen) for n, k in ((I, H), (I, H), (H, I))]
+               for f in dict.fromkeys(formats + ["int4-asym"])}
+    for f, ws in weights.items():
+        for tokens, cfg in ((1, None), (64, None), (4096, None), (300, fm.KernelConfig(64, 128, 128, 4, 4))):
+            try:
+                rel, finite = check(f, ws, gen, tokens, cfg)
+            except Exception:  # report and go on: the timings are still worth having
+                traceback.print_exc()
+                continue
+            results["correctness"].append({"format": f, "tokens": tokens, "config": str(cfg), "rel_err": rel})
+            print(f"check {f:9s} tokens {tokens:5d} cfg {cfg}: rel err {rel:.2e} finite {finite}", flush=True)
+    if "int4-asym" not in formats:
+        del weights["int4-asym"]
+
+    # Is the GEMM on wgmma? Look at the compiled kernel of the large-batch config.
+    w1, w3, w2 = weights[formats[0]]
+    for cfg in (fm.default_config(6, E), fm.default_config(6 * 16384, E)):
+        try:
+            ids, _ = routing(64, gen)
+            sorted_ids, block_expert = fm.moe_align(ids, E, cfg.block_m)
+            x = torch.randn(64, H, device="cuda").bfloat16()
+            h = torch.empty(64 * TOP_K, I, device="cuda", dtype=torch.bfloat16)
+            k = fm._launch(x, TOP_K, w1, w3, h, sorted_ids, block_expert, None, 64 * TOP_K, torch.bfloat16, cfg, LIMIT)
+            ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
+            dots = [ln.strip()[:200] for ln in ttgir.splitlines() if "warp_group_dot " in ln or "tt.dot " in ln]
+            print(f"{cfg}: wgmma in ptx: {'wgmma.mma_async' in ptx}; regs {k.n_regs} spills {k.n_spills}; dots:",
+                  *dots[:2], sep="\n  ", flush=True)
+            results.setdefault("asm", []).append({"config": str(cfg), "wgmma": "wgmma.mma_async" in ptx,
+                                                  "n_regs": k.n_regs, "n_spills": k.n_spills, "dots": dots})
+            with open(os.path.join(args.out, f"ttgir_bm{cfg.block_m}.txt"), "w") as f:
+                f.write(ttgir)
+        except Exception:
+            traceback.print_exc()
+
+    for f in formats:
+        w1, w3, w2 = weights[f]
+        for tokens in tokens_list:
+            ids, rw = routing(tokens, gen)
+            x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
+            flops = 2 * tokens * TOP_K * 3 * H * I
+            nbytes = layer_bytes((w1, w3, w2), ids)
+            cfgs = SWEEP if (args.sweep and f == "nvfp4") else [fm.default_config(tokens * TOP_K, E)]
+            best = None
+            for cfg in cfgs:
+                try:
+                    t_full = do_bench_cudagraph(lambda: fm.fused_moe(x, ids, rw, w1, w3, w2, config=cfg), rep=200, return_mode="median")
+                except Exception as e:  # a config that does not compile or fit is skipped, not fatal
+                    print(f"  {f} {tokens} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                if best is None or t_full < best[0]:
+                    best = (t_full, cfg)
+            t_full, cfg = best
+            sorted_ids, block_expert = fm.moe_align(ids, E, cfg.block_m)
+            h = torch.empty(tokens * TOP_K, I, device="cuda", dtype=torch.bfloat16)
+            y = torch.empty(tokens * TOP_K, H, device="cuda", dtype=torch.float32)
+            rwf = rw.flatten().contiguous()
+
+            def gemms():
+                fm._launch(x, TOP_K, w1, w3, h, sorted_ids, block_expert, None, tokens * TOP_K, torch.bfloat16, cfg,
+                           LIMIT)
+                fm._launch(h, 1, w2, None, y, sorted_ids, block_expert, rwf, tokens * TOP_K, torch.bfloat16, cfg,
+                           LIMIT)
+            t_gemm = do_bench_cudagraph(gemms, rep=200, return_mode="median")
+            row = {"format": f, "tokens": tokens, "config": str(cfg), "ms_full": t_full, "ms_gemms": t_gemm,
+                   "bytes": nbytes, "flops": flops}
+            results["timings"].append(row)
+            print(f"{f} {tokens} {cfg}: full {t_full * 1e3:.1f} us, gemms {t_gemm * 1e3:.1f} us", flush=True)
+
+    # BF16 baseline, dequantized from the first format's weights (the values do not change the time).
+    w1, w3, w2 = weights[formats[0]]
+    w13 = torch.stack([torch.cat([dense(w1, e), dense(w3, e)]).bfloat16() for e in range(E)])
+    w2d = torch.stack([dense(w2, e).bfloat16() for e in range(E)])
+    del weights
+    for tokens in tokens_list:
+        ids, rw = routing(tokens, gen)
+        x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
+        try:
+            t = do_bench(lambda: bf16_baseline(w13, w2d, x, ids, rw), warmup=25, rep=200, return_mode="median")
+        except Exception as e:
+            print(f"bf16 baseline failed at {tokens}: {e}", flush=True)
+            continue
+        results["timings"].append({"format": "bf16-grouped_mm", "tokens": tokens, "ms_full": t, "ms_gemms": t,
+                                   "bytes": ids.unique().numel() * 3 * H * I * 2, "flops": 2 * tokens * TOP_K * 3 * H * I})
+
+    with open(os.path.join(args.out, "bench_moe.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\ndevice {props.name}, copy {copy_bw / 1e12:.2f} TB/s; time in us (CUDA graph replay, median)")
+    print(f"{'format':16s} {'tokens':>6s} {'full us':>9s} {'gemm us':>9s} {'GB/s':>7s} {'%copy':>6s} {'TFLOP/s':>8s}")
+    for r in results["timings"]:
+        bw = r["bytes"] / (r["ms_gemms"] * 1e-3)
+        print(f"{r['format']:16s} {r['tokens']:6d} {r['ms_full'] * 1e3:9.1f} {r['ms_gemms'] * 1e3:9.1f} "
+              f"{bw / 1e9:7.0f} {100 * bw / copy_bw:5.0f}% {r['flops'] / (r['ms_full'] * 1e-3) / 1e12:8.1f}")
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    main()
+    print(f"total {time.time() - t0:.0f} s")
