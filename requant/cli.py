@@ -185,16 +185,18 @@ def verify(path, deep, source, as_json, quiet):
               help="Directory for report.json, report.md, report.html and the PNG plots.")
 @click.option("--layers", help="Subsample: layer numbers and ranges (0,5,10-12) or block names (mtp.0).")
 @click.option("--workers", type=click.IntRange(1, 64), help="Threads comparing experts (default: up to 4).")
+@click.option("--no-forward", is_flag=True, help="Skip the MoE-forward comparison (requant validate; every "
+              "selected layer on a GPU, the first one only on a CPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json instead of the summary.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
-def report(src, dst, out_dir, layers, workers, as_json, quiet):
+def report(src, dst, out_dir, layers, workers, no_forward, as_json, quiet):
     """Accuracy difference of DST's routed experts against SRC's (MXFP4, NVFP4 or W4A16):
     exact blocks, SQNR, relative RMSE, max error, cosine, per projection, layer and overall."""
     from requant.report import make_report
     from requant.report.render import terminal
 
-    result = make_report(src, dst, out_dir, layers, workers, progress=not quiet)
+    result = make_report(src, dst, out_dir, layers, workers, progress=not quiet, forward=not no_forward)
     click.echo(json.dumps(result, indent=2) if as_json else terminal(result, out_dir))
 
 

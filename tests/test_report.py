@@ -68,7 +68,7 @@ def _nv(t, prefix):
 
 def test_numbers_match_an_independent_computation(pair, tmp_path):
     src, dst, _ = pair
-    report = make_report(src, dst, str(tmp_path / "r"), progress=False)
+    report = make_report(src, dst, str(tmp_path / "r"), progress=False, forward=False)
     a, b = _load(src), _load(dst)
     prefixes = sorted({k.rsplit(".", 1)[0] for k in a if ".ffn.experts." in k})
     sa2 = se2 = sab = sb2 = 0.0
@@ -97,7 +97,7 @@ def test_numbers_match_an_independent_computation(pair, tmp_path):
 def test_outputs_and_schema(pair, tmp_path):
     src, dst, _ = pair
     out = tmp_path / "r"
-    run = CliRunner().invoke(cli, ["report", src, dst, "--out", str(out), "--layers", "1,mtp.0", "--quiet"])
+    run = CliRunner().invoke(cli, ["report", src, dst, "--out", str(out), "--layers", "1,mtp.0", "--quiet", "--no-forward"])
     assert run.exit_code == 0, run.output
     assert "lowest SQNR: layers.1" in run.output and "forward" in run.output
     report = json.loads((out / "report.json").read_text())
@@ -106,7 +106,7 @@ def test_outputs_and_schema(pair, tmp_path):
     assert report["selection"]["experts_compared"] == 2 * DIMS.experts
     assert len(report["exact_block_map"]["fraction"]) == 2
     assert len(report["exact_block_map"]["fraction"][0]) == DIMS.experts
-    assert report["forward"]["status"] in ("run", "not run") and report["forward"].get("reason", "x")
+    assert report["forward"] == {"status": "not run", "reason": "not requested (--no-forward)"}
     edges = report["error_histogram"]["log10_abs_error_edges"]
     for proj, counts in report["error_histogram"]["by_projection"].items():
         assert len(counts) == len(edges) - 1
@@ -127,10 +127,22 @@ def test_nvfp4_against_another_nvfp4_build(pair, tmp_path):
     src, dst, _ = pair
     safe = str(tmp_path / "safe")
     convert(src, safe, "nvfp4", Options(extra={"top_exponent": 5}), progress=False)
-    report = make_report(dst, safe, str(tmp_path / "r"), layers="0-1", progress=False)
+    report = make_report(dst, safe, str(tmp_path / "r"), layers="0-1", progress=False, forward=False)
     assert report["source"]["format"] == report["candidate"]["format"] == "nvfp4"
     # a narrower window re-rounds more of the planted low blocks, never fewer
     assert 0 < report["overall"]["exact_block_fraction"] < 1
+
+
+def test_forward_comparison_says_what_ran_where(pair, tmp_path):
+    out = tmp_path / "r"
+    report = make_report(pair[0], pair[1], str(out), layers="1", progress=False)
+    forward = report["forward"]
+    assert forward["status"] == "run", forward
+    assert forward["device"].startswith("cuda" if torch.cuda.is_available() else "cpu")
+    assert [r["block"] for r in forward["by_layer"]] == ["layers.1"]
+    # the lossless cast with a few re-rounded tiny blocks: the layer output barely moves
+    assert forward["passed"] and forward["by_layer"][0]["rel_error"] < 1e-3
+    assert "run on" in (out / "report.md").read_text() and (out / "forward_error_per_layer.png").exists()
 
 
 def test_unknown_layers_are_refused(pair, tmp_path):
@@ -152,7 +164,7 @@ def test_html_renders_offline_in_chromium(pair, tmp_path):
     from PIL import Image
 
     out = tmp_path / "r"
-    make_report(pair[0], pair[1], str(out), progress=False)
+    make_report(pair[0], pair[1], str(out), progress=False, forward=False)
     png = tmp_path / "shot.png"
     shot.screenshot(str(out / "report.html"), str(png), width=1100, height=2400)
     image = np.asarray(Image.open(png).convert("RGB")).astype(int)
