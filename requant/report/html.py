@@ -65,7 +65,8 @@ def plots(report: dict) -> dict[str, bytes]:
         ax.semilogy(range(len(rows)), [max(r["rel_error"], 1e-12) for r in rows], marker="o", ms=3)
         ax.set_xticks(range(len(rows)), [r["block"] for r in rows], rotation=90, fontsize=7)
         ax.set_ylabel("relative output error")
-        ax.set_title(f"MoE forward error per layer ({forward['device']})")
+        zero = " (exact zeros drawn at 1e-12)" if any(r["rel_error"] == 0 for r in rows) else ""
+        ax.set_title(f"MoE forward error per layer ({forward['device']}){zero}")
         ax.grid(alpha=0.3, which="both")
         out["forward_error_per_layer.png"] = _png(fig)
 
@@ -129,7 +130,7 @@ def page(report: dict, pngs: dict[str, bytes]) -> str:
     forward = report["forward"]
     if forward and forward.get("status") == "run":
         fwd_png = pngs.get("forward_error_per_layer.png")
-        fwd = "".join(f"<p>{html.escape(line)}</p>" for line in forward_lines(forward)[:1])
+        fwd = f"<p>{html.escape(forward_lines(forward)[0].replace('**', ''))}</p>"
         if fwd_png:
             fwd += f'<img alt="forward error" src="data:image/png;base64,{base64.b64encode(fwd_png).decode()}">'
     else:
