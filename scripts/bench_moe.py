@@ -28,9 +28,8 @@ from requant.moe import routed_experts  # noqa: E402
 
 E, H, I, TOP_K, LIMIT = 256, 4096, 2048, 6, 10.0
 SWEEP = [
-    fm.KernelConfig(16, 64, 256, 4, 4), fm.KernelConfig(16, 64, 128, 4, 4), fm.KernelConfig(16, 128, 128, 4, 4),
-    fm.KernelConfig(32, 64, 256, 4, 4), fm.KernelConfig(64, 128, 128, 4, 4), fm.KernelConfig(64, 128, 128, 8, 3),
-    fm.KernelConfig(128, 128, 128, 8, 3), fm.KernelConfig(128, 128, 64, 8, 4), fm.KernelConfig(128, 256, 64, 8, 3),
+    fm.KernelConfig(16, 64, 256, 4, 4), fm.KernelConfig(16, 64, 128, 4, 4), fm.KernelConfig(16, 128, 128, 4, 3),
+    fm.KernelConfig(64, 128, 128, 4, 4), fm.KernelConfig(128, 128, 128, 8, 3), fm.KernelConfig(128, 256, 128, 8, 3),
 ]
 
 
@@ -100,9 +99,9 @@ def bf16_baseline(w13, w2d, x, ids, weights):
     gu = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
     h = torch.nn.functional.silu(gu[:, :I].clamp(max=LIMIT)) * gu[:, I:].clamp(-LIMIT, LIMIT)
     o = torch._grouped_mm(h, w2d.transpose(1, 2), offs=offs)
-    out = torch.empty_like(o)
+    out = torch.empty(o.shape, dtype=torch.float32, device=o.device)
     out[order] = o * weights.flatten()[order, None]
-    return out.view(-1, TOP_K, H).float().sum(1).bfloat16()
+    return out.view(-1, TOP_K, H).sum(1).bfloat16()
 
 
 def main():

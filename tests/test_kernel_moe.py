@@ -7,6 +7,7 @@ to near zero, where FP32 summation noise dominates.
 """
 
 import os
+import zlib
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
@@ -27,12 +28,12 @@ def assert_matches(y: torch.Tensor, ref: torch.Tensor):
     torch.testing.assert_close(y.float(), ref, rtol=2**-8, atol=1e-4 * float(ref.abs().max()))
 
 
-def run_case(fmt, ids, weights, gen, group=32, x_scale=None):
+def run_case(fmt, ids, weights, gen, group=32):
     (w1, d1), (w3, d3), (w2, d2) = make_layer(fmt, EXPERTS, HIDDEN, INTER, gen, group=group)
     x = torch.randn(ids.shape[0], HIDDEN, generator=gen)
-    # Scale the input so that a good share of gate/up values exceed the SwiGLU limit.
+    # Scale the input so that about a tenth of the gate values exceed the SwiGLU limit.
     gate = torch.einsum("th,eih->tei", x, d1)
-    x = (x * (x_scale or 25.0 / float(gate.abs().max()))).bfloat16()
+    x = (x * (1.2 * LIMIT / float(gate.abs().flatten().quantile(0.9)))).bfloat16()
     y = fused_moe(x, ids, weights, w1, w3, w2, swiglu_limit=LIMIT)
     ref = routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), LIMIT)
     clamped = (torch.einsum("th,eih->tei", x.float(), d3).abs() > LIMIT).float().mean()
@@ -49,7 +50,7 @@ def random_routing(tokens, top_k, gen):
     ("int4-sym", 32), ("int4-sym", 128), ("int4-asym", 64), ("int4-asym", 32),
 ])
 def test_formats_match_reference(fmt, group):
-    gen = torch.Generator().manual_seed(hash((fmt, group)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{fmt}/{group}".encode()))
     ids, weights = random_routing(7, 3, gen)
     y, ref, clamped = run_case(fmt, ids, weights, gen, group=group)
     assert clamped > 0.02, "the SwiGLU clamp must be exercised"

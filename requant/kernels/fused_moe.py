@@ -104,7 +104,7 @@ class KernelConfig:
 def default_config(pairs: int, experts: int) -> KernelConfig:
     if interpreting():
         # Few, large programs: the interpreter's cost is per program and per op, not per element.
-        return KernelConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1)
+        return KernelConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=1)
     per_expert = pairs / experts
     if per_expert <= 16:
         return KernelConfig(16, 64, 256, num_warps=4, num_stages=4)
@@ -159,42 +159,48 @@ def _e8m0_to_f32(b):
 
 
 @triton.jit
-def _dequant_tile(w_ptr, s_ptr, z_ptr, stride_wn, stride_sn, stride_zn, offs_n, n_mask, k0,
-                  FMT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr, SCALES: tl.constexpr,
-                  HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr):
-    """The weight tile [BLOCK_N, BLOCK_K] starting at column k0, dequantized in registers."""
-    offs_w = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
-    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :], mask=n_mask[:, None], other=0)
-    shifts = tl.arange(0, PER_WORD) * 4
-    nib = (words.to(tl.int32)[:, :, None] >> shifts[None, None, :]) & 15
-    nib = tl.reshape(nib, (BLOCK_N, BLOCK_K))  # element j of a word is column PER_WORD * word + j
-
-    offs_s = k0 // GROUP + tl.arange(0, SCALES)
-    raw = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_s[None, :], mask=n_mask[:, None], other=0)
+def _scale_values(raw, FMT: tl.constexpr, HW_FP8: tl.constexpr):
+    """Block scales as FP32, one per weight element of the tile."""
     if FMT == NVFP4:
-        scale = _e4m3_to_f32(raw)
-    elif FMT == MXFP4:
-        scale = _e8m0_to_f32(raw)
-    else:
-        scale = raw.to(tl.float32)
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, SCALES, BLOCK_K // SCALES)),
-                       (BLOCK_N, BLOCK_K))
+        if HW_FP8:
+            return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return _e4m3_to_f32(raw)
+    if FMT == MXFP4:
+        return _e8m0_to_f32(raw)
+    return raw.to(tl.float32)
 
+
+@triton.jit
+def _nibble_values(nib, zero, FMT: tl.constexpr):
+    """FP32 value of 4-bit codes: E2M1, or INT4 minus its zero point (8 when symmetric)."""
     if FMT == INT4:
-        if HAS_ZP:
-            zw = tl.load(z_ptr + (offs_n // 8)[:, None] * stride_zn + offs_s[None, :], mask=n_mask[:, None], other=0)
-            z = (zw >> ((offs_n % 8) * 4)[:, None]) & 15
-            z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, SCALES, BLOCK_K // SCALES)), (BLOCK_N, BLOCK_K))
-            val = (nib - z).to(tl.float32)
-        else:
-            val = (nib - 8).to(tl.float32)
-    else:
-        # E2M1 -> FP32 bits: magnitude eem (ee > 0) is 2^(ee-1) * (1 + m/2), i.e. exponent ee + 126
-        # with m as the top mantissa bit; magnitude 1 is the subnormal 0.5, magnitude 0 is zero.
-        mag = nib & 7
-        bits = tl.where(mag >= 2, (mag << 22) + (126 << 23), tl.where(mag == 1, 0x3F000000, 0))
-        val = (bits | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
-    return (val * scale).to(COMPUTE)
+        return (nib - zero).to(tl.float32)
+    # E2M1 -> FP32 bits: magnitude eem (ee > 0) is 2^(ee-1) * (1 + m/2), i.e. exponent ee + 126
+    # with m as the top mantissa bit; magnitude 1 is the subnormal 0.5, magnitude 0 is zero.
+    mag = nib & 7
+    bits = tl.where(mag >= 2, (mag << 22) + (126 << 23), tl.where(mag == 1, 0x3F000000, 0))
+    return (bits | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_tile(w_ptr, s_ptr, z_ptr, stride_wn, stride_sn, stride_zn, offs_n, n_mask, kw, offs_w,
+               FMT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
+               HW_FP8: tl.constexpr):
+    """Packed words [BLOCK_N, BLOCK_K / PER_WORD] from word column kw, with each word's scale and zero point.
+
+    A group never splits a word, so every nibble of a word shares its scale; loading the scale per
+    word (repeated addresses, served by L1) keeps one register layout and no reshapes.
+    """
+    mask = n_mask[:, None]
+    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (kw + offs_w)[None, :], mask=mask, other=0).to(tl.int32)
+    group = (kw + offs_w) // (GROUP // PER_WORD)
+    scale = _scale_values(tl.load(s_ptr + offs_n[:, None] * stride_sn + group[None, :], mask=mask, other=0),
+                          FMT, HW_FP8)
+    zero = 8
+    if HAS_ZP:
+        zw = tl.load(z_ptr + (offs_n // 8)[:, None] * stride_zn + group[None, :], mask=mask, other=0)
+        zero = (zw >> ((offs_n % 8) * 4)[:, None]) & 15
+    return words, scale, zero
 
 
 @triton.jit
@@ -207,14 +213,19 @@ def _moe_gemm_kernel(
     sorted_ids_ptr, block_expert_ptr, route_w_ptr,
     num_pairs, N, K,
     A_ROW_DIV: tl.constexpr, FMT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr,
-    SCALES: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GLOBAL: tl.constexpr, GATED: tl.constexpr,
-    ROUTE_WEIGHT: tl.constexpr, LIMIT: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_ZP: tl.constexpr, HAS_GLOBAL: tl.constexpr, GATED: tl.constexpr, ROUTE_WEIGHT: tl.constexpr,
+    LIMIT: tl.constexpr, COMPUTE: tl.constexpr, HW_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    OUT_PERM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[pair, n] for the pairs of one M block (one expert) and one N tile.
 
     GATED: out = silu(min(x@w1.T, L)) * clamp(x@w3.T, -L, L), with A row = pair // top_k.
     Otherwise: out = (h @ w2.T) * routing weight, with A row = pair.
+
+    A's columns come permuted within each BLOCK_K tile (`permute_k`): nibble j of every word
+    meets a contiguous run of A, so each of the PER_WORD nibble planes is its own dot and the
+    unpacked weights never need an interleaving reshape. With OUT_PERM > 1 the output is stored
+    in that permuted order for the next GEMM.
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -225,8 +236,9 @@ def _moe_gemm_kernel(
     row_mask = pairs < num_pairs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[None, :] * stride_am + offs_k[:, None]  # [BK, BM]
+    KW: tl.constexpr = BLOCK_K // PER_WORD
+    offs_w = tl.arange(0, KW)
+    a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[None, :] * stride_am + offs_w[:, None]  # [KW, BM]
 
     e = expert.to(tl.int64)
     w_ptr += e * stride_we
@@ -239,15 +251,19 @@ def _moe_gemm_kernel(
         acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_ptrs, mask=row_mask[None, :], other=0.0).to(COMPUTE)
-        w = _dequant_tile(w_ptr, s_ptr, z_ptr, stride_wn, stride_sn, stride_zn, offs_n, n_mask, k0,
-                          FMT, PER_WORD, GROUP, SCALES, HAS_ZP, BLOCK_N, BLOCK_K, COMPUTE)
-        acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
+        kw = k0 // PER_WORD
+        words, scale, zero = _load_tile(w_ptr, s_ptr, z_ptr, stride_wn, stride_sn, stride_zn, offs_n, n_mask, kw,
+                                        offs_w, FMT, PER_WORD, GROUP, HAS_ZP, HW_FP8)
         if GATED:
-            w3 = _dequant_tile(w3_ptr, s3_ptr, z3_ptr, stride_wn, stride_sn, stride_zn, offs_n, n_mask, k0,
-                               FMT, PER_WORD, GROUP, SCALES, HAS_ZP, BLOCK_N, BLOCK_K, COMPUTE)
-            acc3 = tl.dot(w3, a, acc3, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
+            words3, scale3, zero3 = _load_tile(w3_ptr, s3_ptr, z3_ptr, stride_wn, stride_sn, stride_zn, offs_n,
+                                               n_mask, kw, offs_w, FMT, PER_WORD, GROUP, HAS_ZP, HW_FP8)
+        for j in tl.static_range(PER_WORD):
+            a = tl.load(a_ptrs + (k0 + j * KW), mask=row_mask[None, :], other=0.0).to(COMPUTE)
+            w = (_nibble_values((words >> (4 * j)) & 15, zero, FMT) * scale).to(COMPUTE)
+            acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
+            if GATED:
+                w3 = (_nibble_values((words3 >> (4 * j)) & 15, zero3, FMT) * scale3).to(COMPUTE)
+                acc3 = tl.dot(w3, a, acc3, input_precision=DOT_PRECISION)
 
     if HAS_GLOBAL:
         acc *= tl.load(gs_ptr + e)
@@ -259,16 +275,27 @@ def _moe_gemm_kernel(
         acc = g * tl.sigmoid(g) * u
     if ROUTE_WEIGHT:
         acc *= tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[None, :]
-    out_ptrs = out_ptr + pairs.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+    # Column n of a BLOCK_K tile goes to plane n % OUT_PERM, word n // OUT_PERM (identity for 1).
+    cols = ((offs_n // BLOCK_K) * BLOCK_K + (offs_n % OUT_PERM) * (BLOCK_K // OUT_PERM)
+            + (offs_n % BLOCK_K) // OUT_PERM)
+    out_ptrs = out_ptr + pairs.to(tl.int64)[None, :] * stride_om + cols[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[None, :] & n_mask[:, None])
+
+
+def permute_k(x: torch.Tensor, block_k: int, per_word: int) -> torch.Tensor:
+    """Columns of x reordered within each block_k tile so nibble plane j of the packed words is
+    contiguous: new column j * (block_k / per_word) + w holds old column per_word * w + j."""
+    rows, k = x.shape
+    return x.view(rows, k // block_k, block_k // per_word, per_word).transpose(-1, -2).reshape(rows, k)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
 
 
-def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pairs, compute, cfg, limit):
-    if w.k % cfg.block_k or (cfg.block_k % w.group and w.group % cfg.block_k):
-        raise ValueError(f"K={w.k} and group {w.group} do not fit block_k={cfg.block_k}")
+def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pairs, compute, cfg, limit,
+            out_perm=1):
+    if w.k % cfg.block_k or cfg.block_k // _NIBBLES_PER_WORD[w.format] < 16:
+        raise ValueError(f"K={w.k} does not fit block_k={cfg.block_k}")
     gated = w3 is not None
     if gated and (w3.format != w.format or w3.packed.shape != w.packed.shape or w3.scale.shape != w.scale.shape
                   or (w3.zero_point is None) != (w.zero_point is None)):
@@ -288,10 +315,10 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         sorted_ids, block_expert, route_w if route_w is not None else out,
         num_pairs, w.n, w.k,
         A_ROW_DIV=a_row_div, FMT=_FORMAT_CODES[w.format], PER_WORD=_NIBBLES_PER_WORD[w.format],
-        GROUP=w.group, SCALES=max(cfg.block_k // w.group, 1), HAS_ZP=w.zero_point is not None,
+        GROUP=w.group, HAS_ZP=w.zero_point is not None,
         HAS_GLOBAL=w.global_scale is not None, GATED=gated, ROUTE_WEIGHT=route_w is not None,
-        LIMIT=float(limit), COMPUTE=_TL_DTYPES[compute],
-        DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
+        LIMIT=float(limit), COMPUTE=_TL_DTYPES[compute], HW_FP8=compute != torch.float32,
+        DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", OUT_PERM=out_perm,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -314,9 +341,10 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
                           f"do not fit hidden size {hidden}")
     cfg = config or default_config(pairs, w1.experts)
     sorted_ids, block_expert = moe_align(topk_ids, w1.experts, cfg.block_m)
-    a = x.to(compute).contiguous()
+    a = permute_k(x.to(compute), cfg.block_k, _NIBBLES_PER_WORD[w1.format])
     h = torch.empty(pairs, w1.n, dtype=compute, device=x.device)
-    _launch(a, top_k, w1, w3, h, sorted_ids, block_expert, None, pairs, compute, cfg, swiglu_limit)
+    _launch(a, top_k, w1, w3, h, sorted_ids, block_expert, None, pairs, compute, cfg, swiglu_limit,
+            out_perm=_NIBBLES_PER_WORD[w2.format])
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     route_w = topk_weights.to(torch.float32).flatten().contiguous()
     _launch(h, 1, w2, None, y, sorted_ids, block_expert, route_w, pairs, compute, cfg, swiglu_limit)
