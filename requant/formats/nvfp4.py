@@ -22,7 +22,9 @@ BLOCK = 16
 E4M3_MIN_EXPONENT = -9  # smallest power of two E4M3 represents (a subnormal)
 E4M3_MAX_EXPONENT = 8   # largest power of two E4M3 represents
 DEFAULT_TOP = E4M3_MAX_EXPONENT
-_BYTE_MASKS = {4: 0x7777777777777777, 8: -0x7777777777777778}  # low-3-bit and sign-bit masks
+_LOW3 = np.uint64(0x7777777777777777)   # the magnitude bits of 16 nibbles
+_SIGN = np.uint64(0x8888888888888888)   # the sign bits of 16 nibbles
+_CHUNK_WORDS = 1 << 15                  # 256 KiB: the bit passes below stay in cache
 
 
 def e4m3_power_of_two(e: int) -> int:
@@ -34,15 +36,14 @@ def e4m3_power_of_two(e: int) -> int:
     return 1 << (e + 9)  # subnormal: mantissa/8 * 2^-6
 
 
-_POW2_BYTES = torch.tensor(
-    [e4m3_power_of_two(e) for e in range(E4M3_MIN_EXPONENT, E4M3_MAX_EXPONENT + 1)], dtype=torch.uint8
-)
+_POW2_BYTES = np.array([e4m3_power_of_two(e) for e in range(E4M3_MIN_EXPONENT, E4M3_MAX_EXPONENT + 1)],
+                       dtype=np.uint8)
 
 
 @dataclass
 class CastResult:
-    weight: torch.Tensor          # uint8 [out, K/2], E2M1 codes
-    weight_scale: torch.Tensor    # uint8 [out, K/16], E4M3 bytes
+    weight: np.ndarray            # uint8 [out, K/2], E2M1 codes
+    weight_scale: np.ndarray      # uint8 [out, K/16], E4M3 bytes
     weight_scale_2: float         # global scale, a power of two
     blocks: int                   # MXFP4 blocks in the tensor
     exact_blocks: int             # blocks whose decoded values are unchanged
@@ -57,52 +58,58 @@ def global_exponent(k_max: int | None, top: int = DEFAULT_TOP) -> int:
     return (0 if k_max is None else k_max) - top
 
 
-def clear_negative_zero(packed: torch.Tensor) -> torch.Tensor:
+def clear_negative_zero(packed: np.ndarray) -> np.ndarray:
     """Return a copy of packed E2M1 bytes with every -0 nibble (0x8) replaced by +0.
 
     Works on 64-bit words: adding 7 to a nibble's low three bits carries into its bit 3 exactly when
     they are non-zero, and never into the next nibble.
     """
-    words = packed.contiguous().view(torch.int64)
-    low_zero = (words & _BYTE_MASKS[4]) + _BYTE_MASKS[4]
-    low_zero.bitwise_not_()
-    low_zero &= words
-    low_zero &= _BYTE_MASKS[8]
-    return (words ^ low_zero).view(torch.uint8).view(packed.shape)
+    words = np.ascontiguousarray(packed).reshape(-1).view(np.uint64)
+    out = np.empty_like(words)
+    scratch = np.empty(min(_CHUNK_WORDS, len(words)), dtype=np.uint64)
+    for i in range(0, len(words), _CHUNK_WORDS):
+        src, dst = words[i:i + _CHUNK_WORDS], out[i:i + _CHUNK_WORDS]
+        t = scratch[: len(src)]
+        np.bitwise_and(src, _LOW3, out=t)
+        t += _LOW3
+        np.invert(t, out=t)          # bit 3 of a nibble now set iff its magnitude is zero
+        t &= src
+        t &= _SIGN                   # ...and it is negative
+        np.bitwise_xor(src, t, out=dst)
+    return out.view(np.uint8).reshape(packed.shape)
 
 
-def cast_from_mxfp4(weight: torch.Tensor, scale: torch.Tensor, k_max: int | None,
+def cast_from_mxfp4(weight: np.ndarray, scale: np.ndarray, k_max: int | None,
                     top: int = DEFAULT_TOP) -> CastResult:
-    """Cast one MXFP4 tensor to NVFP4 on the bits.
+    """Cast one MXFP4 tensor (uint8 codes [out, K/2], E8M0 bytes [out, K/32]) to NVFP4 on the bits.
 
     k_max is the largest block exponent of the tensor, or of the fused w1/w3 pair it belongs to
     (both then share weight_scale_2). `top` places k_max's block scale at 2^top; a smaller top
     lowers the largest block scale at the cost of a narrower lossless window.
     """
-    weight = weight.contiguous().view(torch.uint8)
-    scale = scale.contiguous().view(torch.uint8)
-    mxfp4.check_shapes(tuple(weight.shape), tuple(scale.shape))
+    mxfp4.check_shapes(weight.shape, scale.shape)
     if weight.shape[1] % 8:
         raise FormatError(f"packed row length {weight.shape[1]} is not a multiple of 8 bytes")
-    mxfp4.check_scales(scale.numpy())
+    mxfp4.check_scales(scale)
     m = global_exponent(k_max, top)
-    rel = scale.to(torch.int16) - (mxfp4.E8M0_BIAS + m)
-    if rel.numel() and int(rel.max()) > top:
+    # Block scale for each possible E8M0 byte: 2^(k - m), clamped below at 2^-9.
+    rel = np.arange(256) - (mxfp4.E8M0_BIAS + m)
+    if scale.size and int(scale.max()) - (mxfp4.E8M0_BIAS + m) > top:
         raise FormatError(f"a block exponent exceeds k_max={k_max}")
-    in_window = rel >= E4M3_MIN_EXPONENT
-    block_scale = _POW2_BYTES[(rel.clamp(min=E4M3_MIN_EXPONENT) - E4M3_MIN_EXPONENT).long()]
+    lut = _POW2_BYTES[np.clip(rel, E4M3_MIN_EXPONENT, E4M3_MAX_EXPONENT) - E4M3_MIN_EXPONENT]
+    block_scale = lut[scale]
+    # Each MXFP4 block of 32 is two NVFP4 blocks of 16 with the same scale: b * 257 = [b, b].
+    weight_scale = (block_scale.astype(np.uint16) * 257).view(np.uint8)
     codes = clear_negative_zero(weight)
-    below = ~in_window
-    n_below = int(below.sum())
-    exact_below = 0
-    if n_below:
-        exact_below = _requantize_below_window(weight, scale, codes, below, m)
+    below = scale < mxfp4.E8M0_BIAS + m + E4M3_MIN_EXPONENT
+    n_below = int(np.count_nonzero(below))
+    exact_below = _requantize_below_window(weight, scale, codes, below, m) if n_below else 0
     return CastResult(
         weight=codes,
-        weight_scale=block_scale.repeat_interleave(2, dim=1),
+        weight_scale=weight_scale,
         weight_scale_2=float(2.0**m),
-        blocks=scale.numel(),
-        exact_blocks=scale.numel() - n_below + exact_below,
+        blocks=scale.size,
+        exact_blocks=scale.size - n_below + exact_below,
         requantized_blocks=n_below - exact_below,
     )
 
@@ -113,16 +120,16 @@ def _requantize_below_window(weight, scale, codes, below, m) -> int:
     The arithmetic is float32 IEEE, value / (2^-9 * 2^m), so results (signs of underflowed zeros
     included) are those of a float quantizer fed the dequantized weights.
     """
-    rows, blocks = below.nonzero(as_tuple=True)
-    src = weight.view(weight.shape[0], -1, mxfp4.BLOCK // 2)[rows, blocks]           # [n, 16] bytes
-    nibbles = e2m1.unpack(src).numpy()                                                # [n, 32]
+    rows, blocks = np.nonzero(below)
+    src = weight.reshape(weight.shape[0], -1, mxfp4.BLOCK // 2)[rows, blocks]        # [n, 16] bytes
+    nibbles = np.stack([src & 0x0F, src >> 4], axis=-1).reshape(len(rows), mxfp4.BLOCK)
     lut = np.array(e2m1.MAGNITUDES + tuple(-v for v in e2m1.MAGNITUDES), dtype=np.float32)
-    exps = scale[rows, blocks].numpy().astype(np.int32) - mxfp4.E8M0_BIAS
+    exps = scale[rows, blocks].astype(np.int32) - mxfp4.E8M0_BIAS
     values = lut[nibbles] * np.exp2(exps.astype(np.float32))[:, None]
     denominator = np.float32(2.0**E4M3_MIN_EXPONENT) * np.float32(2.0**m)
     new = e2m1.round_to_nibbles(values / denominator)
-    out = codes.view(weight.shape[0], -1, mxfp4.BLOCK // 2)
-    out[rows, blocks] = e2m1.pack(torch.from_numpy(new))
+    out = codes.reshape(weight.shape[0], -1, mxfp4.BLOCK // 2)
+    out[rows, blocks] = new[:, 0::2] | (new[:, 1::2] << 4)
     restored = lut[new] * denominator
     return int((restored == values).all(axis=1).sum())
 

@@ -139,12 +139,13 @@ class Target:
         return {p: b / (6.0 * 448.0) for p, b in self._bounds[block].items()}
 
     def read_mxfp4(self, expert: Expert, tensors: dict[str, torch.Tensor], proj: str):
-        """(weight bytes, scale bytes) of one projection, with NaN scales reported by name."""
+        """(weight bytes, scale bytes) of one projection as uint8 numpy arrays, NaN scales reported
+        by name."""
         parts = expert.parts[proj]
-        weight = tensors[parts["weight"]].view(torch.uint8)
-        scale = tensors[parts["scale"]].view(torch.uint8)
+        weight = tensors[parts["weight"]].view(torch.uint8).numpy()
+        scale = tensors[parts["scale"]].view(torch.uint8).numpy()
         try:
-            mxfp4.check_scales(scale.numpy())
+            mxfp4.check_scales(scale)
         except FormatError as e:
             raise FormatError(str(e), file=self.source.shard_path(self.source.locations[parts["scale"]]),
                               tensor=parts["scale"]) from None

@@ -39,7 +39,7 @@ class NVFP4Target(Target):
 
     def encode_expert(self, expert: Expert, tensors: dict[str, torch.Tensor]):
         sources = {p: self.read_mxfp4(expert, tensors, p) for p in self.model.projections}
-        k_max = {p: mxfp4.max_exponent(scale.numpy()) for p, (_, scale) in sources.items()}
+        k_max = {p: mxfp4.max_exponent(scale) for p, (_, scale) in sources.items()}
         input_scales = self.input_scales(expert.block)
         out, stats = {}, Stats()
         for proj, (weight, scale) in sources.items():
@@ -50,8 +50,8 @@ class NVFP4Target(Target):
             except FormatError as e:
                 raise FormatError(str(e), tensor=expert.parts[proj]["weight"]) from None
             prefix = expert.prefixes[proj]
-            out[f"{prefix}.weight"] = cast.weight
-            out[f"{prefix}.weight_scale"] = cast.weight_scale
+            out[f"{prefix}.weight"] = torch.from_numpy(cast.weight)
+            out[f"{prefix}.weight_scale"] = torch.from_numpy(cast.weight_scale)
             out[f"{prefix}.weight_scale_2"] = torch.tensor(cast.weight_scale_2, dtype=torch.float32)
             out[f"{prefix}.input_scale"] = torch.tensor(input_scales[proj], dtype=torch.float32)
             stats.tensors_converted += 1

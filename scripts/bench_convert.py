@@ -1,0 +1,125 @@
+"""Benchmark: converting one full-size DeepSeek-V4-Flash layer shard vs copying it.
+
+Writes (once) a full-scale synthetic checkpoint whose one layer shard holds real data (the rest are
+holes), then times, alternating on the same disk: `cp` of that shard (+ fsync, as requant fsyncs),
+`requant`'s conversion of it with 1 and 2 workers (in a child process under /usr/bin/time -v, for
+peak RSS), and ModelOpt's reference cast on a few experts, extrapolated to the shard.
+
+    python scripts/bench_convert.py --workdir /tmp/requant-bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+SHARD_INDEX = 4  # layers.3: a bias-routed layer with the ratio-128 compressor
+
+CHILD = """
+import sys, time
+from tqdm import tqdm
+from requant.io.checkpoint import Checkpoint
+from requant.plan import make_plan
+from requant.convert import write_shard
+from requant.targets import Options
+src, dst, index, workers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+plan = make_plan(Checkpoint.open(src), "nvfp4", Options())
+start = time.perf_counter()
+with tqdm(disable=True) as bar:
+    stats = write_shard(plan, plan.shards[index], dst, workers, bar)
+print(f"SECONDS {time.perf_counter() - start:.3f} EXACT {stats.exact_blocks} BLOCKS {stats.blocks}")
+"""
+
+
+def timed(cmd: list[str]) -> tuple[float, str]:
+    start = time.perf_counter()
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return time.perf_counter() - start, out.stdout + out.stderr
+
+
+def copy_with_fsync(src: str, dst: str) -> float:
+    start = time.perf_counter()
+    subprocess.run(["cp", src, dst], check=True)
+    fd = os.open(dst, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    return time.perf_counter() - start
+
+
+def reference_seconds_per_expert(src_dir: str, experts: int) -> float:
+    import torch
+    from modelopt.torch.export.shard_cast_utils import build_w13_kmax_overrides, quantize_mxfp4_to_nvfp4_lossless
+    from requant.io.checkpoint import Checkpoint
+
+    ck = Checkpoint.open(src_dir)
+    block = f"layers.{SHARD_INDEX - 1}.ffn.experts"
+    start = time.perf_counter()
+    for e in range(experts):
+        bases = [f"{block}.{e}.{p}" for p in ("w1", "w3", "w2")]
+        kmax = build_w13_kmax_overrides(bases[:2], lambda b: ck.tensor(f"{b}.scale"), "cpu")
+        from requant.formats import mxfp4
+        kmax[bases[2]] = mxfp4.max_exponent(ck.tensor(f"{bases[2]}.scale").view(torch.uint8).numpy())
+        for b in bases:
+            quantize_mxfp4_to_nvfp4_lossless(ck.tensor(f"{b}.weight"), ck.tensor(f"{b}.scale"), kmax[b], "cpu")
+    return (time.perf_counter() - start) / experts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", default="/tmp/requant-bench")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reference-experts", type=int, default=2)
+    args = ap.parse_args()
+
+    from requant import synth
+
+    src = os.path.join(args.workdir, "src")
+    if not os.path.exists(os.path.join(src, "config.json")):
+        shutil.rmtree(src, ignore_errors=True)
+        print("writing a full-scale synthetic checkpoint (one layer shard with data)...", flush=True)
+        synth.write_checkpoint(src, synth.FULL_SCALE, seed=0, data_shards={SHARD_INDEX})
+    name = synth.shard_name(SHARD_INDEX, len(synth.layout(synth.FULL_SCALE)))
+    shard = os.path.join(src, name)
+    size = os.path.getsize(shard)
+    out = os.path.join(args.workdir, "out")
+    os.makedirs(out, exist_ok=True)
+    subprocess.run(["cat", shard], stdout=subprocess.DEVNULL, check=True)  # same warm cache for all
+
+    rows = {"cp": [], "requant w=1": [], "requant w=2": []}
+    rss = {}
+    exact = ""
+    for _ in range(args.rounds):
+        rows["cp"].append(copy_with_fsync(shard, os.path.join(out, "copy.safetensors")))
+        os.remove(os.path.join(out, "copy.safetensors"))
+        for workers in (1, 2):
+            cmd = ["/usr/bin/time", "-v", sys.executable, "-c", CHILD, src, out, str(SHARD_INDEX), str(workers)]
+            _, log = timed(cmd)
+            rows[f"requant w={workers}"].append(float(re.search(r"SECONDS ([\d.]+)", log).group(1)))
+            rss[workers] = max(rss.get(workers, 0), int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", log).group(1)))
+            exact = re.search(r"EXACT (\d+) BLOCKS (\d+)", log).groups()
+            os.remove(os.path.join(out, name))
+
+    ref = reference_seconds_per_expert(src, args.reference_experts)
+    experts = synth.FULL_SCALE.experts
+    cp_time = statistics.median(rows["cp"])
+    print(f"\nshard {name}: {size / 2**30:.2f} GiB, {experts} experts x 3 projections; "
+          f"exact blocks {int(exact[0]):,} / {int(exact[1]):,}")
+    print(f"{'method':<14}{'median s':>10}{'GiB/s':>8}{'x cp':>7}{'peak RSS MiB':>14}")
+    for label, times in rows.items():
+        t = statistics.median(times)
+        w = int(label[-1]) if label.startswith("requant") else None
+        print(f"{label:<14}{t:>10.2f}{size / t / 2**30:>8.2f}{t / cp_time:>7.2f}"
+              f"{(rss[w] / 1024 if w else float('nan')):>14.0f}")
+    best = min(statistics.median(rows["requant w=1"]), statistics.median(rows["requant w=2"]))
+    print(f"ModelOpt reference: {ref:.2f} s per expert ({args.reference_experts} timed) -> "
+          f"{ref * experts:.0f} s per shard, {ref * experts / best:.0f}x requant's best")
+
+
+if __name__ == "__main__":
+    main()
