@@ -31,17 +31,19 @@ def nvfp4_cast(packed1, scales1, packed3, scales3):
     out1, out3 = [], []
     for p1, s1, p3, s3 in zip(packed1, scales1, packed3, scales3):
         k_max = mxfp4.max_exponent(np.maximum(s1.numpy(), s3.numpy()))
-        out1.append(nvfp4.cast_from_mxfp4(p1, s1, k_max))
-        out3.append(nvfp4.cast_from_mxfp4(p3, s3, k_max))
+        out1.append(nvfp4.cast_from_mxfp4(p1.numpy(), s1.numpy(), k_max))
+        out3.append(nvfp4.cast_from_mxfp4(p3.numpy(), s3.numpy(), k_max))
     return [_stack_cast(out) for out in (out1, out3)]
 
 
 def nvfp4_cast_single(packed, scales):
-    return _stack_cast([nvfp4.cast_from_mxfp4(p, s, mxfp4.max_exponent(s.numpy())) for p, s in zip(packed, scales)])
+    return _stack_cast([nvfp4.cast_from_mxfp4(p.numpy(), s.numpy(), mxfp4.max_exponent(s.numpy()))
+                        for p, s in zip(packed, scales)])
 
 
 def _stack_cast(results) -> tuple[ExpertWeights, torch.Tensor]:
-    w = ExpertWeights("nvfp4", torch.stack([r.weight for r in results]), torch.stack([r.weight_scale for r in results]),
+    w = ExpertWeights("nvfp4", torch.stack([torch.as_tensor(r.weight) for r in results]),
+                      torch.stack([torch.as_tensor(r.weight_scale) for r in results]),
                       torch.tensor([r.weight_scale_2 for r in results], dtype=torch.float32))
     return w, nvfp4_dense(w)
 
