@@ -75,19 +75,27 @@ def _check_destination(plan: Plan, dst: str) -> None:
 
 
 def write_shard(plan: Plan, shard: ShardPlan, dst: str, workers: int, bar) -> Stats:
-    """Write one output shard: copies in the kernel, conversions on a pool of `workers` threads."""
+    """Write one output shard. Worker threads read and encode experts; this thread writes, so
+    disk writes overlap with encoding. Copies go through the kernel (copy_file_range)."""
     final = os.path.join(dst, shard.name)
     partial = final + PARTIAL_SUFFIX
     writer = ShardWriter(partial, shard.specs)
     stats = Stats()
     source = plan.source
 
-    def run(unit):
-        tensors = {name: source.tensor(name) for name in unit.inputs}
-        outputs, unit_stats = unit.encode(tensors)
-        for spec in unit.outputs:
-            writer.write(spec.name, outputs[spec.name])
-        return unit, unit_stats
+    def encode(unit):
+        outputs, unit_stats = unit.encode({name: source.tensor(name) for name in unit.inputs})
+        return unit, outputs, unit_stats
+
+    def drain(pending, mode):
+        done, rest = wait(pending, return_when=mode)
+        for future in done:
+            unit, outputs, unit_stats = future.result()
+            for spec in unit.outputs:
+                writer.write(spec.name, outputs[spec.name])
+            stats.add(unit_stats)
+            bar.update(sum(s.nbytes for s in unit.outputs))
+        return rest
 
     try:
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
@@ -98,10 +106,10 @@ def write_shard(plan: Plan, shard: ShardPlan, dst: str, workers: int, bar) -> St
                     writer.copy_from(unit.outputs[0].name, source.fd(source.locations[unit.inputs[0]]), info.start)
                     bar.update(info.nbytes)
                     continue
-                pending.add(pool.submit(run, unit))
-                if len(pending) >= 2 * max(1, workers):  # bounded: memory stays a few experts deep
-                    pending = _drain(pending, stats, bar, FIRST_COMPLETED)
-            _drain(pending, stats, bar, None)
+                pending.add(pool.submit(encode, unit))
+                if len(pending) > 2 * max(1, workers):  # bounded: memory stays a few experts deep
+                    pending = drain(pending, FIRST_COMPLETED)
+            drain(pending, ALL_COMPLETED)
         writer.close()
     except BaseException:
         writer.abort()
@@ -112,15 +120,6 @@ def write_shard(plan: Plan, shard: ShardPlan, dst: str, workers: int, bar) -> St
     fsync_dir(dst)
     bar.update(shard.file_size - sum(s.nbytes for s in shard.specs))  # header bytes
     return stats
-
-
-def _drain(pending, stats: Stats, bar, mode):
-    done, rest = wait(pending, return_when=mode or ALL_COMPLETED)
-    for future in done:
-        unit, unit_stats = future.result()
-        stats.add(unit_stats)
-        bar.update(sum(s.nbytes for s in unit.outputs))
-    return rest
 
 
 def _verify_written(path: str, shard: ShardPlan) -> None:

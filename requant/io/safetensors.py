@@ -146,18 +146,15 @@ def _parse_entry(path, name, entry, data_start, size) -> TensorInfo:
 
 def read_tensor(fd: int, info: TensorInfo, path: str = "?") -> torch.Tensor:
     """Read one tensor's bytes with pread and return it in its stored dtype."""
-    buf = bytearray(info.nbytes)
-    view = memoryview(buf)
+    buf = torch.empty(info.nbytes, dtype=torch.uint8)  # uninitialised: no zero-fill pass
+    view = memoryview(buf.numpy())
     done = 0
     while done < info.nbytes:
         n = os.preadv(fd, [view[done:]], info.start + done)
         if n <= 0:
             raise CheckpointError("unexpected end of file while reading tensor data", file=path, tensor=info.spec.name)
         done += n
-    itemsize, dtype = DTYPES[info.spec.dtype]
-    if info.nbytes == 0:
-        return torch.empty(info.spec.shape, dtype=dtype)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(info.spec.shape)
+    return buf.view(DTYPES[info.spec.dtype][1]).reshape(info.spec.shape)
 
 
 def encode_header(specs: list[TensorSpec], metadata: dict[str, str] | None = None) -> tuple[bytes, dict[str, int]]:
