@@ -111,20 +111,30 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
 @click.option("--in", "in_format", type=click.Choice(["mxfp4"]), default="mxfp4", show_default=True,
               help="Format of SRC's routed experts.")
 @click.option("--out", "out_format", type=click.Choice(sorted(TARGETS)), required=True,
-              help="nvfp4: NVIDIA's ModelOpt layout (Blackwell W4A4; Hopper via Marlin W4A16).")
-@click.option("--mtp", type=click.Choice(["keep", "convert"]), default="keep", show_default=True,
-              help="keep: MTP experts stay MXFP4, as in NVIDIA's release; convert: them too.")
+              help="nvfp4: NVIDIA's ModelOpt layout (Blackwell W4A4; Hopper via Marlin W4A16). "
+                   "w4a16: INT4 experts in compressed-tensors pack-quantized form (vLLM Marlin MoE, "
+                   "Ampere/Hopper); lossy, the summary reports SQNR vs the source.")
+@click.option("--mtp", type=click.Choice(["keep", "convert"]), default=None,
+              help="keep: MTP experts stay MXFP4, as in NVIDIA's release (nvfp4 default); convert: them "
+                   "too (w4a16 default and requirement: vLLM loads them with the INT4 group).")
 @click.option("--input-scale", type=float, default=None, help=INPUT_SCALE_HELP)
 @click.option("--scale-headroom", type=click.IntRange(0, 8), default=0, show_default=True,
               help="NVFP4: place the largest block scale at 2^(8-N) instead of 2^8. Guards vLLM's "
                    "Hopper Marlin path (fp16 scale conversion) at the cost of an N-step narrower lossless window.")
+@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default=None,
+              help="w4a16: K elements sharing one INT4 scale. 32 is the most accurate (about 3 dB over "
+                   "128), 128 the smallest; Marlin runs all three. Default 128.")
+@click.option("--scheme", type=click.Choice(["sym", "asym"]), default=None,
+              help="w4a16: sym (scale only, default) or asym (scale and zero point per group: 1-2.5 dB "
+                   "more accurate; needs a vLLM whose Marlin MoE loads zero points).")
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Threads encoding experts; more helps when the disk outruns one core.")
 @click.option("--dry-run", is_flag=True, help="Read headers only and print the plan; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary (or plan) as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
-def convert(src, dst, in_format, out_format, mtp, input_scale, scale_headroom, workers, dry_run, as_json, quiet):
+def convert(src, dst, in_format, out_format, mtp, input_scale, scale_headroom, group_size, scheme, workers, dry_run,
+            as_json, quiet):
     """Convert checkpoint SRC into a new directory DST.
 
     Routed experts are re-encoded; every other tensor is copied byte for byte; the index,
@@ -137,7 +147,12 @@ def convert(src, dst, in_format, out_format, mtp, input_scale, scale_headroom, w
 
     if input_scale is not None and not (0 < input_scale < float("inf")):
         raise RequantError(f"--input-scale must be a finite positive number, got {input_scale}")
-    options = Options(mtp=mtp, input_scale=input_scale, extra={"top_exponent": 8 - scale_headroom})
+    if (group_size or scheme) and out_format != "w4a16":
+        raise RequantError("--group-size and --scheme apply to --out w4a16 only")
+    extra = {"top_exponent": 8 - scale_headroom} if scale_headroom else {}
+    extra.update({k: v for k, v in (("group_size", group_size and int(group_size)), ("scheme", scheme)) if v})
+    mtp = mtp or getattr(TARGETS[out_format], "default_mtp", "keep")
+    options = Options(mtp=mtp, input_scale=input_scale, extra=extra)
     if dry_run:
         plan = convert_lib.plan_conversion(src, out_format, options, in_format)
         summary = convert_lib.describe_plan(plan, dst)

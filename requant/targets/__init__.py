@@ -166,6 +166,7 @@ class Target:
 
 def _load_builtin_targets() -> None:
     from requant.targets import nvfp4  # noqa: F401  (registers itself)
+    from requant.targets import w4a16  # noqa: F401  (registers itself)
 
 
 _load_builtin_targets()

@@ -1,0 +1,191 @@
+"""W4A16 INT4 experts in compressed-tensors' pack-quantized layout, for vLLM's Marlin MoE on
+Ampere/Hopper (formats.md section 3; the vLLM facts it relies on are listed in docs/w4a16.md).
+
+Routed experts (MTP block included) become INT4; every FP8-block linear keeps its E4M3 bytes and
+gets its E8M0 `.scale` re-typed, exactly, as an F32 `.weight_scale` (compressed-tensors' name);
+everything else is copied byte for byte.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import threading
+
+import torch
+
+from requant.errors import FormatError, UnsupportedError
+from requant.formats import int4, mxfp4
+from requant.io.safetensors import TensorSpec
+from requant.model import Expert
+from requant.targets import PRODUCER, Options, Stats, Target, Unit, register
+
+DEFAULT_GROUP = 128
+DEFAULT_SCHEME = "sym"
+FP8_BLOCK = [128, 128]
+ACCURACY_KEY = "requant_accuracy"   # inside quantization_config; no loader reads it
+# vLLM module names (regexes) of BF16 linears that must not match the FP8 class target.
+IGNORE = ["lm_head", r"re:.*\.compressor\..*", r"re:.*\.indexer\.weights_proj$"]
+
+
+def sqnr_db(signal: float, error: float) -> float | None:
+    if error <= 0:
+        return None if signal <= 0 else math.inf
+    return 10 * math.log10(signal / error)
+
+
+@register("w4a16")
+class W4A16Target(Target):
+    default_mtp = "convert"
+
+    def __init__(self, model, source, options: Options):
+        super().__init__(model, source, options)
+        extra = dict(options.extra)
+        self.group = int(extra.pop("group_size", None) or DEFAULT_GROUP)
+        self.scheme = extra.pop("scheme", None) or DEFAULT_SCHEME
+        if extra:
+            raise UnsupportedError(f"--out w4a16 takes no {', '.join(sorted(extra))} option (NVFP4 only)")
+        if options.input_scale is not None:
+            raise UnsupportedError("--input-scale applies to W4A4 targets; W4A16 keeps activations in BF16")
+        if options.mtp == "keep":
+            # vLLM builds the MTP block's experts from the same config group as the main ones.
+            raise UnsupportedError("--out w4a16 needs --mtp convert: vLLM's compressed-tensors path loads "
+                                   "the MTP experts with the INT4 group, so MXFP4 ones would not load")
+        if self.group not in int4.GROUP_SIZES or self.scheme not in int4.SCHEMES:
+            raise UnsupportedError(f"--group-size must be one of {int4.GROUP_SIZES} and --scheme one of {int4.SCHEMES}")
+        hidden, inter = model.value("hidden_size"), model.value("intermediate_size")
+        for name, size in (("hidden_size", hidden), ("moe_intermediate_size", inter)):
+            if size % self.group:
+                raise UnsupportedError(f"--group-size {self.group} does not divide {name}={size}; "
+                                       "Marlin needs whole groups")
+        self._accuracy_lock = threading.Lock()
+        self.accuracy = Stats()
+
+    # planning -------------------------------------------------------------------------------
+    def plan_expert(self, expert: Expert) -> Unit:
+        specs = self.source_expert_specs(expert)
+        outputs = []
+        for proj in self.model.projections:
+            weight, _ = specs[proj]
+            rows, k = weight.shape[0], weight.shape[1] * 2
+            prefix = expert.prefixes[proj]
+            outputs += [
+                TensorSpec(f"{prefix}.weight_packed", "I32", (rows, k // int4.PACK)),
+                TensorSpec(f"{prefix}.weight_scale", "BF16", (rows, k // self.group)),
+                TensorSpec(f"{prefix}.weight_shape", "I64", (2,)),
+            ]
+            if self.scheme == "asym":
+                outputs.append(TensorSpec(f"{prefix}.weight_zero_point", "I32", (rows // int4.PACK, k // self.group)))
+        inputs = [expert.parts[p][part] for p in self.model.projections for part in ("weight", "scale")]
+        return Unit(inputs, outputs, lambda tensors: self.encode_expert(expert, tensors))
+
+    def plan_tensor(self, spec: TensorSpec) -> Unit:
+        """FP8-block scales (E8M0 `.scale`) become compressed-tensors' F32 `.weight_scale`."""
+        if not (spec.name.endswith(".scale") and spec.dtype == "F8_E8M0"):
+            return super().plan_tensor(spec)
+        out = TensorSpec(spec.name[: -len("scale")] + "weight_scale", "F32", spec.shape)
+        return Unit([spec.name], [out], lambda tensors: self.encode_block_scale(spec.name, out.name, tensors))
+
+    # encoding -------------------------------------------------------------------------------
+    def encode_expert(self, expert: Expert, tensors: dict[str, torch.Tensor]):
+        out, stats = {}, Stats()
+        for proj in self.model.projections:
+            weight, scale = (torch.from_numpy(a) for a in self.read_mxfp4(expert, tensors, proj))
+            try:
+                enc = int4.encode_mxfp4(weight, scale, self.group, self.scheme)
+            except FormatError as e:
+                raise FormatError(str(e), tensor=expert.parts[proj]["weight"]) from None
+            rows, k = weight.shape[0], weight.shape[1] * 2
+            prefix = expert.prefixes[proj]
+            out[f"{prefix}.weight_packed"] = enc.packed
+            out[f"{prefix}.weight_scale"] = enc.scale
+            out[f"{prefix}.weight_shape"] = torch.tensor([rows, k], dtype=torch.int64)
+            if enc.zero_point is not None:
+                out[f"{prefix}.weight_zero_point"] = enc.zero_point
+            stats.tensors_converted += 1
+            stats.blocks += scale.numel()
+            stats.signal_energy += enc.signal_energy
+            stats.error_energy += enc.error_energy
+            acc = stats.per_layer.setdefault(expert.block, [0.0, 0.0])
+            acc[0] += enc.signal_energy
+            acc[1] += enc.error_energy
+        with self._accuracy_lock:
+            self.accuracy.add(stats)
+        return out, stats
+
+    def encode_block_scale(self, name: str, out_name: str, tensors: dict[str, torch.Tensor]):
+        scale = tensors[name].view(torch.uint8)
+        try:
+            mxfp4.check_scales(scale.numpy())
+        except FormatError as e:
+            raise FormatError(str(e), tensor=name) from None
+        return {out_name: e8m0_to_f32(scale)}, Stats()
+
+    # description ----------------------------------------------------------------------------
+    def expert_target(self) -> str:
+        """The regex matching the per-expert names vLLM probes (`<experts>.0.gate_proj`, ...)."""
+        experts = self.model.recipe["experts_module"].replace("{block}.", "")
+        names = "|".join(self.model.recipe["compressed_tensors_names"][p] for p in self.model.projections)
+        return rf"re:.*\.{re.escape(experts)}\.\d+\.({names})$"
+
+    def config(self, blocks: list[str]) -> dict:
+        config = copy.deepcopy(self.model.config)
+        source_qc = config.get("quantization_config") or {}
+        int4_args = {"num_bits": 4, "type": "int", "symmetric": self.scheme == "sym", "strategy": "group",
+                     "group_size": self.group, "dynamic": False, "actorder": None, "observer": "minmax"}
+        fp8_weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+                       "block_structure": FP8_BLOCK, "dynamic": False, "observer": "minmax"}
+        fp8_inputs = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",
+                      "group_size": FP8_BLOCK[1], "dynamic": True, "observer": None}
+        qc = {
+            "quant_method": "compressed-tensors",
+            "format": "mixed-precision",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {"targets": [self.expert_target()], "weights": int4_args,
+                            "input_activations": None, "output_activations": None, "format": "pack-quantized"},
+                # vLLM names the MTP e_proj/h_proj with an empty prefix, so only the class target
+                # reaches them; experts match group_0 by name first.
+                "group_1": {"targets": ["Linear"], "weights": fp8_weights, "input_activations": fp8_inputs,
+                            "output_activations": None, "format": "float-quantized"},
+            },
+            "ignore": list(IGNORE),
+            "kv_cache_scheme": None,
+            "producer": dict(PRODUCER),
+            ACCURACY_KEY: self.accuracy_summary(),
+        }
+        # DeepSeek-V4's attention reads quantization_config["scale_fmt"] directly.
+        if "scale_fmt" in source_qc:
+            qc["scale_fmt"] = source_qc["scale_fmt"]
+        config["quantization_config"] = qc
+        return config
+
+    def accuracy_summary(self) -> dict:
+        a = self.accuracy
+        return {
+            "reference": "dequantized MXFP4 source",
+            "group_size": self.group,
+            "scheme": self.scheme,
+            "tensors": a.tensors_converted,
+            "sqnr_db": _rounded(sqnr_db(a.signal_energy, a.error_energy)),
+            "per_block_sqnr_db": {b: _rounded(sqnr_db(s, e)) for b, (s, e) in a.per_layer.items()},
+        }
+
+    def summary(self, stats: Stats) -> str:
+        db = sqnr_db(stats.signal_energy, stats.error_energy)
+        worst = min(((sqnr_db(s, e), b) for b, (s, e) in stats.per_layer.items() if e > 0), default=None)
+        text = f"INT4 g{self.group} {self.scheme}: SQNR {db:.2f} dB vs the MXFP4 source" if db is not None \
+            else f"INT4 g{self.group} {self.scheme}: no expert data"
+        return text + (f", worst block {worst[1]} {worst[0]:.2f} dB" if worst else "")
+
+
+def _rounded(x: float | None) -> float | None:
+    return None if x is None or math.isinf(x) else round(x, 3)
+
+
+def e8m0_to_f32(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes -> the same powers of two as F32, bit-exact: byte b >= 1 is exponent field b,
+    byte 0 (2^-127) is the F32 subnormal with only mantissa bit 22 set."""
+    b = scale.view(torch.uint8).to(torch.int32)
+    return torch.where(b > 0, b << 23, torch.full_like(b, 1 << 22)).view(torch.float32)
