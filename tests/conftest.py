@@ -1,0 +1,45 @@
+"""Shared fixtures: small synthetic checkpoints written once per session and copied per test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from requant import synth
+
+SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared")
+FIXTURES = os.path.join(SHARED, "fixtures", "deepseek-v4-flash")
+
+
+def fixture_path(name: str) -> str:
+    """Path of a file from ../shared, or skip (saying so) where this checkout has none."""
+    path = os.path.join(FIXTURES, name)
+    if not os.path.exists(path):
+        pytest.skip(f"../shared fixtures not present ({path}); comparison with the real release skipped")
+    return path
+
+
+@pytest.fixture(scope="session")
+def small_source(tmp_path_factory) -> str:
+    """A default-size synthetic checkpoint with every hard case planted."""
+    path = str(tmp_path_factory.mktemp("src") / "ckpt")
+    synth.write_checkpoint(path, synth.Dims(), seed=1,
+                           hard=synth.HardCases(out_of_window=2, zero_blocks=2, neg_zero_blocks=1))
+    return path
+
+
+@pytest.fixture
+def source_copy(small_source, tmp_path) -> str:
+    """A private copy of the small checkpoint that a test may damage."""
+    path = str(tmp_path / "src")
+    shutil.copytree(small_source, path)
+    return path
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """Run the real console entry point in a child process, as a user would."""
+    return subprocess.run([sys.executable, "-m", "requant", *args], capture_output=True, text=True, timeout=300)
