@@ -128,6 +128,7 @@ class _Tables:
         tiny = self.z.expand(1, 16, -1)                                              # rounds to 0
         self.nibble = (torch.cat([q, tiny]) - QMIN).to(torch.uint8).flatten()          # stored q + 8
         self.n_d = len(d)
+        self.zero_index = int((self.z == 0).nonzero()[0])
 
 
 _TABLES: dict[tuple[int, str], _Tables] = {}
@@ -181,7 +182,7 @@ def encode_mxfp4(weight: torch.Tensor, scale: torch.Tensor, group_size: int = 12
         low, arg = err.min(0)
         pick[g0:g1] = arg
         best[g0:g1] = low.double()
-    pick = torch.where(empty, 0, pick)
+    pick = torch.where(empty, tables.zero_index, pick)               # all-zero groups: q = z = 0
     norm = torch.exp2(group_top.clamp(min=-126).double())
     scale_out = torch.where(empty, 1.0, tables.s[pick].double() * norm).to(torch.bfloat16)
     zero = torch.where(empty, 0.0, tables.z[pick])

@@ -45,7 +45,8 @@ class W4A16Target(Target):
         self.group = int(extra.pop("group_size", None) or DEFAULT_GROUP)
         self.scheme = extra.pop("scheme", None) or DEFAULT_SCHEME
         if extra:
-            raise UnsupportedError(f"--out w4a16 takes no {', '.join(sorted(extra))} option (NVFP4 only)")
+            raise UnsupportedError(f"--out w4a16 does not take NVFP4 options ({', '.join(sorted(extra))}: "
+                                   "--scale-headroom)")
         if options.input_scale is not None:
             raise UnsupportedError("--input-scale applies to W4A4 targets; W4A16 keeps activations in BF16")
         if options.mtp == "keep":
