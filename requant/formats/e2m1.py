@@ -21,16 +21,14 @@ def signed_values(dtype: torch.dtype = torch.float32, device=None) -> torch.Tens
     return torch.cat([mags, -mags])
 
 
-def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., K/2] -> nibbles uint8 [..., K] (even element from the low nibble)."""
+_PAIRS = torch.stack([signed_values()[torch.arange(256) & 0x0F], signed_values()[torch.arange(256) >> 4]], dim=1)
+
+
+def decode_packed(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> float32 values [..., K]: one table lookup per byte yields both elements."""
     packed = packed.view(torch.uint8)
-    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
-
-
-def pack(nibbles: torch.Tensor) -> torch.Tensor:
-    """nibbles uint8 [..., K] -> uint8 [..., K/2]."""
-    nibbles = nibbles.to(torch.uint8)
-    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    values = _PAIRS.to(packed.device).index_select(0, packed.reshape(-1).int())
+    return values.view(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def round_to_nibbles(x: np.ndarray) -> np.ndarray:

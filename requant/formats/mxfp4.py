@@ -48,12 +48,13 @@ def max_exponent(scales: np.ndarray) -> int | None:
 def decode(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Dequantize to float32 [out, K]. Plain torch, independent of the fast cast."""
     check_shapes(tuple(weight.shape), tuple(scale.shape))
-    values = e2m1.signed_values(device=weight.device)[e2m1.unpack(weight).long()]
-    exponents = scale.view(torch.uint8).to(torch.float32) - E8M0_BIAS
-    if (scale.view(torch.uint8) == E8M0_NAN).any():
+    scale = scale.view(torch.uint8)
+    if (scale == E8M0_NAN).any():
         raise FormatError("E8M0 scale is NaN (byte 0xFF)")
-    factors = torch.exp2(exponents).repeat_interleave(BLOCK, dim=-1)
-    return values * factors
+    rows, nblocks = scale.shape
+    values = e2m1.decode_packed(weight).view(rows, nblocks, BLOCK)
+    values *= torch.exp2(scale.to(torch.float32) - E8M0_BIAS)[..., None]
+    return values.view(rows, nblocks * BLOCK)
 
 
 def encode(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -139,6 +139,6 @@ def decode(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: flo
     rows, half_k = weight.shape
     if tuple(weight_scale.shape) != (rows, half_k * 2 // BLOCK):
         raise FormatError(f"weight_scale shape {list(weight_scale.shape)} does not match weight {list(weight.shape)}")
-    values = e2m1.signed_values(device=weight.device)[e2m1.unpack(weight).long()]
-    factors = weight_scale.view(torch.float8_e4m3fn).to(torch.float32).repeat_interleave(BLOCK, dim=-1)
-    return values * factors * float(weight_scale_2)
+    values = e2m1.decode_packed(weight).view(rows, -1, BLOCK)
+    values *= weight_scale.view(torch.float8_e4m3fn).to(torch.float32)[..., None] * float(weight_scale_2)
+    return values.view(rows, half_k * 2)
