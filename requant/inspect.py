@@ -44,7 +44,8 @@ def inspect_checkpoint(path: str) -> dict:
                 k: qc.get(k) for k in ("quant_method", "quant_algo", "moe_quant_algo", "group_size", "format")
                 if k in qc
             } | ({"quantized_layers": len(qc["quantized_layers"])} if "quantized_layers" in qc else {})
-              | ({"ignore": qc["ignore"]} if "ignore" in qc else {}),
+              | ({"ignore": qc["ignore"]} if "ignore" in qc else {})
+              | ({"sqnr_db_vs_source": qc["requant_accuracy"].get("sqnr_db")} if "requant_accuracy" in qc else {}),
             "expert_dtype": ck.config.get("expert_dtype"),
         }
 

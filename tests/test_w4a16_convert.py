@@ -99,6 +99,8 @@ def test_convert_w4a16_every_tensor(small_source, tmp_path, group, scheme):
     assert qc["requant_accuracy"]["sqnr_db"] == pytest.approx(sqnr, abs=0.01)
     assert sqnr > (20 if group == 32 else 16)
     assert json.loads(result.output)["tensors_converted"] == qc["requant_accuracy"]["tensors"]
+    shown = CliRunner().invoke(cli, ["inspect", dst, "--json"])
+    assert json.loads(shown.output)["quantization_config"]["sqnr_db_vs_source"] == qc["requant_accuracy"]["sqnr_db"]
 
 
 @pytest.mark.parametrize("args,why", [
