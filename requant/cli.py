@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shlex
 import sys
 
 import click
@@ -107,7 +108,7 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
 
 @cli.command()
 @click.argument("src", type=click.Path())
-@click.argument("dst", type=click.Path())
+@click.argument("dst", type=click.Path(), required=False)
 @click.option("--in", "in_format", type=click.Choice(["mxfp4"]), default="mxfp4", show_default=True,
               help="Format of SRC's routed experts.")
 @click.option("--out", "out_format", type=click.Choice(sorted(TARGETS)), required=True,
@@ -129,18 +130,23 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
                    "more accurate; needs a vLLM whose Marlin MoE loads zero points).")
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Threads encoding experts; more helps when the disk outruns one core.")
+@click.option("--in-place", is_flag=True, help="Convert SRC inside its own directory (no DST), shard by shard: "
+              "needs free space for one output shard plus the format's growth, not a second copy.")
+@click.option("--resume", is_flag=True, help="Continue the unfinished conversion journaled in DST (or SRC with "
+              "--in-place); the options must be the ones it started with.")
 @click.option("--dry-run", is_flag=True, help="Read headers only and print the plan; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary (or plan) as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
-def convert(src, dst, in_format, out_format, mtp, input_scale, scale_headroom, group_size, scheme, workers, dry_run,
-            as_json, quiet):
-    """Convert checkpoint SRC into a new directory DST.
+def convert(src, dst, in_format, out_format, mtp, input_scale, scale_headroom, group_size, scheme, workers, in_place,
+            resume, dry_run, as_json, quiet):
+    """Convert checkpoint SRC into a new directory DST, or in place with --in-place.
 
     Routed experts are re-encoded; every other tensor is copied byte for byte; the index,
     config.json (quantization_config) and format side files are rewritten; tokenizer, generation
-    config and other files are copied. DST is complete only once its index is written, so an
-    interrupted run never leaves something that loads.
+    config and other files are copied. A journal in the target makes the conversion resumable
+    (--resume) after a crash or Ctrl-C; until it finishes the target has no config.json and no
+    index, so nothing loads a half-converted directory.
     """
     from requant import convert as convert_lib
     from requant.targets import Options
@@ -149,18 +155,34 @@ def convert(src, dst, in_format, out_format, mtp, input_scale, scale_headroom, g
         raise RequantError(f"--input-scale must be a finite positive number, got {input_scale}")
     if (group_size or scheme) and out_format != "w4a16":
         raise RequantError("--group-size and --scheme apply to --out w4a16 only")
+    if in_place == (dst is not None):
+        raise RequantError("give DST, or --in-place to convert SRC inside its own directory (not both)")
     extra = {"top_exponent": 8 - scale_headroom} if scale_headroom else {}
     extra.update({k: v for k, v in (("group_size", group_size and int(group_size)), ("scheme", scheme)) if v})
     mtp = mtp or getattr(TARGETS[out_format], "default_mtp", "keep")
     options = Options(mtp=mtp, input_scale=input_scale, extra=extra)
     if dry_run:
         plan = convert_lib.plan_conversion(src, out_format, options, in_format)
-        summary = convert_lib.describe_plan(plan, dst)
+        summary = convert_lib.describe_plan(plan, dst, in_place)
         click.echo(json.dumps(summary, indent=2) if as_json else convert_lib.format_plan(summary))
         return
-    result = convert_lib.convert(src, dst, out_format, options, in_format, workers, progress=not quiet)
+    result = convert_lib.convert(src, dst, out_format, options, in_format, workers, progress=not quiet, resume=resume,
+                                 resume_hint=_resume_command(click.get_current_context()))
     summary = convert_lib.describe_result(result)
     click.echo(json.dumps(summary, indent=2) if as_json else convert_lib.format_result(summary))
+
+
+def _resume_command(ctx: click.Context) -> str:
+    """This convert command as the user would retype it to resume: arguments and the options
+    that shape the output."""
+    args = ["requant", "convert", ctx.params["src"]] + ([ctx.params["dst"]] if ctx.params["dst"] else [])
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if (not isinstance(param, click.Option) or param.name in ("resume", "dry_run", "as_json", "quiet")
+                or value in (None, False) or value == param.default):
+            continue
+        args += [param.opts[0]] if param.is_flag else [param.opts[0], str(value)]
+    return shlex.join(args + ["--resume"])
 
 
 @cli.command()

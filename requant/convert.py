@@ -1,11 +1,17 @@
 """The conversion pipeline: plan from metadata, then stream tensors shard by shard.
 
-Output shards are written under a temporary name, fsynced, read back and renamed; config files and
-the index come last, so a directory without its index is never a loadable checkpoint.
+Every conversion keeps a journal in its target directory (see io/journal.py), so a killed run
+resumes where it stopped and ends byte-identical to an uninterrupted one. Each output shard is
+written under a temporary name, fsynced, read back and renamed (in place: over its source
+shard); config files and the index come last, and the journal goes only after them. While the
+journal exists the directory has no config.json/index of either format, so nothing loads it.
 """
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import json
 import os
 import shutil
 import time
@@ -14,10 +20,12 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from requant import __version__
 from requant.errors import CheckpointError, RequantError
-from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, resolve_inside
-from requant.io.fsutil import atomic_write_json, free_bytes, fsync_dir
-from requant.io.safetensors import ShardWriter, read_header
+from requant.io import journal
+from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, read_json, resolve_inside
+from requant.io.fsutil import DirLock, atomic_write_json, fault_point, free_bytes, fsync_dir, remove_quietly
+from requant.io.safetensors import ShardWriter, encode_header, read_header
 from requant.plan import Plan, ShardPlan, make_plan
 from requant.targets import Options, Stats
 
@@ -33,55 +41,253 @@ class Result:
     seconds: float
 
 
+class Stopped(RequantError):
+    """A conversion that stopped after its journal was written: its work is kept for --resume."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def plan_conversion(src: str, out_format: str, options: Options, in_format: str = "mxfp4") -> Plan:
     return make_plan(Checkpoint.open(src), out_format, options, in_format)
 
 
-def convert(src: str, dst: str, out_format: str, options: Options, in_format: str = "mxfp4",
-            workers: int = 1, progress: bool = True) -> Result:
-    """Convert checkpoint `src` into a new directory `dst`."""
+def convert(src: str, dst: str | None, out_format: str, options: Options, in_format: str = "mxfp4",
+            workers: int = 1, progress: bool = True, resume: bool = False, resume_hint: str | None = None) -> Result:
+    """Convert checkpoint `src` into directory `dst`, or in place when `dst` is None.
+
+    `resume` continues the unfinished conversion journaled in the target; without it, a target
+    holding a journal is refused. `resume_hint` is the command that resumes (for messages).
+    """
     started = time.monotonic()
-    plan = plan_conversion(src, out_format, options, in_format)
-    _check_destination(plan, dst)
-    created = not os.path.exists(dst)
-    os.makedirs(dst, exist_ok=True)
-    stats = Stats()
+    in_place = dst is None
+    target = src if in_place else dst
+    hint = resume_hint or f"requant convert {src} {dst or '--in-place'} --in {in_format} --out {out_format} --resume"
+    request = {"format": journal.FORMAT, "requant": __version__, "mode": "in-place" if in_place else "out-of-place",
+               "options": _jsonable({"in": in_format, "out": out_format, "mtp": options.mtp,
+                                     "input_scale": options.input_scale, "extra": options.extra}),
+               "resume": hint}
+    if not in_place:
+        _check_overlap(src, dst)
+    created = not in_place and not os.path.exists(dst)
+    if created:
+        os.makedirs(dst)
+    locks, plan, journaled = [], None, False
     try:
-        with tqdm(total=plan.output_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-                  desc="converting", disable=not progress, dynamic_ncols=True) as bar:
-            for shard in plan.shards:
-                stats.add(write_shard(plan, shard, dst, workers, bar))
-        copy_ancillary(plan.source.path, dst, set(plan.source.shard_names))
-        finish_metadata(plan, dst)
-    except BaseException:
-        _discard_output(dst, created, plan)
+        locks.append(DirLock(target, exclusive=True, what="a conversion writes there"))
+        if not in_place:   # an in-place conversion would pull the source from under us
+            locks.append(DirLock(src, exclusive=False, what="an in-place conversion of it"))
+        resume = resume and journal.exists(target)   # nothing journaled yet: --resume starts afresh
+        source, snapshot = _open_source(src, target, in_place, resume, request)
+        journaled = resume
+        plan = make_plan(source, out_format, options, in_format)
+        entries = {e["name"]: e for e in snapshot["shards"]}
+        _drop_leftovers(plan, target)
+        done = [_shard_done(shard, target, in_place, entries[shard.name]) for shard in plan.shards]
+        _check_space(plan, target, in_place, done)
+        if not resume:
+            request["shards"] = [{"name": s.name, "done": False, "stats": None} for s in plan.shards]
+            journal.create(target, snapshot, request)
+            journaled = True
+        record = journal.load(target)[0]
+        for is_done, state in zip(done, record["shards"]):
+            state["done"] = state["done"] or is_done   # renamed, then stopped before the journal said so
+        if in_place:
+            _set_aside_source_metadata(target, source)
+        return _run(plan, target, in_place, record, entries, workers, progress, started)
+    except KeyboardInterrupt:
+        if journaled:
+            raise Stopped(_stopped("interrupted", target), 130) from None
         raise
+    except (RequantError, OSError) as e:
+        if not journaled or isinstance(e, Stopped):
+            raise
+        message = str(e) if isinstance(e, RequantError) else f"{e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}"
+        raise Stopped(_stopped(message, target), getattr(e, "exit_code", 1)) from None
     finally:
-        plan.source.close()
-    return Result(plan, stats, plan.input_bytes, _dir_tensor_bytes(dst, plan), time.monotonic() - started)
+        if plan is not None:
+            plan.source.close()
+        if created and not journaled:
+            shutil.rmtree(dst, ignore_errors=True)
+        for lock in reversed(locks):
+            lock.release()
 
 
-def _check_destination(plan: Plan, dst: str) -> None:
-    src = os.path.realpath(plan.source.path)
-    real = os.path.realpath(dst)
-    if real == src or real.startswith(src + os.sep) or src.startswith(real + os.sep):
-        raise RequantError(f"destination {dst} overlaps the source {plan.source.path}")
-    if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
-        raise RequantError(f"destination {dst} exists and is not an empty directory")
-    need = plan.output_bytes
-    have = free_bytes(dst)
+def _stopped(why: str, target: str) -> str:
+    return f"{why}; {journal.progress_message(target)} (finished shards are kept)"
+
+
+def _jsonable(obj):
+    return json.loads(json.dumps(obj))
+
+
+def _check_overlap(src: str, dst: str) -> None:
+    src_real, real = os.path.realpath(src), os.path.realpath(dst)
+    if real == src_real or real.startswith(src_real + os.sep) or src_real.startswith(real + os.sep):
+        raise RequantError(f"destination {dst} overlaps the source {src} (use --in-place to convert in place)")
+
+
+def _open_source(src: str, target: str, in_place: bool, resume: bool, request: dict) -> tuple[Checkpoint, dict]:
+    """The source checkpoint and its snapshot: from the journal when resuming (in place, the
+    converted shards' sources are gone), after checking that this is the same conversion."""
+    if not resume:
+        if journal.exists(target):
+            raise RequantError(f"{target} holds an unfinished conversion ({journal.progress_message(target)}); "
+                               f"or delete {journal.path_of(target)} and its shards to start over")
+        if not in_place and set(os.listdir(target)) - {journal.JOURNAL_DIR}:
+            raise RequantError(f"destination {target} exists and is not an empty directory")
+        source = Checkpoint.open(src)
+        return source, source.snapshot()
+    try:
+        record, snapshot = journal.load(target)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    for key, what in (("requant", "requant version"), ("mode", "mode"), ("options", "options")):
+        if record.get(key) != request[key]:
+            raise RequantError(f"cannot resume: the conversion in {target} was started with {what} {record.get(key)}, "
+                               f"this run asks for {request[key]}; rerun with the original settings, or delete "
+                               f"{journal.path_of(target)} and its shards to start over")
+    if not in_place:
+        with Checkpoint.open(src) as current:
+            changes = _source_changes(snapshot, current.snapshot())
+        if changes:
+            raise CheckpointError(f"cannot resume: the source changed since the conversion began ({'; '.join(changes)})",
+                                  file=src)
+    return Checkpoint.from_snapshot(src, snapshot), snapshot
+
+
+def _source_changes(old: dict, new: dict) -> list[str]:
+    changes = [f"{what} differs" for key, what in (("config", CONFIG_NAME), ("weight_map", INDEX_NAME),
+                                                    ("index_metadata", INDEX_NAME + " metadata"))
+               if old[key] != new[key]]
+    before, after = ({s["name"]: s for s in snap["shards"]} for snap in (old, new))
+    for name in sorted(set(before) | set(after)):
+        if before.get(name) != after.get(name):
+            changes.append(f"shard {name} " + ("appeared" if name not in before else "is gone" if name not in after
+                                               else "has a different header, size or modification time"))
+    return changes
+
+
+def _matches(path: str, size: int, header: bytes, mtime_ns: int | None = None) -> bool:
+    """Whether the file at `path` has this size, header bytes (and modification time)."""
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            head = f.read(len(header))
+    except FileNotFoundError:
+        return False
+    return st.st_size == size and head == header and mtime_ns in (None, st.st_mtime_ns)
+
+
+def _drop_leftovers(plan: Plan, target: str) -> None:
+    """Temporaries of a run that was killed: half-written shards and metadata files. The lock
+    says no other process is writing them."""
+    names = [s.name + PARTIAL_SUFFIX for s in plan.shards]
+    prefixes = tuple(f"{n}.tmp-" for n in (INDEX_NAME, CONFIG_NAME, *plan.target.extra_files(plan.blocks)))
+    for entry in os.listdir(target):
+        if entry in names or entry.startswith(prefixes):
+            remove_quietly(os.path.join(target, entry))
+
+
+def _shard_done(shard: ShardPlan, target: str, in_place: bool, entry: dict) -> bool:
+    """Whether the target already holds this shard's planned output. In place, a shard must be
+    either converted or still exactly its recorded source."""
+    final = os.path.join(target, shard.name)
+    if _matches(final, shard.file_size, encode_header(shard.specs)[0]):
+        return True
+    if in_place and not _matches(final, entry["size"], base64.b64decode(entry["header"]), entry["mtime_ns"]):
+        raise CheckpointError("matches neither the source shard recorded in the journal nor its planned conversion: "
+                              "the directory changed since the conversion began", file=final)
+    return False
+
+
+def space_needed(plan: Plan, in_place: bool, done: list[bool] | None = None) -> tuple[int, int, int]:
+    """(free bytes needed, largest output shard, growth) for the shards not yet done.
+
+    In place, shard k's output is written while its source still exists, after the shards
+    before it have grown or shrunk: the peak is the largest of (growth so far + output k)."""
+    pending = [s for s, d in zip(plan.shards, done or [False] * len(plan.shards)) if not d]
+    largest = max((s.file_size for s in pending), default=0)
+    if not in_place:
+        total = sum(s.file_size for s in pending)
+        return total, largest, total
+    need = growth = 0
+    for s in pending:
+        need = max(need, growth + s.file_size)
+        growth += s.file_size - plan.source.headers[s.name].file_size
+    return need, largest, growth
+
+
+def _check_space(plan: Plan, target: str, in_place: bool, done: list[bool]) -> None:
+    need, largest, growth = space_needed(plan, in_place, done)
+    have = free_bytes(target)
     if have < need:
-        raise RequantError(f"not enough free space for {dst}: need {need:,} bytes, {have:,} available")
+        how = (f"the largest output shard is {largest:,} and the format grows the rest by {growth:,}" if in_place
+               else f"{sum(1 for d in done if not d)} shards to write")
+        raise RequantError(f"not enough free space in {target}: need {need:,} bytes ({how}), {have:,} available")
 
 
-def write_shard(plan: Plan, shard: ShardPlan, dst: str, workers: int, bar) -> Stats:
+def _set_aside_source_metadata(target: str, source: Checkpoint) -> None:
+    """In place, the source's index and config.json live on in the journal's snapshot; removing
+    them leaves nothing a loader could open until the converted ones are written."""
+    for name, original in ((INDEX_NAME, {"metadata": source.index_metadata, "weight_map": source.weight_map}),
+                           (CONFIG_NAME, source.config)):
+        path = os.path.join(target, name)
+        if not os.path.exists(path):
+            continue
+        try:
+            found = read_json(path)
+        except CheckpointError:
+            continue
+        if name == INDEX_NAME:
+            found = {"metadata": found.get("metadata") or {}, "weight_map": found.get("weight_map")}
+        if found == original:
+            os.remove(path)
+            fsync_dir(target)
+            fault_point()
+
+
+def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, workers: int, progress: bool,
+         started: float) -> Result:
+    stats = Stats()
+    with tqdm(total=plan.output_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+              desc="converting", disable=not progress, dynamic_ncols=True) as bar:
+        for shard, state in zip(plan.shards, record["shards"]):
+            if state["done"]:
+                if in_place:   # its pass-through tensors are read from the converted file now
+                    plan.source.relocate(shard.name, read_header(os.path.join(target, shard.name)))
+                if state["stats"]:
+                    stats.add(_stats_from(state["stats"]))
+                bar.update(shard.file_size)
+                continue
+            shard_stats = write_shard(plan, shard, target, workers, bar, entries[shard.name], in_place)
+            state.update(done=True, stats=dataclasses.asdict(shard_stats))
+            journal.save(target, record)
+            stats.add(shard_stats)
+    if not in_place:
+        copy_ancillary(plan.source.path, target, set(plan.source.shard_names))
+    finish_metadata(plan, target)
+    journal.remove(target)
+    return Result(plan, stats, plan.input_bytes, _dir_tensor_bytes(target, plan), time.monotonic() - started)
+
+
+def _stats_from(d: dict) -> Stats:
+    return Stats(**d)
+
+
+def write_shard(plan: Plan, shard: ShardPlan, target: str, workers: int, bar, entry: dict,
+                in_place: bool = False) -> Stats:
     """Write one output shard. Worker threads read and encode experts; this thread writes, so
     disk writes overlap with encoding. Copies go through the kernel (copy_file_range)."""
-    final = os.path.join(dst, shard.name)
+    final = os.path.join(target, shard.name)
     partial = final + PARTIAL_SUFFIX
+    source = plan.source
+    source_path = source.reads[shard.name].path if shard.name in source.reads else source.shard_path(shard.name)
+    _check_unchanged(source_path, entry)
     writer = ShardWriter(partial, shard.specs)
     stats = Stats()
-    source = plan.source
+    half = len(shard.units) // 2
 
     def encode(unit):
         outputs, unit_stats = unit.encode({name: source.tensor(name) for name in unit.inputs})
@@ -98,12 +304,15 @@ def write_shard(plan: Plan, shard: ShardPlan, dst: str, workers: int, bar) -> St
         return rest
 
     try:
+        fault_point()
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             pending = set()
-            for unit in shard.units:
+            for i, unit in enumerate(shard.units):
+                if i == half:
+                    fault_point()
                 if unit.encode is None:
-                    info = source.info(unit.inputs[0])
-                    writer.copy_from(unit.outputs[0].name, source.fd(source.locations[unit.inputs[0]]), info.start)
+                    fd, info = source.locate(unit.inputs[0])
+                    writer.copy_from(unit.outputs[0].name, fd, info.start)
                     bar.update(info.nbytes)
                     continue
                 pending.add(pool.submit(encode, unit))
@@ -111,15 +320,27 @@ def write_shard(plan: Plan, shard: ShardPlan, dst: str, workers: int, bar) -> St
                     pending = drain(pending, FIRST_COMPLETED)
             drain(pending, ALL_COMPLETED)
         writer.close()
+        fault_point()
+        _verify_written(partial, shard)
+        _check_unchanged(source_path, entry)   # nothing rewrote the source while it was read
     except BaseException:
         writer.abort()
-        _remove(partial)
+        remove_quietly(partial)
         raise
-    _verify_written(partial, shard)
     os.replace(partial, final)
-    fsync_dir(dst)
+    fsync_dir(target)
+    if in_place:   # the source is gone; its pass-through tensors now live in the new file
+        source.relocate(shard.name, read_header(final))
+    fault_point()
     bar.update(shard.file_size - sum(s.nbytes for s in shard.specs))  # header bytes
     return stats
+
+
+def _check_unchanged(path: str, entry: dict) -> None:
+    st = os.stat(path)
+    if st.st_size != entry["size"] or entry["mtime_ns"] not in (None, st.st_mtime_ns):
+        raise CheckpointError("source shard was modified since the conversion began (its size or modification time "
+                              "differs from the journal's record); restore it, or start over", file=path)
 
 
 def _verify_written(path: str, shard: ShardPlan) -> None:
@@ -131,7 +352,7 @@ def _verify_written(path: str, shard: ShardPlan) -> None:
 
 def copy_ancillary(src: str, dst: str, shard_names: set[str]) -> None:
     """Copy tokenizer files, generation config, reference code...: everything but the weights and
-    the metadata the conversion rewrites. Hidden entries (caches, VCS) are skipped."""
+    the metadata the conversion rewrites. Hidden entries (caches, VCS, the journal) are skipped."""
     skip = shard_names | {INDEX_NAME, CONFIG_NAME, "hf_quant_config.json"}
     for entry in sorted(os.listdir(src)):
         if entry in skip or entry.startswith("."):
@@ -158,26 +379,7 @@ def _dir_tensor_bytes(dst: str, plan: Plan) -> int:
     return sum(os.path.getsize(os.path.join(dst, s.name)) for s in plan.shards)
 
 
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
-def _discard_output(dst: str, created: bool, plan: Plan) -> None:
-    """After a failure, leave nothing that could pass for a finished conversion."""
-    if created:
-        shutil.rmtree(dst, ignore_errors=True)
-        return
-    for shard in plan.shards:
-        _remove(os.path.join(dst, shard.name))
-        _remove(os.path.join(dst, shard.name + PARTIAL_SUFFIX))
-    for name in (INDEX_NAME, CONFIG_NAME, *plan.target.extra_files(plan.blocks)):
-        _remove(os.path.join(dst, name))
-
-
-def describe_plan(plan: Plan, dst: str) -> dict:
+def describe_plan(plan: Plan, dst: str | None, in_place: bool = False) -> dict:
     return {
         "source": plan.source.path,
         "source_format": plan.source_format,
@@ -188,8 +390,8 @@ def describe_plan(plan: Plan, dst: str) -> dict:
         "output_tensors": sum(len(s.specs) for s in plan.shards),
         "input_bytes": plan.input_bytes,
         "output_bytes": plan.output_bytes,
-        "free_bytes_needed": plan.output_bytes,
-        "free_bytes_available": free_bytes(dst),
+        "free_bytes_needed": space_needed(plan, in_place)[0],
+        "free_bytes_available": free_bytes(plan.source.path if in_place else dst),
     }
 
 

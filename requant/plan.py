@@ -54,7 +54,7 @@ class Plan:
 
     @property
     def input_bytes(self) -> int:
-        return sum(os.path.getsize(self.source.shard_path(s)) for s in self.source.shard_names)
+        return sum(h.file_size for h in self.source.headers.values())
 
 
 def expert_format(model: ModelSpec, source: Checkpoint, experts: list[Expert]) -> str | None:

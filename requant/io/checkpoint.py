@@ -6,15 +6,18 @@ read on demand with pread.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from requant.errors import CheckpointError
-from requant.io.safetensors import Header, TensorInfo, read_header, read_tensor
+from requant.io import journal
+from requant.io.safetensors import Header, TensorInfo, parse_header, read_header, read_tensor
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
@@ -66,37 +69,55 @@ class Checkpoint:
     path: str
     config: dict
     shard_names: list[str]                          # in index order of first appearance
-    headers: dict[str, Header]                      # shard name -> header
+    headers: dict[str, Header]                      # shard name -> header (as planned from)
     locations: dict[str, str] = field(default_factory=dict)  # tensor name -> shard name
     index_metadata: dict = field(default_factory=dict)
+    weight_map: dict | None = None                  # the index's, None for a single-file checkpoint
+    # Where each shard's bytes are read from now: its header, unless its file was replaced by a
+    # converted shard (in place) or is a downloaded copy (streamed from the Hub).
+    reads: dict[str, Header] | None = None
     _fds: dict[str, int] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self):
+        if self.reads is None:
+            self.reads = dict(self.headers)
 
     @classmethod
     def open(cls, path: str) -> "Checkpoint":
         if not os.path.isdir(path):
             raise CheckpointError("not a directory", file=path)
+        if journal.exists(path):
+            raise CheckpointError(journal.progress_message(path), file=path)
         config = read_json(os.path.join(path, CONFIG_NAME))
         index_path = os.path.join(path, INDEX_NAME)
         if os.path.exists(index_path):
             index = read_json(index_path)
-            weight_map = index.get("weight_map")
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise CheckpointError("weight_map is missing or not a map of tensor name to shard file", file=index_path)
-            index_metadata = index.get("metadata") or {}
         elif os.path.exists(os.path.join(path, SINGLE_FILE_NAME)):
-            weight_map, index_metadata = None, {}
+            index = None
         else:
             raise CheckpointError(f"neither {INDEX_NAME} nor {SINGLE_FILE_NAME} found", file=path)
-        shard_names = list(dict.fromkeys(weight_map.values())) if weight_map is not None else [SINGLE_FILE_NAME]
         headers = {}
-        for shard in shard_names:
+        for shard in shard_names_of(path, index):
             shard_path = resolve_inside(path, shard, "shard")
             if not os.path.isfile(shard_path):
                 raise CheckpointError("shard named by the index is missing", file=shard_path)
             headers[shard] = read_header(shard_path)
+        return cls.from_parts(path, config, index, headers)
+
+    @classmethod
+    def from_parts(cls, path: str, config: dict, index: dict | None, headers: dict[str, Header]) -> "Checkpoint":
+        """A checkpoint from its config, index (None: single file) and shard headers, checked for
+        agreement: every tensor in exactly one shard, where the index says."""
+        index_path = os.path.join(path, INDEX_NAME)
+        shard_names = shard_names_of(path, index)
+        weight_map = index["weight_map"] if index is not None else None
+        index_metadata = (index.get("metadata") or {}) if index is not None else {}
+        if not isinstance(index_metadata, dict):
+            raise CheckpointError("metadata is not an object", file=index_path)
         locations = {}
-        for shard, header in headers.items():
-            for name in header.tensors:
+        for shard in shard_names:
+            for name in headers[shard].tensors:
                 if name in locations:
                     raise CheckpointError(f"tensor also stored in {locations[name]}", file=os.path.join(path, shard), tensor=name)
                 locations[name] = shard
@@ -109,7 +130,26 @@ class Checkpoint:
                 if name not in weight_map:
                     raise CheckpointError("tensor stored in a shard but missing from the index",
                                           file=os.path.join(path, shard), tensor=name)
-        return cls(path, config, shard_names, headers, locations, index_metadata)
+        return cls(path, config, shard_names, headers, locations, index_metadata, weight_map)
+
+    @classmethod
+    def from_snapshot(cls, path: str, snapshot: dict) -> "Checkpoint":
+        """The checkpoint recorded in a conversion journal, whatever its files hold now."""
+        headers = {s["name"]: parse_header(base64.b64decode(s["header"]), s["size"], os.path.join(path, s["name"]))
+                   for s in snapshot["shards"]}
+        index = {"metadata": snapshot["index_metadata"], "weight_map": snapshot["weight_map"]} \
+            if snapshot["weight_map"] is not None else None
+        return cls.from_parts(path, snapshot["config"], index, headers)
+
+    def snapshot(self) -> dict:
+        """Everything needed to rebuild this checkpoint's plan without its files (see journal.py)."""
+        shards = []
+        for name in self.shard_names:
+            st = os.stat(self.shard_path(name))
+            shards.append({"name": name, "size": self.headers[name].file_size, "mtime_ns": st.st_mtime_ns,
+                           "header": base64.b64encode(self.headers[name].raw).decode()})
+        return {"config": self.config, "weight_map": self.weight_map, "index_metadata": self.index_metadata,
+                "shards": shards}
 
     @property
     def names(self) -> list[str]:
@@ -121,16 +161,39 @@ class Checkpoint:
     def shard_path(self, shard: str) -> str:
         return os.path.join(self.path, shard)
 
-    def fd(self, shard: str) -> int:
-        if shard not in self._fds:
-            self._fds[shard] = os.open(self.shard_path(shard), os.O_RDONLY)
-        return self._fds[shard]
+    def relocate(self, shard: str, header: Header | None) -> None:
+        """Read `shard`'s tensors from `header`'s file from now on (None: nowhere). Closes the old
+        file, so a replaced or deleted shard's space is freed at once."""
+        with self._lock:
+            fd = self._fds.pop(shard, None)
+        if fd is not None:
+            os.close(fd)
+        if header is None:
+            self.reads.pop(shard, None)
+        else:
+            self.reads[shard] = header
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def locate(self, name: str) -> tuple[int, TensorInfo]:
+        """An open file and the byte range holding tensor `name` now."""
         if name not in self.locations:
             raise CheckpointError("tensor not in checkpoint", file=self.path, tensor=name)
         shard = self.locations[name]
-        return read_tensor(self.fd(shard), self.info(name), self.shard_path(shard))
+        header = self.reads.get(shard)
+        info = header.tensors.get(name) if header else None
+        if info is None or info.spec != self.info(name).spec:
+            raise CheckpointError("its source bytes are no longer available (shard already converted or not fetched)",
+                                  file=self.shard_path(shard), tensor=name)
+        return self.fd(shard), info
+
+    def fd(self, shard: str) -> int:
+        with self._lock:   # worker threads read tensors
+            if shard not in self._fds:
+                self._fds[shard] = os.open(self.reads[shard].path, os.O_RDONLY)
+            return self._fds[shard]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        fd, info = self.locate(name)
+        return read_tensor(fd, info, self.reads[self.locations[name]].path)
 
     @property
     def tensor_bytes(self) -> int:
@@ -146,3 +209,15 @@ class Checkpoint:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def shard_names_of(path: str, index: dict | None) -> list[str]:
+    """Shard files in order of first appearance in the index's weight map."""
+    if index is None:
+        return [SINGLE_FILE_NAME]
+    weight_map = index.get("weight_map")
+    if (not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values())
+            or not isinstance(index.get("metadata") or {}, dict)):
+        raise CheckpointError("weight_map is missing or not a map of tensor name to shard file",
+                              file=os.path.join(path, INDEX_NAME))
+    return list(dict.fromkeys(weight_map.values()))

@@ -73,6 +73,7 @@ class Header:
     metadata: dict[str, str]
     data_start: int
     file_size: int
+    raw: bytes = b""                 # the header bytes as stored, length prefix included
 
 
 def read_header(path: str) -> Header:
@@ -80,34 +81,50 @@ def read_header(path: str) -> Header:
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError("file is shorter than a safetensors header", file=path)
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > MAX_HEADER_BYTES:
-                raise CheckpointError(f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit", file=path)
-            if 8 + header_len > size:
-                raise CheckpointError(f"header length {header_len} runs past the end of the file ({size} bytes): truncated?", file=path)
-            raw = f.read(header_len)
+            raw = read_header_bytes(f, size, path)
     except OSError as e:
         raise CheckpointError(f"cannot read: {e.strerror}", file=path) from None
+    return parse_header(raw, size, path)
+
+
+def read_header_bytes(f, size: int, path: str) -> bytes:
+    """The length prefix and JSON of a safetensors file, checked against the file's size."""
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise CheckpointError("file is shorter than a safetensors header", file=path)
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > MAX_HEADER_BYTES:
+        raise CheckpointError(f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit", file=path)
+    if 8 + header_len > size:
+        raise CheckpointError(f"header length {header_len} runs past the end of the file ({size} bytes): truncated?", file=path)
+    raw = f.read(header_len)
+    if len(raw) != header_len:
+        raise CheckpointError("file shrank while its header was read", file=path)
+    return prefix + raw
+
+
+def parse_header(raw: bytes, size: int, path: str) -> Header:
+    """Validate header bytes (length prefix included) of a file of `size` bytes.
+
+    Gaps between tensors and a first tensor past offset 0 are legal safetensors; overlaps are not.
+    """
+    data_start = len(raw)
     try:
-        entries = json.loads(raw, object_pairs_hook=_reject_duplicates)
-    except (ValueError, UnicodeDecodeError) as e:
+        entries = json.loads(raw[8:], object_pairs_hook=_reject_duplicates)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"header is not valid JSON ({str(e).splitlines()[0]})", file=path) from None
     if not isinstance(entries, dict):
         raise CheckpointError("header is not a JSON object", file=path)
     metadata = entries.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
         raise CheckpointError("__metadata__ is not an object", file=path)
-    data_start = 8 + header_len
     infos = [_parse_entry(path, name, entry, data_start, size) for name, entry in entries.items()]
     infos.sort(key=lambda i: (i.start, i.end))
     for prev, cur in zip(infos, infos[1:]):
         if cur.start < prev.end:
             raise CheckpointError(f"byte range overlaps tensor {prev.spec.name}", file=path, tensor=cur.spec.name)
     return Header(path=path, tensors={i.spec.name: i for i in infos}, metadata=metadata,
-                  data_start=data_start, file_size=size)
+                  data_start=data_start, file_size=size, raw=raw)
 
 
 def _reject_duplicates(pairs):

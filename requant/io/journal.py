@@ -1,0 +1,88 @@
+"""The conversion journal: what a resumed conversion must know, kept in the target directory.
+
+`<target>/.requant-convert/source.json` is written once, before anything changes: the source's
+config, index and every shard header (raw bytes) with its size and mtime. It is the source's
+fingerprint and, for in-place and streamed conversions whose source shards disappear, all the
+plan needs to be rebuilt. `journal.json` beside it is small and rewritten atomically after each
+step: mode, options, requant version, the digest of source.json and each shard's state.
+While this folder exists the directory is an unfinished conversion, never a checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+from requant.io.fsutil import atomic_write, atomic_write_json, fsync_dir
+
+JOURNAL_DIR = ".requant-convert"
+JOURNAL = "journal.json"
+SNAPSHOT = "source.json"
+FORMAT = 1
+
+
+def path_of(target: str, name: str = "") -> str:
+    return os.path.join(target, JOURNAL_DIR, name) if name else os.path.join(target, JOURNAL_DIR)
+
+
+def exists(target: str) -> bool:
+    """Whether `target` holds an unfinished conversion (a lone source.json is a start that never
+    got as far as changing anything)."""
+    return os.path.isfile(path_of(target, JOURNAL))
+
+
+def canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def digest(obj) -> str:
+    return hashlib.sha256(canonical(obj)).hexdigest()
+
+
+def create(target: str, snapshot: dict, journal: dict) -> None:
+    """Write source.json, then journal.json: a journal exists only once its snapshot is durable."""
+    os.makedirs(path_of(target), exist_ok=True)
+    fsync_dir(target)
+    # Key order is kept: config.json and the index are rebuilt from it byte for byte.
+    atomic_write(path_of(target, SNAPSHOT), json.dumps(snapshot, separators=(",", ":")).encode())
+    journal["snapshot_sha256"] = digest(snapshot)
+    save(target, journal)
+
+
+def save(target: str, journal: dict) -> None:
+    atomic_write_json(path_of(target, JOURNAL), journal)
+
+
+def load(target: str) -> tuple[dict, dict]:
+    """(journal, snapshot); ValueError with a reason when either is unreadable or they disagree."""
+    try:
+        with open(path_of(target, JOURNAL), "rb") as f:
+            journal = json.load(f)
+        with open(path_of(target, SNAPSHOT), "rb") as f:
+            snapshot = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"the journal in {path_of(target)} cannot be read ({e})") from None
+    if not isinstance(journal, dict) or journal.get("format") != FORMAT:
+        raise ValueError(f"{path_of(target, JOURNAL)} is not a requant journal of format {FORMAT}")
+    if journal.get("snapshot_sha256") != digest(snapshot):
+        raise ValueError(f"{path_of(target, SNAPSHOT)} does not match its journal")
+    return journal, snapshot
+
+
+def progress_message(target: str) -> str:
+    """What `inspect` and loaders-through-requant say about an unfinished directory."""
+    try:
+        with open(path_of(target, JOURNAL), "rb") as f:
+            journal = json.load(f)
+        done = sum(1 for s in journal["shards"] if s["done"])
+        return (f"conversion in progress: {done} of {len(journal['shards'])} shards, "
+                f"resume with `{journal['resume']}`")
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"conversion in progress (its journal {path_of(target)} is unreadable)"
+
+
+def remove(target: str) -> None:
+    shutil.rmtree(path_of(target))
+    fsync_dir(target)

@@ -1,0 +1,120 @@
+"""Crash safety: kill -9 at every durable step, in place and out of place, then resume; the result
+must be byte-identical to an uninterrupted run, and at every kill point every tensor must exist in
+its old or its new form while nothing in the target looks like a finished checkpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import shutil
+import signal
+
+import pytest
+
+from requant import synth
+from requant.convert import convert
+from requant.io import fsutil, journal
+from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
+from requant.errors import CheckpointError
+from requant.targets import Options
+
+DIMS = synth.Dims(layers=3, experts=6)
+_ctx = multiprocessing.get_context("forkserver")
+_ctx.set_forkserver_preload(["requant.convert"])   # each child forks with torch already imported
+
+
+def tree(path: str) -> dict[str, str]:
+    out = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            p = os.path.join(root, name)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, path)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(source, tree of an uninterrupted conversion)."""
+    base = tmp_path_factory.mktemp("resume")
+    src = str(base / "src")
+    synth.write_checkpoint(src, DIMS, seed=3, hard=synth.HardCases(out_of_window=1, zero_blocks=1, neg_zero_blocks=1))
+    convert(src, str(base / "clean"), "nvfp4", Options(), progress=False)
+    return src, tree(str(base / "clean"))
+
+
+def count_steps(monkeypatch, *args) -> int:
+    monkeypatch.setenv("REQUANT_TEST_FAULT", f"kill@{10**9}")
+    monkeypatch.setattr(fsutil, "_fault_steps", 0)
+    convert(*args, "nvfp4", Options(), progress=False)
+    monkeypatch.delenv("REQUANT_TEST_FAULT")
+    return fsutil._fault_steps
+
+
+def _child(src, dst, fault):
+    os.environ["REQUANT_TEST_FAULT"] = fault
+    convert(src, dst, "nvfp4", Options(), progress=False, resume=True)
+
+
+def run_killed(src, dst, step: int) -> None:
+    p = _ctx.Process(target=_child, args=(src, dst, f"kill@{step}"))
+    p.start()
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL, f"step {step}: child ended with {p.exitcode}"
+
+
+def check_intermediate(target: str, src_tree: dict, clean: dict, in_place: bool, step: int) -> None:
+    """Every shard is its old or its new self; an unfinished target never opens as a checkpoint."""
+    now = tree(target)
+    shards = [n for n in clean if n.endswith(".safetensors")]
+    for name in shards:
+        allowed = {clean[name]} | ({src_tree[name]} if in_place else set())
+        assert now.get(name) in allowed | ({None} if not in_place else set()), f"step {step}: {name} is neither"
+    if not journal.exists(target):   # stopped before anything changed
+        rest = {n: d for n, d in now.items() if not n.startswith(journal.JOURNAL_DIR + "/")}
+        assert rest == (src_tree if in_place else {}), f"step {step}: changed before the journal existed"
+        return
+    with pytest.raises(CheckpointError, match="conversion in progress"):
+        Checkpoint.open(target)
+    if all(now.get(n) == clean[n] for n in shards):
+        return
+    if in_place and all(now[n] == src_tree[n] for n in shards):   # nothing converted yet: still the source
+        assert all(now.get(m) in (None, src_tree[m]) for m in (INDEX_NAME, CONFIG_NAME)), f"step {step}"
+    else:
+        assert INDEX_NAME not in now, f"step {step}: an index beside unconverted shards"
+        assert not in_place or CONFIG_NAME not in now, f"step {step}: config.json beside unconverted shards"
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["out-of-place", "in-place"])
+def test_kill_at_every_step_then_resume(tiny, tmp_path, monkeypatch, in_place):
+    src, clean = tiny
+    src_tree = tree(src)
+
+    def fresh(name):
+        if not in_place:
+            return src, str(tmp_path / name)
+        shutil.copytree(src, tmp_path / name)
+        return str(tmp_path / name), None
+
+    steps = count_steps(monkeypatch, *fresh("count"))
+    assert steps >= 20
+    for step in range(1, steps + 1):
+        a, b = fresh(f"k{step}")
+        target = b or a
+        run_killed(a, b, step)
+        check_intermediate(target, src_tree, clean, in_place, step)
+        convert(a, b, "nvfp4", Options(), progress=False, resume=True)
+        assert tree(target) == clean, f"step {step}: resumed output differs from an uninterrupted run"
+        shutil.rmtree(target)
+    print(f"{'in place' if in_place else 'out of place'}: killed at {steps} steps, all resumed byte-identical")
+
+
+def test_killed_twice_resumes(tiny, tmp_path):
+    """A resume that is itself killed resumes again."""
+    src, clean = tiny
+    dst = str(tmp_path / "dst")
+    run_killed(src, dst, 12)
+    run_killed(src, dst, 9)
+    convert(src, dst, "nvfp4", Options(), progress=False, resume=True)
+    assert tree(dst) == clean
