@@ -85,6 +85,8 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
         entries = {e["name"]: e for e in snapshot["shards"]}
         _drop_leftovers(plan, target)
         done = [_shard_done(shard, target, in_place, entries[shard.name]) for shard in plan.shards]
+        ancillary = [] if in_place else ancillary_files(src, set(plan.source.shard_names))
+        metadata = final_metadata(plan)
         _check_space(plan, target, in_place, done)
         if not resume:
             request["shards"] = [{"name": s.name, "done": False, "stats": None} for s in plan.shards]
@@ -95,7 +97,7 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
             state["done"] = state["done"] or is_done   # renamed, then stopped before the journal said so
         if in_place:
             _set_aside_source_metadata(target, source)
-        return _run(plan, target, in_place, record, entries, workers, progress, started)
+        return _run(plan, target, in_place, record, entries, ancillary, metadata, workers, progress, started)
     except KeyboardInterrupt:
         if journaled:
             raise Stopped(_stopped("interrupted", target), 130) from None
@@ -184,7 +186,7 @@ def _drop_leftovers(plan: Plan, target: str) -> None:
     """Temporaries of a run that was killed: half-written shards and metadata files. The lock
     says no other process is writing them."""
     names = [s.name + PARTIAL_SUFFIX for s in plan.shards]
-    prefixes = tuple(f"{n}.tmp-" for n in (INDEX_NAME, CONFIG_NAME, *plan.target.extra_files(plan.blocks)))
+    prefixes = tuple(f"{n}.tmp-" for n in final_metadata(plan))
     for entry in os.listdir(target):
         if entry in names or entry.startswith(prefixes):
             remove_quietly(os.path.join(target, entry))
@@ -248,8 +250,8 @@ def _set_aside_source_metadata(target: str, source: Checkpoint) -> None:
             fault_point()
 
 
-def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, workers: int, progress: bool,
-         started: float) -> Result:
+def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, ancillary: list[str],
+         metadata: dict[str, dict], workers: int, progress: bool, started: float) -> Result:
     stats = Stats()
     with tqdm(total=plan.output_bytes, unit="B", unit_scale=True, unit_divisor=1024,
               desc="converting", disable=not progress, dynamic_ncols=True) as bar:
@@ -266,8 +268,8 @@ def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, w
             journal.save(target, record)
             stats.add(shard_stats)
     if not in_place:
-        copy_ancillary(plan.source.path, target, set(plan.source.shard_names))
-    finish_metadata(plan, target)
+        copy_ancillary(plan.source.path, target, ancillary)
+    finish_metadata(target, metadata)
     journal.remove(target)
     return Result(plan, stats, plan.input_bytes, _dir_tensor_bytes(target, plan), time.monotonic() - started)
 
@@ -350,29 +352,46 @@ def _verify_written(path: str, shard: ShardPlan) -> None:
         raise CheckpointError("written shard does not read back as planned", file=path)
 
 
-def copy_ancillary(src: str, dst: str, shard_names: set[str]) -> None:
-    """Copy tokenizer files, generation config, reference code...: everything but the weights and
-    the metadata the conversion rewrites. Hidden entries (caches, VCS, the journal) are skipped."""
+def ancillary_files(src: str, shard_names: set[str]) -> list[str]:
+    """Tokenizer files, generation config, reference code...: every file but the weights and the
+    metadata the conversion rewrites, as paths relative to `src`. Hidden entries (caches, VCS,
+    the journal) are skipped; a symlink leading out of the checkpoint is refused up front."""
     skip = shard_names | {INDEX_NAME, CONFIG_NAME, "hf_quant_config.json"}
-    for entry in sorted(os.listdir(src)):
-        if entry in skip or entry.startswith("."):
-            continue
-        path = resolve_inside(src, entry)
-        target = os.path.join(dst, entry)
-        if os.path.isdir(path):
-            shutil.copytree(path, target, symlinks=False, dirs_exist_ok=True)
-        else:
-            shutil.copyfile(path, target)
+    found = []
+
+    def walk(rel: str) -> None:
+        for entry in sorted(os.listdir(resolve_inside(src, rel) if rel else src)):
+            name = os.path.join(rel, entry)
+            if entry.startswith(".") or (not rel and entry in skip):
+                continue
+            path = resolve_inside(src, name)
+            if os.path.isdir(path):
+                walk(name)
+            elif os.path.isfile(path):
+                found.append(name)
+    walk("")
+    return found
 
 
-def finish_metadata(plan: Plan, dst: str) -> None:
-    """config.json and sibling files, then the index: the last write makes the output loadable."""
-    for name, content in plan.target.extra_files(plan.blocks).items():
-        atomic_write_json(os.path.join(dst, name), content)
-    atomic_write_json(os.path.join(dst, CONFIG_NAME), plan.target.config(plan.blocks))
-    metadata = dict(plan.source.index_metadata)
-    metadata["total_size"] = plan.total_size
-    atomic_write_json(os.path.join(dst, INDEX_NAME), {"metadata": metadata, "weight_map": plan.weight_map})
+def copy_ancillary(src: str, dst: str, files: list[str]) -> None:
+    for name in files:
+        os.makedirs(os.path.dirname(os.path.join(dst, name)), exist_ok=True)
+        shutil.copyfile(resolve_inside(src, name), os.path.join(dst, name))
+
+
+def final_metadata(plan: Plan) -> dict[str, dict]:
+    """The JSON files written last, in order: format side files, config.json, then the index
+    (whose arrival makes the output loadable). Built at planning time, so they cannot fail late."""
+    files = dict(plan.target.extra_files(plan.blocks))
+    files[CONFIG_NAME] = plan.target.config(plan.blocks)
+    files[INDEX_NAME] = {"metadata": {**plan.source.index_metadata, "total_size": plan.total_size},
+                         "weight_map": plan.weight_map}
+    return files
+
+
+def finish_metadata(target: str, files: dict[str, dict]) -> None:
+    for name, content in files.items():
+        atomic_write_json(os.path.join(target, name), content)
 
 
 def _dir_tensor_bytes(dst: str, plan: Plan) -> int:

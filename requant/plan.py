@@ -70,6 +70,7 @@ def expert_format(model: ModelSpec, source: Checkpoint, experts: list[Expert]) -
 
 def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: str = "mxfp4") -> Plan:
     model = ModelSpec.for_config(source.config, os.path.join(source.path, "config.json"))
+    _check_config_values(model)
     experts = model.group_experts(source.names)
     found = expert_format(model, source, experts)
     if found is None:
@@ -114,6 +115,24 @@ def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: 
                 units.append(unit)
         shards.append(ShardPlan(shard_name, units))
     return Plan(source, model, target, shards, blocks, found, counts)
+
+
+def _check_config_values(model: ModelSpec) -> None:
+    """config.json comes from strangers too: what requant computes with or extends must have
+    the right type."""
+    if not isinstance(model.config.get("quantization_config", {}), dict):
+        raise FormatError("config.json: quantization_config is not an object")
+    for role, config_key in model.recipe["config_keys"].items():
+        if config_key not in model.config:
+            continue
+        value = model.config[config_key]
+        if role in ("swiglu_limit", "routed_scaling_factor"):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+        else:
+            ok = type(value) is int and value >= 0
+        if not ok:
+            raise FormatError(f"config.json: {config_key} is {value!r}, not a "
+                              f"{'positive number' if role in ('swiglu_limit', 'routed_scaling_factor') else 'count'}")
 
 
 def _check_against_config(model: ModelSpec, source: Checkpoint, expert: Expert) -> None:

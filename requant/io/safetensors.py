@@ -143,7 +143,7 @@ def _parse_entry(path, name, entry, data_start, size) -> TensorInfo:
     if not isinstance(entry, dict):
         raise bad("header entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise bad(f"unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise bad(f"invalid shape {shape!r}")
