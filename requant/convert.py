@@ -140,6 +140,10 @@ def _open_source(src: str, target: str, in_place: bool, resume: bool, request: d
         if not in_place and set(os.listdir(target)) - {journal.JOURNAL_DIR}:
             raise RequantError(f"destination {target} exists and is not an empty directory")
         source = Checkpoint.open(src)
+        links = [n for n in source.shard_names if os.path.islink(source.shard_path(n))] if in_place else []
+        if links:   # replacing a link would leave its target (e.g. a Hugging Face cache blob) behind
+            raise RequantError(f"cannot convert in place: {source.shard_path(links[0])} is a symbolic link "
+                               "(a Hugging Face cache snapshot?); convert it to a new directory instead")
         return source, source.snapshot()
     try:
         record, snapshot = journal.load(target)

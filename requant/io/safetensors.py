@@ -248,13 +248,17 @@ class ShardWriter:
             src, dst, remaining = src + n, dst + n, remaining - n
 
     def close(self) -> None:
+        fd, self.fd = self.fd, -1
         try:
-            os.fsync(self.fd)
+            os.fsync(fd)
         finally:
-            os.close(self.fd)
+            os.close(fd)
 
     def abort(self) -> None:
-        os.close(self.fd)
+        """Close without syncing; a no-op after close()."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _pwrite_all(fd: int, data, offset: int) -> int:

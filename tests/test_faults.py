@@ -1,0 +1,243 @@
+"""Disk full, read-only targets, Ctrl-C, a source changed under the conversion, two conversions at
+once, short free space, mismatched resumes: each a clean error, nothing corrupted, and (where the
+cause is gone) a resume that ends byte-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+from click.testing import CliRunner
+
+from requant import convert as convert_mod
+from requant import synth
+from requant.cli import cli
+from requant.io import fsutil, journal
+from requant.io.fsutil import DirLock
+from tests.test_resume import tree
+
+DIMS = synth.Dims(layers=3, experts=6)
+INDEX = "model.safetensors.index.json"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    base = tmp_path_factory.mktemp("faults")
+    src = str(base / "src")
+    synth.write_checkpoint(src, DIMS, seed=4)
+    assert invoke(src, str(base / "clean")).exit_code == 0
+    return src, tree(str(base / "clean"))
+
+
+def invoke(src, dst=None, *extra):
+    args = ["convert", src, *([dst] if dst else ["--in-place"]), "--out", "nvfp4", "--quiet", *extra]
+    result = CliRunner().invoke(cli, args)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    return result
+
+
+def one_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("requant: error:"), result.stderr
+    return lines[0]
+
+
+def at_step(monkeypatch, n: int, action) -> None:
+    """Run `action()` at the pipeline's Nth durable step (the crash-test hook's numbering)."""
+    calls = {"n": 0}
+
+    def hook():
+        calls["n"] += 1
+        if calls["n"] == n:
+            action()
+    monkeypatch.setattr(convert_mod, "fault_point", hook)
+    monkeypatch.setattr(fsutil, "fault_point", hook)
+
+
+def workdir(tiny, tmp_path, in_place):
+    if in_place:
+        shutil.copytree(tiny[0], tmp_path / "ip")
+        return str(tmp_path / "ip"), None
+    return tiny[0], str(tmp_path / "dst")
+
+
+# Out of place: steps 1-4 write the journal, each shard has 6 (start, middle, fsynced, renamed,
+# journal write, journal written), then two per metadata file. 6 = middle of shard 1;
+# 43 = halfway through writing config.json; 45 = halfway through the index.
+@pytest.mark.parametrize("step", [6, 17, 43, 45])
+def test_disk_full_then_resume(tiny, tmp_path, monkeypatch, step):
+    src, dst = workdir(tiny, tmp_path, False)
+    monkeypatch.setenv("REQUANT_TEST_FAULT", f"enospc@{step}")
+    monkeypatch.setattr(fsutil, "_fault_steps", 0)
+    result = invoke(src, dst)
+    assert result.exit_code == 1
+    line = one_line(result)
+    assert "No space left on device" in line and "resume with" in line and "--resume" in line
+    assert not os.path.exists(os.path.join(dst, INDEX))
+    assert not [n for n in os.listdir(dst) if ".partial" in n or ".tmp-" in n], "temporaries left behind"
+    monkeypatch.delenv("REQUANT_TEST_FAULT")
+    assert invoke(src, dst, "--resume").exit_code == 0
+    assert tree(dst) == tiny[1]
+
+
+def test_disk_full_in_place_then_resume(tiny, tmp_path, monkeypatch):
+    src, _ = workdir(tiny, tmp_path, True)
+    monkeypatch.setenv("REQUANT_TEST_FAULT", "enospc@13")
+    monkeypatch.setattr(fsutil, "_fault_steps", 0)
+    result = invoke(src)
+    assert result.exit_code == 1 and "No space left" in one_line(result)
+    inspect = CliRunner().invoke(cli, ["inspect", src])
+    assert inspect.exit_code == 1 and "conversion in progress" in inspect.stderr and "--in-place" in inspect.stderr
+    monkeypatch.delenv("REQUANT_TEST_FAULT")
+    assert invoke(src, None, "--resume").exit_code == 0
+    assert tree(src) == tiny[1]
+
+
+def _mount_tmpfs(path: str, size: str) -> None:
+    os.makedirs(path)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root); the hook-driven disk-full tests cover the logic")
+
+
+def test_real_disk_full_on_tmpfs(tiny, tmp_path, monkeypatch):
+    """A real ENOSPC from the kernel: a filler file takes the space the plan counted on."""
+    mnt = str(tmp_path / "mnt")
+    _mount_tmpfs(mnt, "8m")
+    try:
+        dst, filler = os.path.join(mnt, "dst"), os.path.join(mnt, "filler")
+
+        def fill():
+            with open(filler, "wb") as f:
+                try:
+                    while True:
+                        f.write(b"\0" * 65536)
+                        f.flush()
+                except OSError:
+                    pass
+        at_step(monkeypatch, 11, fill)   # start of shard 2
+        result = invoke(tiny[0], dst)
+        assert result.exit_code == 1 and "No space left on device" in one_line(result)
+        assert not os.path.exists(os.path.join(dst, INDEX))
+        os.remove(filler)
+        monkeypatch.undo()
+        assert invoke(tiny[0], dst, "--resume").exit_code == 0
+        assert tree(dst) == tiny[1]
+    finally:
+        subprocess.run(["umount", mnt], check=False)
+
+
+def test_read_only_destination(tiny, tmp_path):
+    mnt = str(tmp_path / "ro")
+    _mount_tmpfs(mnt, "1m")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
+        result = invoke(tiny[0], os.path.join(mnt, "dst"))
+        assert result.exit_code == 1 and "Read-only file system" in one_line(result)
+        assert os.listdir(mnt) == []
+    finally:
+        subprocess.run(["umount", mnt], check=False)
+
+
+def test_read_only_in_place(tiny, tmp_path):
+    mnt = str(tmp_path / "ro")
+    _mount_tmpfs(mnt, "16m")
+    try:
+        shutil.copytree(tiny[0], os.path.join(mnt, "ck"))
+        before = tree(mnt)
+        subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
+        result = invoke(os.path.join(mnt, "ck"))
+        assert result.exit_code == 1 and "Read-only file system" in one_line(result)
+        assert tree(mnt) == before
+    finally:
+        subprocess.run(["umount", mnt], check=False)
+
+
+def test_interrupt_stops_cleanly_and_resumes(tiny, tmp_path, monkeypatch):
+    src, dst = workdir(tiny, tmp_path, False)
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+    at_step(monkeypatch, 12, ctrl_c)   # middle of shard 2
+    result = invoke(src, dst, "--workers", "2")
+    assert result.exit_code == 130
+    line = one_line(result)
+    assert "interrupted" in line and f"requant convert {src} {dst} --out nvfp4 --workers 2 --resume" in line
+    monkeypatch.undo()
+    assert invoke(src, dst, "--workers", "2", "--resume").exit_code == 0
+    assert tree(dst) == tiny[1]
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["out-of-place", "in-place"])
+def test_source_modified_during_conversion(tiny, tmp_path, monkeypatch, in_place):
+    shutil.copytree(tiny[0], tmp_path / "src")   # this test damages its source
+    src, dst = str(tmp_path / "src"), None if in_place else str(tmp_path / "dst")
+    shard = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))[1]
+
+    def modify():   # someone rewrites the shard being read
+        with open(os.path.join(src, shard), "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            f.write(b"\x01")
+    at_step(monkeypatch, 12 if not in_place else 6, modify)
+    result = invoke(src, dst)
+    assert result.exit_code == 1 and "was modified since the conversion began" in one_line(result)
+    monkeypatch.undo()
+    again = invoke(src, dst, "--resume")
+    assert again.exit_code == 1 and "changed since the conversion began" in one_line(again) \
+        or "matches neither" in one_line(again)
+
+
+def test_second_conversion_is_refused(tiny, tmp_path):
+    src, dst = workdir(tiny, tmp_path, False)
+    os.makedirs(dst)
+    lock = DirLock(dst, exclusive=True, what="test")
+    try:
+        result = invoke(src, dst)
+        assert result.exit_code == 1 and "in use by another requant process" in one_line(result)
+        inplace = DirLock(src, exclusive=False, what="test")   # an out-of-place run reads src...
+        try:   # ...so converting src in place at the same time is refused
+            assert "in use" in one_line(invoke(src))
+        finally:
+            inplace.release()
+    finally:
+        lock.release()
+    assert invoke(src, dst).exit_code == 0
+
+
+def test_refusals_that_protect_the_journal(tiny, tmp_path, monkeypatch):
+    src, dst = workdir(tiny, tmp_path, False)
+    monkeypatch.setenv("REQUANT_TEST_FAULT", "enospc@20")
+    monkeypatch.setattr(fsutil, "_fault_steps", 0)
+    assert invoke(src, dst).exit_code == 1
+    monkeypatch.delenv("REQUANT_TEST_FAULT")
+    assert "unfinished conversion" in one_line(invoke(src, dst))            # no --resume
+    assert "options" in one_line(invoke(src, dst, "--resume", "--mtp", "convert"))
+    assert "mode" in one_line(invoke(dst, None, "--resume"))                # not an in-place journal
+    assert journal.exists(dst)
+    assert invoke(src, dst, "--resume").exit_code == 0 and tree(dst) == tiny[1]
+
+
+def test_not_enough_space_is_refused_with_numbers(tiny, tmp_path, monkeypatch):
+    src, dst = workdir(tiny, tmp_path, True)
+    monkeypatch.setattr(convert_mod, "free_bytes", lambda path: 1000)
+    line = one_line(invoke(src))
+    assert "not enough free space" in line and "1,000 available" in line and "largest output shard" in line
+    assert tree(src) == tree(tiny[0])
+    line = one_line(invoke(tiny[0], str(tmp_path / "o")))
+    assert "not enough free space" in line and not os.path.exists(tmp_path / "o")
+
+
+def test_in_place_peak_is_one_shard_plus_growth(tiny, tmp_path):
+    plan = convert_mod.plan_conversion(tiny[0], "nvfp4", convert_mod.Options())
+    need, largest, growth = convert_mod.space_needed(plan, in_place=True)
+    assert largest <= need <= largest + max(growth, 0) and need < plan.output_bytes / 2
+    plan.source.close()
+
+
+def test_in_place_refuses_symlinked_shards(tiny, tmp_path):
+    src, _ = workdir(tiny, tmp_path, True)
+    shard = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))[0]
+    os.rename(os.path.join(src, shard), os.path.join(src, ".blob"))
+    os.symlink(".blob", os.path.join(src, shard))
+    assert "symbolic link" in one_line(invoke(src))
