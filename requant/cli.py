@@ -133,14 +133,18 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
 @click.option("--in-place", is_flag=True, help="Convert SRC inside its own directory (no DST), shard by shard: "
               "needs free space for one output shard plus the format's growth, not a second copy.")
 @click.option("--resume", is_flag=True, help="Continue the unfinished conversion journaled in DST (or SRC with "
-              "--in-place); the options must be the ones it started with.")
+              "--in-place), or start one if there is none; the options must be the ones it started with.")
+@click.option("--revision", help="SRC as a Hub repository (owner/name): branch, tag or commit to convert.")
+@click.option("--stream-source", is_flag=True, help="SRC as a Hub repository: fetch one shard at a time and delete "
+              "it once converted, so the disk never holds the whole source.")
 @click.option("--dry-run", is_flag=True, help="Read headers only and print the plan; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary (or plan) as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
 def convert(src, dst, in_format, out_format, mtp, input_scale, scale_headroom, group_size, scheme, workers, in_place,
-            resume, dry_run, as_json, quiet):
-    """Convert checkpoint SRC into a new directory DST, or in place with --in-place.
+            resume, revision, stream_source, dry_run, as_json, quiet):
+    """Convert checkpoint SRC (a directory or a Hub repository id) into a new directory DST, or in
+    place with --in-place.
 
     Routed experts are re-encoded; every other tensor is copied byte for byte; the index,
     config.json (quantization_config) and format side files are rewritten; tokenizer, generation
@@ -167,7 +171,8 @@ def convert(src, dst, in_format, out_format, mtp, input_scale, scale_headroom, g
         click.echo(json.dumps(summary, indent=2) if as_json else convert_lib.format_plan(summary))
         return
     result = convert_lib.convert(src, dst, out_format, options, in_format, workers, progress=not quiet, resume=resume,
-                                 resume_hint=_resume_command(click.get_current_context()))
+                                 resume_hint=_resume_command(click.get_current_context()), revision=revision,
+                                 stream=stream_source)
     summary = convert_lib.describe_result(result)
     click.echo(json.dumps(summary, indent=2) if as_json else convert_lib.format_result(summary))
 

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from requant import __version__
 from requant.errors import CheckpointError, RequantError
+from requant.io import hub as hub_lib
 from requant.io import journal
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, read_json, resolve_inside
 from requant.io.fsutil import DirLock, atomic_write_json, fault_point, free_bytes, fsync_dir, remove_quietly
@@ -54,11 +55,14 @@ def plan_conversion(src: str, out_format: str, options: Options, in_format: str 
 
 
 def convert(src: str, dst: str | None, out_format: str, options: Options, in_format: str = "mxfp4",
-            workers: int = 1, progress: bool = True, resume: bool = False, resume_hint: str | None = None) -> Result:
-    """Convert checkpoint `src` into directory `dst`, or in place when `dst` is None.
+            workers: int = 1, progress: bool = True, resume: bool = False, resume_hint: str | None = None,
+            revision: str | None = None, stream: bool = False) -> Result:
+    """Convert checkpoint `src` (a directory, or a Hub repository id) into directory `dst`, or in
+    place when `dst` is None.
 
     `resume` continues the unfinished conversion journaled in the target; without it, a target
     holding a journal is refused. `resume_hint` is the command that resumes (for messages).
+    `stream` fetches a Hub source one shard at a time, deleting each once converted.
     """
     started = time.monotonic()
     in_place = dst is None
@@ -68,7 +72,17 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
                "options": _jsonable({"in": in_format, "out": out_format, "mtp": options.mtp,
                                      "input_scale": options.input_scale, "extra": options.extra}),
                "resume": hint}
-    if not in_place:
+    hub = None
+    if hub_lib.is_repo_id(src):
+        if in_place:
+            raise RequantError("--in-place converts a local directory, not a Hub repository")
+        hub = hub_lib.HubSource(src, revision, progress)
+        request["source"] = f"{src}@{hub.commit}"
+        if not stream:
+            src, hub = hub.snapshot(), None
+    elif stream or revision:
+        raise RequantError(f"--stream-source and --revision apply to Hub repositories; {src} is not one")
+    if not in_place and hub is None:
         _check_overlap(src, dst)
     created = not in_place and not os.path.exists(dst)
     if created:
@@ -76,18 +90,18 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
     locks, plan, journaled = [], None, False
     try:
         locks.append(DirLock(target, exclusive=True, what="a conversion writes there"))
-        if not in_place:   # an in-place conversion would pull the source from under us
+        if not in_place and hub is None:   # an in-place conversion would pull the source from under us
             locks.append(DirLock(src, exclusive=False, what="an in-place conversion of it"))
         resume = resume and journal.exists(target)   # nothing journaled yet: --resume starts afresh
-        source, snapshot = _open_source(src, target, in_place, resume, request)
+        source, snapshot = _open_source(src, target, in_place, resume, request, hub)
         journaled = resume
         plan = make_plan(source, out_format, options, in_format)
         entries = {e["name"]: e for e in snapshot["shards"]}
         _drop_leftovers(plan, target)
         done = [_shard_done(shard, target, in_place, entries[shard.name]) for shard in plan.shards]
-        ancillary = [] if in_place else ancillary_files(src, set(plan.source.shard_names))
+        ancillary = [] if in_place else ancillary_files(source.path, set(plan.source.shard_names))
         metadata = final_metadata(plan)
-        _check_space(plan, target, in_place, done)
+        _check_space(plan, target, in_place, done, streamed=hub is not None)
         if not resume:
             request["shards"] = [{"name": s.name, "done": False, "stats": None} for s in plan.shards]
             journal.create(target, snapshot, request)
@@ -97,7 +111,7 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
             state["done"] = state["done"] or is_done   # renamed, then stopped before the journal said so
         if in_place:
             _set_aside_source_metadata(target, source)
-        return _run(plan, target, in_place, record, entries, ancillary, metadata, workers, progress, started)
+        return _run(plan, target, in_place, record, entries, ancillary, metadata, hub, workers, progress, started)
     except KeyboardInterrupt:
         if journaled:
             raise Stopped(_stopped("interrupted", target), 130) from None
@@ -130,16 +144,18 @@ def _check_overlap(src: str, dst: str) -> None:
         raise RequantError(f"destination {dst} overlaps the source {src} (use --in-place to convert in place)")
 
 
-def _open_source(src: str, target: str, in_place: bool, resume: bool, request: dict) -> tuple[Checkpoint, dict]:
-    """The source checkpoint and its snapshot: from the journal when resuming (in place, the
-    converted shards' sources are gone), after checking that this is the same conversion."""
+def _open_source(src: str, target: str, in_place: bool, resume: bool, request: dict,
+                 hub: hub_lib.HubSource | None) -> tuple[Checkpoint, dict]:
+    """The source checkpoint and its snapshot: from the journal when resuming (in place or
+    streamed, converted shards' sources are gone), after checking it is the same conversion."""
+    staging = journal.path_of(target, "source")   # a streamed source's small files and current shard
     if not resume:
         if journal.exists(target):
             raise RequantError(f"{target} holds an unfinished conversion ({journal.progress_message(target)}); "
                                f"or delete {journal.path_of(target)} and its shards to start over")
         if not in_place and set(os.listdir(target)) - {journal.JOURNAL_DIR}:
             raise RequantError(f"destination {target} exists and is not an empty directory")
-        source = Checkpoint.open(src)
+        source = hub.open_streamed(staging) if hub else Checkpoint.open(src)
         links = [n for n in source.shard_names if os.path.islink(source.shard_path(n))] if in_place else []
         if links:   # replacing a link would leave its target (e.g. a Hugging Face cache blob) behind
             raise RequantError(f"cannot convert in place: {source.shard_path(links[0])} is a symbolic link "
@@ -149,11 +165,16 @@ def _open_source(src: str, target: str, in_place: bool, resume: bool, request: d
         record, snapshot = journal.load(target)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
-    for key, what in (("requant", "requant version"), ("mode", "mode"), ("options", "options")):
-        if record.get(key) != request[key]:
+    for key, what in (("requant", "requant version"), ("mode", "mode"), ("options", "options"),
+                      ("source", "Hub source")):
+        if record.get(key) != request.get(key):
             raise RequantError(f"cannot resume: the conversion in {target} was started with {what} {record.get(key)}, "
-                               f"this run asks for {request[key]}; rerun with the original settings, or delete "
+                               f"this run asks for {request.get(key)}; rerun with the original settings, or delete "
                                f"{journal.path_of(target)} and its shards to start over")
+    if hub:
+        source = Checkpoint.from_snapshot(staging, snapshot)
+        source.reads.clear()
+        return source, snapshot
     if not in_place:
         with Checkpoint.open(src) as current:
             changes = _source_changes(snapshot, current.snapshot())
@@ -225,8 +246,10 @@ def space_needed(plan: Plan, in_place: bool, done: list[bool] | None = None) -> 
     return need, largest, growth
 
 
-def _check_space(plan: Plan, target: str, in_place: bool, done: list[bool]) -> None:
+def _check_space(plan: Plan, target: str, in_place: bool, done: list[bool], streamed: bool) -> None:
     need, largest, growth = space_needed(plan, in_place, done)
+    if streamed:   # plus one downloaded source shard at a time
+        need += max((plan.source.headers[s.name].file_size for s, d in zip(plan.shards, done) if not d), default=0)
     have = free_bytes(target)
     if have < need:
         how = (f"the largest output shard is {largest:,} and the format grows the rest by {growth:,}" if in_place
@@ -255,7 +278,8 @@ def _set_aside_source_metadata(target: str, source: Checkpoint) -> None:
 
 
 def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, ancillary: list[str],
-         metadata: dict[str, dict], workers: int, progress: bool, started: float) -> Result:
+         metadata: dict[str, dict], hub: hub_lib.HubSource | None, workers: int, progress: bool,
+         started: float) -> Result:
     stats = Stats()
     with tqdm(total=plan.output_bytes, unit="B", unit_scale=True, unit_divisor=1024,
               desc="converting", disable=not progress, dynamic_ncols=True) as bar:
@@ -267,7 +291,12 @@ def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, a
                     stats.add(_stats_from(state["stats"]))
                 bar.update(shard.file_size)
                 continue
+            if hub:
+                _fetch(plan, shard, hub, entries[shard.name])
             shard_stats = write_shard(plan, shard, target, workers, bar, entries[shard.name], in_place)
+            if hub:   # the disk never holds more than one source shard
+                os.remove(plan.source.reads[shard.name].path)
+                plan.source.relocate(shard.name, None)
             state.update(done=True, stats=dataclasses.asdict(shard_stats))
             journal.save(target, record)
             stats.add(shard_stats)
@@ -276,6 +305,14 @@ def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, a
     finish_metadata(target, metadata)
     journal.remove(target)
     return Result(plan, stats, plan.input_bytes, _dir_tensor_bytes(target, plan), time.monotonic() - started)
+
+
+def _fetch(plan: Plan, shard: ShardPlan, hub: hub_lib.HubSource, entry: dict) -> None:
+    path = hub.fetch(shard.name, plan.source.path)
+    if not _matches(path, entry["size"], base64.b64decode(entry["header"])):
+        raise CheckpointError("downloaded shard does not match the header read when the conversion began "
+                              "(the repository changed?)", file=path)
+    plan.source.relocate(shard.name, read_header(path))
 
 
 def _stats_from(d: dict) -> Stats:

@@ -144,9 +144,9 @@ class Checkpoint:
     def snapshot(self) -> dict:
         """Everything needed to rebuild this checkpoint's plan without its files (see journal.py)."""
         shards = []
-        for name in self.shard_names:
-            st = os.stat(self.shard_path(name))
-            shards.append({"name": name, "size": self.headers[name].file_size, "mtime_ns": st.st_mtime_ns,
+        for name in self.shard_names:   # modification times of the files readable now (not of a streamed source)
+            mtime = os.stat(self.reads[name].path).st_mtime_ns if name in self.reads else None
+            shards.append({"name": name, "size": self.headers[name].file_size, "mtime_ns": mtime,
                            "header": base64.b64encode(self.headers[name].raw).decode()})
         return {"config": self.config, "weight_map": self.weight_map, "index_metadata": self.index_metadata,
                 "shards": shards}
