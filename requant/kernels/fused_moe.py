@@ -1,12 +1,13 @@
 """Fused-MoE grouped GEMM over 4-bit expert weights as requant reads and writes them.
 
-Weights stay packed in device memory; each program dequantizes its weight tile in registers and
-feeds it to the tensor cores (`tl.dot`) against BF16 activations, accumulating in FP32.
+Weights stay packed in device memory as int32 words of 8 nibbles; each program dequantizes its
+weight tile in registers (on the GPU with packed bf16x2 PTX, ~3 instructions per weight) and
+feeds it to the tensor cores (`tl.dot`, wgmma) against BF16 activations, accumulating in FP32.
+Triton 3.6 stages the dequantized planes through shared memory (vector stores) before wgmma.
 
-The GEMM is computed transposed (weights x activations^T): the dequantized weight tile is the
-first operand, which Hopper's wgmma can take straight from registers, and the token count per
-expert (often tiny when decoding) becomes the MMA's N dimension, which may be as small as 8-16,
-while the weight rows fill the 64-row M dimension.
+The GEMM is computed transposed (weights x activations^T): the token count per expert (often tiny
+when decoding) becomes the MMA's N dimension, which may be as small as 8-16, while the weight rows
+fill the 64-row M dimension.
 
 Pairs (token, k) are sorted by expert and padded per expert to the M tile (`moe_align`), as
 serving engines do. Two launches: w1/w3 with the SwiGLU clamp fused, then w2 with the routing
@@ -106,12 +107,13 @@ def default_config(pairs: int, experts: int) -> KernelConfig:
         # Few, large programs: the interpreter's cost is per program and per op, not per element.
         return KernelConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=1)
     per_expert = pairs / experts
+    # From the H200 sweep (scripts/bench_moe_results.md): BLOCK_K 128 beat 256 at decode sizes.
     if per_expert <= 16:
-        return KernelConfig(16, 64, 256, num_warps=4, num_stages=4)
+        return KernelConfig(16, 64, 128, num_warps=4, num_stages=4)
     if per_expert <= 32:
-        return KernelConfig(32, 64, 256, num_warps=4, num_stages=4)
+        return KernelConfig(32, 64, 128, num_warps=4, num_stages=4)
     if per_expert <= 64:
-        return KernelConfig(64, 128, 128, num_warps=4, num_stages=4)
+        return KernelConfig(64, 128, 128, num_warps=8, num_stages=4)
     return KernelConfig(128, 128, 128, num_warps=8, num_stages=3)
 
 
@@ -159,19 +161,31 @@ def _e8m0_to_f32(b):
 
 
 @triton.jit
-def _scale_values(raw, FMT: tl.constexpr, HW_FP8: tl.constexpr):
-    """Block scales as FP32, one per weight element of the tile."""
+def _scale_f32(raw, FMT: tl.constexpr):
     if FMT == NVFP4:
-        if HW_FP8:
-            return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        return _e4m3_to_f32(raw)
-    if FMT == MXFP4:
-        return _e8m0_to_f32(raw)
-    return raw.to(tl.float32)
+        v = _e4m3_to_f32(raw)
+    elif FMT == MXFP4:
+        v = _e8m0_to_f32(raw)
+    else:
+        v = raw.to(tl.float32)
+    return v
 
 
 @triton.jit
-def _nibble_values(nib, zero, FMT: tl.constexpr):
+def _scale_bf16_bits(raw, FMT: tl.constexpr):
+    """Block scales as BF16 bit patterns (int16); exact for E4M3, E8M0 and BF16 alike."""
+    if FMT == NVFP4:
+        bits = raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16).to(tl.int16, bitcast=True)
+    elif FMT == MXFP4:
+        b = raw.to(tl.int32)
+        bits = tl.where(b == 0, 0x40, b << 7).to(tl.int16)  # byte 0 = 2^-127, a BF16 subnormal
+    else:
+        bits = raw.to(tl.int16, bitcast=True)
+    return bits
+
+
+@triton.jit
+def _nibble_f32(nib, zero, FMT: tl.constexpr):
     """FP32 value of 4-bit codes: E2M1, or INT4 minus its zero point (8 when symmetric)."""
     if FMT == INT4:
         return (nib - zero).to(tl.float32)
@@ -182,25 +196,106 @@ def _nibble_values(nib, zero, FMT: tl.constexpr):
     return (bits | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
 
 
-@triton.jit
-def _load_tile(w_ptr, s_ptr, z_ptr, stride_wn, stride_sn, stride_zn, offs_n, n_mask, kw, offs_w,
-               FMT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
-               HW_FP8: tl.constexpr):
-    """Packed words [BLOCK_N, BLOCK_K / PER_WORD] from word column kw, with each word's scale and zero point.
+def _plane_asm(int4: bool, asym: bool) -> str:
+    """PTX for one nibble plane of two words ($1, $2) at once, as one bf16x2 ($0).
 
-    A group never splits a word, so every nibble of a word shares its scale; loading the scale per
-    word (repeated addresses, served by L1) keeps one register layout and no reshapes.
+    With pack=2, 16-bit inputs arrive paired in one register: scales $3, then -(128 + zero) $4 if
+    asym; then the plane's byte selector and shift, constants that ptxas folds in. A byte permute
+    gathers the byte holding the nibble of both words into one register, so each step below works
+    on two weights. E2M1: the nibble is moved to bits 12-15, its sign is then BF16's sign bit and
+    its 3 magnitude bits go to bits 6-8 (exponent LSBs and top mantissa bit): that is the code
+    times 2^-126 (exponent 0 gives the subnormal 0.5), so a multiply by 2^126 makes it exact and a
+    second by the block scale rounds once, as FP32-then-BF16 would. INT4: OR-ing the nibble into
+    the mantissa of 128.0 gives 128 + n; minus (128 + zero) is exact, then times the scale.
+    About 3 instructions per weight against ~13 for the FP32 route: at decode sizes that issue
+    rate, not DRAM, was the limit.
     """
+    sel, sh = ("$5", "$7") if asym else ("$4", "$6")
+    lines = ["{", ".reg .b32 k, z, t, u;", "mov.b32 z, 0x80008000;", f"prmt.b32 t, $1, $2, {sel};"]
+    if int4:
+        lines += [f"shr.b32 t, t, {sh};", "and.b32 t, t, 0x000F000F;", "or.b32 t, t, 0x43004300;",
+                  "mov.b32 u, 0x3F803F80;", "mov.b32 k, $4;" if asym else "mov.b32 k, 0xC308C308;",
+                  "fma.rn.bf16x2 t, t, u, k;"]
+    else:
+        lines += [f"shl.b32 t, t, {sh};", "shr.b32 u, t, 6;", "and.b32 u, u, 0x01C001C0;", "and.b32 t, t, 0x80008000;",
+                  "or.b32 t, t, u;", "mov.b32 k, 0x7E807E80;", "fma.rn.bf16x2 t, t, k, z;"]  # x 2^126
+    return "\n".join(lines + ["fma.rn.bf16x2 $0, t, $3, z;", "}"])
+
+
+_ASM_FP4 = tl.constexpr(_plane_asm(False, False))
+_ASM_INT4 = tl.constexpr(_plane_asm(True, False))
+_ASM_INT4_ZP = tl.constexpr(_plane_asm(True, True))
+
+
+@triton.jit
+def _asm_plane(words, s, nz, J: tl.constexpr, FMT: tl.constexpr, HAS_ZP: tl.constexpr):
+    """Plane J: byte J // 2 of each word. INT4 wants the nibble at bits 0-3 (byte into bytes 0 and
+    2, high nibble shifted down); E2M1 wants it at bits 12-15 (byte into bytes 1 and 3, low nibble
+    shifted up)."""
+    B: tl.constexpr = J // 2
+    if FMT == INT4:
+        sel = tl.full(words.shape, B | B << 4 | (4 + B) << 8 | (4 + B) << 12, tl.int32)
+        sh = tl.full(words.shape, 4 * (J % 2), tl.int32)
+        if HAS_ZP:
+            plane = tl.inline_asm_elementwise(_ASM_INT4_ZP, "=r,r,r,r,r,r,r,r,r", [words, s, nz, sel, sh],
+                                              tl.bfloat16, True, 2)
+        else:
+            plane = tl.inline_asm_elementwise(_ASM_INT4, "=r,r,r,r,r,r,r,r", [words, s, sel, sh], tl.bfloat16,
+                                              True, 2)
+    else:
+        sel = tl.full(words.shape, B | B << 4 | (4 + B) << 8 | (4 + B) << 12, tl.int32)
+        sh = tl.full(words.shape, 4 - 4 * (J % 2), tl.int32)
+        plane = tl.inline_asm_elementwise(_ASM_FP4, "=r,r,r,r,r,r,r,r", [words, s, sel, sh], tl.bfloat16, True, 2)
+    return plane
+
+
+@triton.jit
+def _dequant(words, scale_raw, zero, FMT: tl.constexpr, HAS_ZP: tl.constexpr, COMPUTE: tl.constexpr,
+             ASM: tl.constexpr):
+    """The 8 nibble planes of a word tile as COMPUTE tiles: plane j holds nibble j of each word."""
+    if ASM:
+        # One single-result asm per plane: Triton then keeps the words in the wgmma register-operand
+        # layout (a multi-result asm made it stage every plane through shared memory).
+        s = _scale_bf16_bits(scale_raw, FMT)
+        nz = (zero | 0xC300).to(tl.int16)  # BF16 bits of -(128 + zero); unused unless HAS_ZP
+        planes = (_asm_plane(words, s, nz, 0, FMT, HAS_ZP), _asm_plane(words, s, nz, 1, FMT, HAS_ZP),
+                  _asm_plane(words, s, nz, 2, FMT, HAS_ZP), _asm_plane(words, s, nz, 3, FMT, HAS_ZP),
+                  _asm_plane(words, s, nz, 4, FMT, HAS_ZP), _asm_plane(words, s, nz, 5, FMT, HAS_ZP),
+                  _asm_plane(words, s, nz, 6, FMT, HAS_ZP), _asm_plane(words, s, nz, 7, FMT, HAS_ZP))
+    else:
+        s = _scale_f32(scale_raw, FMT)
+        planes = ((_nibble_f32(words & 15, zero, FMT) * s).to(COMPUTE),
+                  (_nibble_f32((words >> 4) & 15, zero, FMT) * s).to(COMPUTE),
+                  (_nibble_f32((words >> 8) & 15, zero, FMT) * s).to(COMPUTE),
+                  (_nibble_f32((words >> 12) & 15, zero, FMT) * s).to(COMPUTE),
+                  (_nibble_f32((words >> 16) & 15, zero, FMT) * s).to(COMPUTE),
+                  (_nibble_f32((words >> 20) & 15, zero, FMT) * s).to(COMPUTE),
+                  (_nibble_f32((words >> 24) & 15, zero, FMT) * s).to(COMPUTE),
+                  (_nibble_f32((words >> 28) & 15, zero, FMT) * s).to(COMPUTE))
+    return planes
+
+
+@triton.jit
+def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, BLOCK_N: tl.constexpr,
+                 KW: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr):
+    """Scale (raw) and zero point of every word of the tile starting at word column kw.
+
+    One load per group, broadcast to its words: the tile's layout then follows the weight words
+    (vector stores of the dequantized planes) instead of a per-word gather of repeated bytes.
+    These loads are too narrow for cp.async, so the caller issues them one K tile ahead.
+    """
+    WPG: tl.constexpr = GROUP // 8
+    G: tl.constexpr = KW // WPG if KW >= WPG else 1
+    groups = kw // WPG + tl.arange(0, G)
     mask = n_mask[:, None]
-    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (kw + offs_w)[None, :], mask=mask, other=0).to(tl.int32)
-    group = (kw + offs_w) // (GROUP // PER_WORD)
-    scale = _scale_values(tl.load(s_ptr + offs_n[:, None] * stride_sn + group[None, :], mask=mask, other=0),
-                          FMT, HW_FP8)
+    scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + groups[None, :], mask=mask, other=0)
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, G, KW // G)), (BLOCK_N, KW))
     zero = 8
     if HAS_ZP:
-        zw = tl.load(z_ptr + (offs_n // 8)[:, None] * stride_zn + group[None, :], mask=mask, other=0)
+        zw = tl.load(z_ptr + (offs_n // 8)[:, None] * stride_zn + groups[None, :], mask=mask, other=0)
         zero = (zw >> ((offs_n % 8) * 4)[:, None]) & 15
-    return words, scale, zero
+        zero = tl.reshape(tl.broadcast_to(zero[:, :, None], (BLOCK_N, G, KW // G)), (BLOCK_N, KW))
+    return scale, zero
 
 
 @triton.jit
@@ -212,20 +307,21 @@ def _moe_gemm_kernel(
     out_ptr, stride_om,
     sorted_ids_ptr, block_expert_ptr, route_w_ptr,
     num_pairs, N, K,
-    A_ROW_DIV: tl.constexpr, FMT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr,
+    A_ROW_DIV: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
     HAS_ZP: tl.constexpr, HAS_GLOBAL: tl.constexpr, GATED: tl.constexpr, ROUTE_WEIGHT: tl.constexpr,
-    LIMIT: tl.constexpr, COMPUTE: tl.constexpr, HW_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    OUT_PERM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LIMIT: tl.constexpr, COMPUTE: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PERM_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[pair, n] for the pairs of one M block (one expert) and one N tile.
 
     GATED: out = silu(min(x@w1.T, L)) * clamp(x@w3.T, -L, L), with A row = pair // top_k.
     Otherwise: out = (h @ w2.T) * routing weight, with A row = pair.
 
-    A's columns come permuted within each BLOCK_K tile (`permute_k`): nibble j of every word
-    meets a contiguous run of A, so each of the PER_WORD nibble planes is its own dot and the
-    unpacked weights never need an interleaving reshape. With OUT_PERM > 1 the output is stored
-    in that permuted order for the next GEMM.
+    Weights are int32 words of 8 nibbles (FP4 bytes viewed as int32 have the INT4 nibble order:
+    element 8w + j in bits 4j). A's columns come permuted within each BLOCK_K tile (`permute_k`):
+    nibble j of every word meets a contiguous run of A, so each of the 8 nibble planes is its own
+    dot and the unpacked weights never need an interleaving reshape. With PERM_OUT the output is
+    stored in that permuted order for the next GEMM.
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -236,34 +332,40 @@ def _moe_gemm_kernel(
     row_mask = pairs < num_pairs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    KW: tl.constexpr = BLOCK_K // PER_WORD
+    KW: tl.constexpr = BLOCK_K // 8
     offs_w = tl.arange(0, KW)
     a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[None, :] * stride_am + offs_w[:, None]  # [KW, BM]
+    w_offs = offs_n[:, None] * stride_wn + offs_w[None, :]
 
     e = expert.to(tl.int64)
     w_ptr += e * stride_we
     s_ptr += e * stride_se
     z_ptr += e * stride_ze
+    s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, 0, BLOCK_N, KW, GROUP, HAS_ZP)
     if GATED:
         w3_ptr += e * stride_we
         s3_ptr += e * stride_se
         z3_ptr += e * stride_ze
+        s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, 0, BLOCK_N, KW, GROUP, HAS_ZP)
         acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kw = k0 // PER_WORD
-        words, scale, zero = _load_tile(w_ptr, s_ptr, z_ptr, stride_wn, stride_sn, stride_zn, offs_n, n_mask, kw,
-                                        offs_w, FMT, PER_WORD, GROUP, HAS_ZP, HW_FP8)
+        kw = k0 // 8
+        kw_next = tl.minimum(k0 + BLOCK_K, K - BLOCK_K) // 8  # the last tile reloads itself
+        words = tl.load(w_ptr + w_offs + kw, mask=n_mask[:, None], other=0)
+        planes = _dequant(words, s1, z1, FMT, HAS_ZP, COMPUTE, ASM)
+        s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, BLOCK_N, KW, GROUP,
+                              HAS_ZP)
         if GATED:
-            words3, scale3, zero3 = _load_tile(w3_ptr, s3_ptr, z3_ptr, stride_wn, stride_sn, stride_zn, offs_n,
-                                               n_mask, kw, offs_w, FMT, PER_WORD, GROUP, HAS_ZP, HW_FP8)
-        for j in tl.static_range(PER_WORD):
-            a = tl.load(a_ptrs + (k0 + j * KW), mask=row_mask[None, :], other=0.0).to(COMPUTE)
-            w = (_nibble_values((words >> (4 * j)) & 15, zero, FMT) * scale).to(COMPUTE)
-            acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
+            words3 = tl.load(w3_ptr + w_offs + kw, mask=n_mask[:, None], other=0)
+            planes3 = _dequant(words3, s3, z3, FMT, HAS_ZP, COMPUTE, ASM)
+            s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, BLOCK_N, KW,
+                                  GROUP, HAS_ZP)
+        for j in tl.static_range(8):
+            a = tl.load(a_ptrs + (k0 + j * KW), mask=row_mask[None, :], other=0.0)
+            acc = tl.dot(planes[j], a, acc, input_precision=DOT_PRECISION)
             if GATED:
-                w3 = (_nibble_values((words3 >> (4 * j)) & 15, zero3, FMT) * scale3).to(COMPUTE)
-                acc3 = tl.dot(w3, a, acc3, input_precision=DOT_PRECISION)
+                acc3 = tl.dot(planes3[j], a, acc3, input_precision=DOT_PRECISION)
 
     if HAS_GLOBAL:
         acc *= tl.load(gs_ptr + e)
@@ -275,50 +377,62 @@ def _moe_gemm_kernel(
         acc = g * tl.sigmoid(g) * u
     if ROUTE_WEIGHT:
         acc *= tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[None, :]
-    # Column n of a BLOCK_K tile goes to plane n % OUT_PERM, word n // OUT_PERM (identity for 1).
-    cols = ((offs_n // BLOCK_K) * BLOCK_K + (offs_n % OUT_PERM) * (BLOCK_K // OUT_PERM)
-            + (offs_n % BLOCK_K) // OUT_PERM)
+    if PERM_OUT:  # column n of a BLOCK_K tile goes to plane n % 8, word n // 8
+        cols = (offs_n // BLOCK_K) * BLOCK_K + (offs_n % 8) * KW + (offs_n % BLOCK_K) // 8
+    else:
+        cols = offs_n
     out_ptrs = out_ptr + pairs.to(tl.int64)[None, :] * stride_om + cols[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[None, :] & n_mask[:, None])
 
 
-def permute_k(x: torch.Tensor, block_k: int, per_word: int) -> torch.Tensor:
+def permute_k(x: torch.Tensor, block_k: int) -> torch.Tensor:
     """Columns of x reordered within each block_k tile so nibble plane j of the packed words is
-    contiguous: new column j * (block_k / per_word) + w holds old column per_word * w + j."""
+    contiguous: new column j * (block_k / 8) + w holds old column 8 * w + j."""
     rows, k = x.shape
-    return x.view(rows, k // block_k, block_k // per_word, per_word).transpose(-1, -2).reshape(rows, k)
+    return x.view(rows, k // block_k, block_k // 8, 8).transpose(-1, -2).reshape(rows, k)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
 
 
+def _words(packed: torch.Tensor) -> torch.Tensor:
+    """FP4 bytes as int32 words: little-endian, so nibble j of word w is element 8w + j, as for INT4."""
+    if packed.dtype == torch.int32:
+        return packed
+    if packed.shape[-1] % 4:
+        raise FormatError(f"K/2={packed.shape[-1]} bytes is not a whole number of int32 words")
+    return packed.contiguous().view(torch.int32)
+
+
 def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pairs, compute, cfg, limit,
-            out_perm=1):
-    if w.k % cfg.block_k or cfg.block_k // _NIBBLES_PER_WORD[w.format] < 16:
-        raise ValueError(f"K={w.k} does not fit block_k={cfg.block_k}")
+            perm_out=False):
+    if w.k % cfg.block_k or cfg.block_k < 128 or w.group % 8:
+        raise ValueError(f"K={w.k}, group {w.group} do not fit block_k={cfg.block_k}")
     gated = w3 is not None
     if gated and (w3.format != w.format or w3.packed.shape != w.packed.shape or w3.scale.shape != w.scale.shape
                   or (w3.zero_point is None) != (w.zero_point is None)):
         raise FormatError("w1 and w3 must share format and shapes")
     w3 = w3 if gated else w
-    dummy = w.packed
+    words, words3 = _words(w.packed), _words(w3.packed)
+    if words3.stride() != words.stride() or w3.scale.stride() != w.scale.stride():
+        raise FormatError("w1 and w3 must share strides")
+    dummy = words
     zp, zp3 = (w.zero_point, w3.zero_point) if w.zero_point is not None else (dummy, dummy)
     gs, gs3 = (w.global_scale, w3.global_scale) if w.global_scale is not None else (dummy, dummy)
     grid = (triton.cdiv(w.n, cfg.block_n), block_expert.numel())
     return _moe_gemm_kernel[grid](
         a, a.stride(0),
-        w.packed, w.scale, gs, zp,
-        w3.packed, w3.scale, gs3, zp3,
-        w.packed.stride(0), w.packed.stride(1), w.scale.stride(0), w.scale.stride(1),
+        words, w.scale, gs, zp,
+        words3, w3.scale, gs3, zp3,
+        words.stride(0), words.stride(1), w.scale.stride(0), w.scale.stride(1),
         zp.stride(0), zp.stride(1),
         out, out.stride(0),
         sorted_ids, block_expert, route_w if route_w is not None else out,
         num_pairs, w.n, w.k,
-        A_ROW_DIV=a_row_div, FMT=_FORMAT_CODES[w.format], PER_WORD=_NIBBLES_PER_WORD[w.format],
-        GROUP=w.group, HAS_ZP=w.zero_point is not None,
+        A_ROW_DIV=a_row_div, FMT=_FORMAT_CODES[w.format], GROUP=w.group, HAS_ZP=w.zero_point is not None,
         HAS_GLOBAL=w.global_scale is not None, GATED=gated, ROUTE_WEIGHT=route_w is not None,
-        LIMIT=float(limit), COMPUTE=_TL_DTYPES[compute], HW_FP8=compute != torch.float32,
-        DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", OUT_PERM=out_perm,
+        LIMIT=float(limit), COMPUTE=_TL_DTYPES[compute], ASM=compute == torch.bfloat16,
+        DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", PERM_OUT=perm_out,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -341,11 +455,12 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
                           f"do not fit hidden size {hidden}")
     cfg = config or default_config(pairs, w1.experts)
     sorted_ids, block_expert = moe_align(topk_ids, w1.experts, cfg.block_m)
-    a = permute_k(x.to(compute), cfg.block_k, _NIBBLES_PER_WORD[w1.format])
+    a = permute_k(x.to(compute), cfg.block_k)
     h = torch.empty(pairs, w1.n, dtype=compute, device=x.device)
-    _launch(a, top_k, w1, w3, h, sorted_ids, block_expert, None, pairs, compute, cfg, swiglu_limit,
-            out_perm=_NIBBLES_PER_WORD[w2.format])
-    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    _launch(a, top_k, w1, w3, h, sorted_ids, block_expert, None, pairs, compute, cfg, swiglu_limit, perm_out=True)
+    # Per-pair outputs in the compute dtype (BF16 on the GPU halves this buffer's traffic); the
+    # top-k sum below accumulates in FP32.
+    y = torch.empty(pairs, hidden, dtype=compute, device=x.device)
     route_w = topk_weights.to(torch.float32).flatten().contiguous()
     _launch(h, 1, w2, None, y, sorted_ids, block_expert, route_w, pairs, compute, cfg, swiglu_limit)
-    return y.view(tokens, top_k, hidden).sum(1).to(torch.bfloat16)
+    return y.view(tokens, top_k, hidden).sum(1, dtype=torch.float32).to(torch.bfloat16)
