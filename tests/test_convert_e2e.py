@@ -280,3 +280,21 @@ def test_wrong_source_format_and_existing_destination(small_source, converted, t
     result = run_cli("convert", small_source, str(occupied), "--out", "nvfp4")
     assert result.returncode != 0 and "not an empty directory" in result.stderr
     assert (occupied / "keep.txt").read_text() == "mine" and len(os.listdir(occupied)) == 1
+
+
+def test_expert_bytes_equal_modelopt_reference(small_source, converted):
+    """The whole pipeline, not just the cast: one layer's experts against ModelOpt's own export math."""
+    shard_cast_utils = pytest.importorskip("modelopt.torch.export.shard_cast_utils")
+    dst, _ = converted
+    src, out = load_all(small_source), load_all(dst)
+    block = "layers.3.ffn.experts"
+    bases = [f"{block}.{e}.{p}" for e in range(8) for p in ("w1", "w3", "w2")]
+    k_max = shard_cast_utils.build_w13_kmax_overrides([b for b in bases if not b.endswith("w2")],
+                                                      lambda b: src[f"{b}.scale"], "cpu")
+    for base in bases:
+        k = k_max.get(base, shard_cast_utils.mxfp4_kmax(src[f"{base}.scale"]))
+        q, ws, ws2, _, _ = shard_cast_utils.quantize_mxfp4_to_nvfp4_lossless(
+            src[f"{base}.weight"], src[f"{base}.scale"], k, "cpu")
+        assert torch.equal(out[f"{base}.weight"], q.view(torch.uint8)), base
+        assert torch.equal(out[f"{base}.weight_scale"].view(torch.uint8), ws.view(torch.uint8)), base
+        assert torch.equal(out[f"{base}.weight_scale_2"], ws2.float()), base
