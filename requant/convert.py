@@ -100,7 +100,7 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
         _drop_leftovers(plan, target)
         done = [_shard_done(shard, target, in_place, entries[shard.name]) for shard in plan.shards]
         ancillary = [] if in_place else ancillary_files(source.path, set(plan.source.shard_names))
-        metadata = final_metadata(plan)
+        final_metadata(plan)   # fails now, not after the shards, on a config the target cannot extend
         _check_space(plan, target, in_place, done, streamed=hub is not None)
         if not resume:
             request["shards"] = [{"name": s.name, "done": False, "stats": None} for s in plan.shards]
@@ -111,7 +111,7 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
             state["done"] = state["done"] or is_done   # renamed, then stopped before the journal said so
         if in_place:
             _set_aside_source_metadata(target, source)
-        return _run(plan, target, in_place, record, entries, ancillary, metadata, hub, workers, progress, started)
+        return _run(plan, target, in_place, record, entries, ancillary, hub, workers, progress, started)
     except KeyboardInterrupt:
         if journaled:
             raise Stopped(_stopped("interrupted", target), 130) from None
@@ -278,8 +278,7 @@ def _set_aside_source_metadata(target: str, source: Checkpoint) -> None:
 
 
 def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, ancillary: list[str],
-         metadata: dict[str, dict], hub: hub_lib.HubSource | None, workers: int, progress: bool,
-         started: float) -> Result:
+         hub: hub_lib.HubSource | None, workers: int, progress: bool, started: float) -> Result:
     stats = Stats()
     with tqdm(total=plan.output_bytes, unit="B", unit_scale=True, unit_divisor=1024,
               desc="converting", disable=not progress, dynamic_ncols=True) as bar:
@@ -302,7 +301,7 @@ def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, a
             stats.add(shard_stats)
     if not in_place:
         copy_ancillary(plan.source.path, target, ancillary)
-    finish_metadata(target, metadata)
+    finish_metadata(target, final_metadata(plan))   # after the shards: a target may summarise their encoding
     journal.remove(target)
     return Result(plan, stats, plan.input_bytes, _dir_tensor_bytes(target, plan), time.monotonic() - started)
 
@@ -422,7 +421,7 @@ def copy_ancillary(src: str, dst: str, files: list[str]) -> None:
 
 def final_metadata(plan: Plan) -> dict[str, dict]:
     """The JSON files written last, in order: format side files, config.json, then the index
-    (whose arrival makes the output loadable). Built at planning time, so they cannot fail late."""
+    (whose arrival makes the output loadable)."""
     files = dict(plan.target.extra_files(plan.blocks))
     files[CONFIG_NAME] = plan.target.config(plan.blocks)
     files[INDEX_NAME] = {"metadata": {**plan.source.index_metadata, "total_size": plan.total_size},
