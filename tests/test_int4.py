@@ -1,5 +1,5 @@
 """INT4 numerics: requant's packing and decode against the compressed-tensors package itself, and
-the encoder's scale choice against an exhaustive search."""
+the exhaustive scale search against brute force and the default search against the exhaustive one."""
 
 from __future__ import annotations
 
@@ -55,21 +55,39 @@ def test_compressed_tensors_decompresses_what_requant_decodes(group, scheme):
 
 
 @pytest.mark.parametrize("group", [32, 128])
-def test_symmetric_scale_is_the_exhaustive_optimum(group):
-    """No BF16 scale does better on any group than the one chosen (round-to-nearest codes)."""
+@pytest.mark.parametrize("scheme", int4.SCHEMES)
+def test_exhaustive_search_is_the_optimum(group, scheme):
+    """The oracle: no BF16 scale in the searched range (s' * 2^R, R = floor(log2 max|x|), s' in
+    _SCALE_RANGE) and zero point does better on any group than the one the exhaustive search chose
+    (round-to-nearest codes). Brute force on the float weights, independent of the encoder."""
     seed = int(np.random.SeedSequence().generate_state(1)[0])
     w, s = _mxfp4(16, 256, seed)
-    enc = int4.encode_mxfp4(w, s, group, "sym")
+    enc = int4.encode_mxfp4(w, s, group, scheme, exhaustive=True)
     x = mxfp4.decode(w, s).view(-1, group)
-    ours = ((int4.decode(enc.packed, enc.scale) .view(-1, group) - x).square()).sum(1)
-    amax = x.abs().amax(1, keepdim=True)
+    ours = ((int4.decode(enc.packed, enc.scale, enc.zero_point).view(-1, group) - x).square()).sum(1)
+    top = torch.exp2(torch.floor(torch.log2(x.abs().amax(1, keepdim=True))))
     bits = torch.arange(0x3000, 0x4000, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    lo, hi = int4._SCALE_RANGE[scheme]
     best = torch.full_like(ours, math.inf)
-    for rel in bits[(bits >= 0.05) & (bits <= 0.6)]:
-        cand = (amax * rel).to(torch.bfloat16).float()   # any BF16 scale, group by group
-        err = ((torch.clamp(torch.round(x / cand), -8, 7) * cand - x).square()).sum(1)
-        best = torch.minimum(best, err)
+    for z in (int4._ZERO_POINTS if scheme == "asym" else [0]):
+        for rel in bits[(bits >= lo) & (bits <= hi)]:
+            cand = top * rel                                 # a BF16 scale, group by group
+            err = (((torch.clamp(torch.round(x / cand) + z, -8, 7) - z) * cand - x).square()).sum(1)
+            best = torch.minimum(best, err)
     assert bool((ours <= best * (1 + 1e-5) + 1e-30).all()), f"seed {seed}"
+
+
+@pytest.mark.parametrize("group", int4.GROUP_SIZES)
+@pytest.mark.parametrize("scheme", int4.SCHEMES)
+def test_fast_search_is_within_tolerance_of_the_exhaustive_one(group, scheme):
+    """The default coarse-to-fine search gives up at most 0.05 dB of SQNR against the oracle."""
+    seed = int(np.random.SeedSequence().generate_state(1)[0])
+    w, s = _mxfp4(256, 2048, seed, synth.HardCases(out_of_window=2, zero_blocks=3, neg_zero_blocks=1))
+    fast = int4.encode_mxfp4(w, s, group, scheme)
+    exact = int4.encode_mxfp4(w, s, group, scheme, exhaustive=True)
+    loss_db = 10 * math.log10(fast.error_energy / exact.error_energy)
+    assert -1e-9 <= loss_db <= 0.05, (loss_db, seed)
+    assert fast.signal_energy == exact.signal_energy
 
 
 def test_beats_compressed_tensors_rule():
