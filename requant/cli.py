@@ -117,7 +117,8 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
                    "Ampere/Hopper); lossy, the summary reports SQNR vs the source.")
 @click.option("--mtp", type=click.Choice(["keep", "convert"]), default=None,
               help="keep: MTP experts stay MXFP4, as in NVIDIA's release (nvfp4 default); convert: them "
-                   "too (w4a16 default and requirement: vLLM loads them with the INT4 group).")
+                   "too (w4a16 default and requirement: vLLM loads them with the INT4 group). "
+                   "Default: the output format's.")
 @click.option("--input-scale", type=float, default=None, help=INPUT_SCALE_HELP)
 @click.option("--scale-headroom", type=click.IntRange(0, 8), default=0, show_default=True,
               help="NVFP4: place the largest block scale at 2^(8-N) instead of 2^8. Guards vLLM's "
@@ -163,7 +164,6 @@ def convert(src, dst, in_format, out_format, mtp, input_scale, scale_headroom, g
         raise RequantError("give DST, or --in-place to convert SRC inside its own directory (not both)")
     extra = {"top_exponent": 8 - scale_headroom} if scale_headroom else {}
     extra.update({k: v for k, v in (("group_size", group_size and int(group_size)), ("scheme", scheme)) if v})
-    mtp = mtp or getattr(TARGETS[out_format], "default_mtp", "keep")
     options = Options(mtp=mtp, input_scale=input_scale, extra=extra)
     if dry_run:
         plan = convert_lib.plan_conversion(src, out_format, options, in_format)

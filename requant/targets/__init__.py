@@ -72,7 +72,8 @@ class Unit:
 
 @dataclass
 class Options:
-    mtp: str = "keep"                   # "keep" MTP experts in the source format, or "convert" them
+    mtp: str | None = None              # "keep" MTP experts in the source format, "convert" them, or
+                                        # None: the target's default_mtp
     input_scale: float | None = None    # None: data-free bound; else this constant everywhere
     extra: dict = field(default_factory=dict)  # target-specific options
 
@@ -82,15 +83,17 @@ class Target:
 
     name = "?"
     source_format = "mxfp4"
+    default_mtp = "keep"      # MTP experts when Options.mtp is None
 
     def __init__(self, model: ModelSpec, source: Checkpoint, options: Options):
         self.model, self.source, self.options = model, source, options
+        self.mtp = options.mtp or self.default_mtp
         self._bounds: dict[str, dict[str, float]] = {}
         self._bounds_lock = threading.Lock()
 
     # planning -------------------------------------------------------------------------------
     def converts(self, block: str) -> bool:
-        return not self.model.is_mtp(block) or self.options.mtp == "convert"
+        return not self.model.is_mtp(block) or self.mtp == "convert"
 
     def plan_tensor(self, spec: TensorSpec) -> Unit:
         """How a tensor that is not a converted routed expert reaches the output."""

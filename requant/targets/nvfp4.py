@@ -61,7 +61,7 @@ class NVFP4Target(Target):
         return out, stats
 
     def ignore(self) -> list[str]:
-        key = "nvfp4_ignore_mtp_converted" if self.options.mtp == "convert" else "nvfp4_ignore"
+        key = "nvfp4_ignore_mtp_converted" if self.mtp == "convert" else "nvfp4_ignore"
         return list(self.model.recipe[key])
 
     def quantized_layers(self, blocks: list[str]) -> dict:

@@ -37,7 +37,7 @@ def sqnr_db(signal: float, error: float) -> float | None:
 
 @register("w4a16")
 class W4A16Target(Target):
-    default_mtp = "convert"
+    default_mtp = "convert"   # vLLM builds the MTP block's experts from the same config group
 
     def __init__(self, model, source, options: Options):
         super().__init__(model, source, options)
@@ -49,8 +49,7 @@ class W4A16Target(Target):
                                    "--scale-headroom)")
         if options.input_scale is not None:
             raise UnsupportedError("--input-scale applies to W4A4 targets; W4A16 keeps activations in BF16")
-        if options.mtp == "keep":
-            # vLLM builds the MTP block's experts from the same config group as the main ones.
+        if self.mtp == "keep":
             raise UnsupportedError("--out w4a16 needs --mtp convert: vLLM's compressed-tensors path loads "
                                    "the MTP experts with the INT4 group, so MXFP4 ones would not load")
         if self.group not in int4.GROUP_SIZES or self.scheme not in int4.SCHEMES:
