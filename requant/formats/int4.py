@@ -95,11 +95,12 @@ def decode(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor |
 # the group's largest |value|, the group's top is exactly 1 or 1.5 and every element is one of the
 # signed levels +-1.5, +-1, +-0.75, +-0.5, ... (_LEVELS). Levels below half the smallest candidate
 # scale round to 0 under every candidate, so their error is their energy whatever is chosen. A
-# group is thus fully described by its counts over 2 * n_bins signed levels, and its squared error
-# under a candidate scale s' * 2^R (and zero point z) is counts . (per-level error at s', z): one
-# matrix product covers many groups and candidates. The candidates are BF16 values s': 2^R being a
-# power of two, s' * 2^R is exactly the stored BF16 scale. Codes are round-to-nearest, optimal once
-# the scale is fixed; they come from byte tables, so the encoder never materialises float weights.
+# group is thus fully described by its counts over at most 2 * n_bins signed levels, and its
+# squared error under a candidate scale s' * 2^R (and zero point z) is counts . (per-level error
+# at s', z): one matrix product covers many groups and candidates. The candidates are BF16 values
+# s': 2^R being a power of two, s' * 2^R is exactly the stored BF16 scale. Codes are
+# round-to-nearest, optimal once the scale is fixed; they come from byte tables, so the encoder
+# never materialises float weights.
 #
 # The exhaustive search (every BF16 s' in range, times every zero point) is exact but costs
 # [groups x candidates x levels]; it stays as the test oracle. The default search is coarse to
@@ -147,8 +148,12 @@ class _Tables:
         self.n_bins = int((_LEVELS >= s[0] / 2).sum())
         x = torch.cat([_LEVELS[: self.n_bins], -_LEVELS[: self.n_bins]])[:, None]
         q = torch.clamp(torch.round(x / self.s) + self.z, QMIN, QMAX)
-        self.error = ((q - self.z) * self.s - x).square()                            # [2 bins, C]
-        self.level_energy = x.squeeze(1).square()
+        error = ((q - self.z) * self.s - x).square()                                 # [2 bins, C]
+        # Levels that never clamp cost the same for +v and -v: their counts are added together
+        # (counts[:, :n_bins] += counts[:, n_bins:] there), which shrinks every product below.
+        self.merged = torch.from_numpy(np.asarray((error[: self.n_bins] == error[self.n_bins:]).all(1)))
+        kept = torch.cat([torch.ones(self.n_bins, dtype=torch.bool), ~self.merged])
+        self.error, self.level_energy = error[kept], x.squeeze(1).square()[kept]
         d = torch.arange(-1, _D_MAX + 1, dtype=torch.float32)
         v = e2m1.signed_values()[None, :, None] * torch.exp2(-d)[:, None, None]      # [d, 16, 1]
         nibble = (torch.clamp(torch.round(v / self.s) + self.z, QMIN, QMAX) - QMIN).to(torch.uint8)
@@ -161,8 +166,8 @@ class _Tables:
         return self._best(counts, torch.arange(len(self.s)))
 
     def coarse_to_fine(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        coarse = (torch.arange(0, self.n_s, _COARSE[self.scheme]) + self.n_s * torch.arange(self.n_z)[:, None]).flatten()
-        pick, _ = self._best(counts, coarse)
+        coarse = torch.arange(0, self.n_s, _COARSE[self.scheme]) + self.n_s * torch.arange(self.n_z)[:, None]
+        pick, _ = self._best(counts, coarse.flatten())
         radius = _RADIUS[self.scheme]
         return self._refine(counts, pick, torch.arange(-radius, radius + 1))
 
@@ -172,7 +177,7 @@ class _Tables:
         table = self.error[:, options].t()
         for g0 in range(0, len(counts), _CHUNK_GROUPS):
             # [options, groups]: the min runs across rows, which vectorises (a per-row min does not).
-            best[g0:g0 + _CHUNK_GROUPS], arg = (table @ counts[g0:g0 + _CHUNK_GROUPS].t()).min(0)
+            best[g0:g0 + _CHUNK_GROUPS], arg = (table @ counts[g0:g0 + _CHUNK_GROUPS].float().t()).min(0)
             pick[g0:g0 + _CHUNK_GROUPS] = options[arg]
         return pick, best
 
@@ -185,10 +190,13 @@ class _Tables:
         z = (centres // self.n_s)[:, None, None] + dz[None, :, None]
         # Out-of-range neighbours are clipped to the edge: a repeated candidate is harmless.
         options = (z.clamp(0, self.n_z - 1) * self.n_s + s.clamp(0, self.n_s - 1)).flatten(1)
-        order = torch.from_numpy(np.argsort(pick.numpy().astype(np.int16), kind="stable"))  # a radix sort
+        # Groups sorted by pick (a radix sort), so each centre's groups are one contiguous slice.
+        order = np.argsort(pick.numpy().astype(np.int16), kind="stable")
+        cells = torch.from_numpy(np.take(counts.numpy(), order, axis=0)).split(per_pick[per_pick > 0].tolist())
+        order = torch.from_numpy(order)
+        picks, bests = zip(*(self._best(cell, opts) for cell, opts in zip(cells, options)))
         new_pick, new_best = torch.empty_like(pick), torch.empty(len(pick))
-        for rows, opts in zip(order.split(per_pick[per_pick > 0].tolist()), options):
-            new_pick[rows], new_best[rows] = self._best(counts[rows], opts)
+        new_pick[order], new_best[order] = torch.cat(picks), torch.cat(bests)
         return new_pick, new_best
 
 
@@ -246,8 +254,11 @@ def encode_mxfp4(weight: torch.Tensor, scale: torch.Tensor, group_size: int = 12
     padded[:, :, lo + _MAG_LEVEL] = mags
     offsets = width * np.arange(2, dtype=np.int32)[:, None] + lo + 4 + np.arange(n_bins, dtype=np.int32)
     index = (2 * width * np.arange(n_blocks, dtype=np.int32) - 2 * shift)[:, None, None] + offsets
-    counts = np.take(padded, index).reshape(-1, per_group, 2 * n_bins)
-    counts = torch.from_numpy(counts.sum(1, dtype=np.float32) if per_group > 1 else counts[:, 0].astype(np.float32))
+    counts = np.take(padded, index).reshape(-1, per_group, 2, n_bins)
+    counts = counts.sum(1, dtype=np.uint8) if per_group > 1 else counts[:, 0]       # <= 128
+    merged = tables.merged.numpy()
+    counts[:, 0, merged] += counts[:, 1, merged]
+    counts = torch.from_numpy(np.concatenate([counts[:, 0], counts[:, 1, ~merged]], 1))
 
     pick, best = tables.exhaustive(counts) if exhaustive else tables.coarse_to_fine(counts)
     empty_t = torch.from_numpy(empty)
@@ -268,7 +279,7 @@ def encode_mxfp4(weight: torch.Tensor, scale: torch.Tensor, group_size: int = 12
     block_energy = (mags[:, 0] + mags[:, 1]).astype(np.float32) @ _MAG_SQUARED
     by_exponent = np.bincount(exps + mxfp4.E8M0_BIAS, weights=block_energy, minlength=256)
     signal = float(by_exponent @ np.exp2(2.0 * (np.arange(256) - mxfp4.E8M0_BIAS)))
-    binned = torch.where(empty_t, 0.0, (counts @ tables.level_energy).double() * torch.exp2(2 * r_t))
+    binned = torch.where(empty_t, 0.0, (counts.float() @ tables.level_energy).double() * torch.exp2(2 * r_t))
     error = signal + float((torch.where(empty_t, 0.0, best.double() * norm.square()) - binned).sum())
     zero = zero.to(torch.int8).view(rows, k // group_size)
     return Encoded(packed, scale_out.view(rows, k // group_size),
