@@ -301,7 +301,7 @@ def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, a
             stats.add(shard_stats)
     if not in_place:
         copy_ancillary(plan.source.path, target, ancillary)
-    finish_metadata(target, final_metadata(plan))   # after the shards: a target may summarise their encoding
+    finish_metadata(target, final_metadata(plan, stats))   # after the shards: a target may summarise them
     journal.remove(target)
     return Result(plan, stats, plan.input_bytes, _dir_tensor_bytes(target, plan), time.monotonic() - started)
 
@@ -419,11 +419,11 @@ def copy_ancillary(src: str, dst: str, files: list[str]) -> None:
         shutil.copyfile(resolve_inside(src, name), os.path.join(dst, name))
 
 
-def final_metadata(plan: Plan) -> dict[str, dict]:
+def final_metadata(plan: Plan, stats: Stats | None = None) -> dict[str, dict]:
     """The JSON files written last, in order: format side files, config.json, then the index
-    (whose arrival makes the output loadable)."""
+    (whose arrival makes the output loadable). `stats` covers every shard, resumed runs included."""
     files = dict(plan.target.extra_files(plan.blocks))
-    files[CONFIG_NAME] = plan.target.config(plan.blocks)
+    files[CONFIG_NAME] = plan.target.config(plan.blocks, stats or Stats())
     files[INDEX_NAME] = {"metadata": {**plan.source.index_metadata, "total_size": plan.total_size},
                          "weight_map": plan.weight_map}
     return files

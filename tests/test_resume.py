@@ -16,7 +16,7 @@ from requant import synth
 from requant.convert import convert
 from requant.io import fsutil, journal
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
-from requant.errors import CheckpointError
+from requant.errors import CheckpointError, RequantError
 from requant.targets import Options
 
 DIMS = synth.Dims(layers=3, experts=6)
@@ -118,3 +118,23 @@ def test_killed_twice_resumes(tiny, tmp_path):
     run_killed(src, dst, 9)
     convert(src, dst, "nvfp4", Options(), progress=False, resume=True)
     assert tree(dst) == clean
+
+
+def test_w4a16_resume_records_the_whole_conversion(tmp_path, monkeypatch):
+    """A resumed W4A16 run's config.json (its SQNR summary included) equals an uninterrupted run's."""
+    src = str(tmp_path / "src")
+    synth.write_checkpoint(src, synth.Dims(layers=2, experts=6), seed=5)
+    clean, dst = str(tmp_path / "clean"), str(tmp_path / "dst")
+    monkeypatch.setattr(fsutil, "_fault_steps", 0)
+    monkeypatch.setenv("REQUANT_TEST_FAULT", f"kill@{10**9}")   # counts the durable steps only
+    convert(src, clean, "w4a16", Options(), progress=False)
+    steps = fsutil._fault_steps
+    monkeypatch.setattr(fsutil, "_fault_steps", 0)
+    monkeypatch.setenv("REQUANT_TEST_FAULT", f"enospc@{steps // 2}")
+    with pytest.raises(RequantError, match="No space left"):
+        convert(src, dst, "w4a16", Options(), progress=False)
+    monkeypatch.delenv("REQUANT_TEST_FAULT")
+    done = [s for s in journal.load(dst)[0]["shards"] if s["done"]]
+    assert 0 < len(done) < len(journal.load(dst)[0]["shards"]), "the fault should fall between shards"
+    convert(src, dst, "w4a16", Options(), progress=False, resume=True)
+    assert tree(dst) == tree(clean)

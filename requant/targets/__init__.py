@@ -155,8 +155,9 @@ class Target:
         return weight, scale
 
     # description ----------------------------------------------------------------------------
-    def config(self, blocks: list[str]) -> dict:
-        """The output config.json, given the blocks whose experts were converted."""
+    def config(self, blocks: list[str], stats: Stats) -> dict:
+        """The output config.json, given the blocks whose experts were converted and what encoding
+        them did (summed over the whole conversion, resumed shards included)."""
         raise NotImplementedError
 
     def extra_files(self, blocks: list[str]) -> dict[str, dict]:

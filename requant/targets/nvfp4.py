@@ -67,7 +67,7 @@ class NVFP4Target(Target):
     def quantized_layers(self, blocks: list[str]) -> dict:
         return {self.model.experts_module(b): {"quant_algo": "NVFP4", "group_size": GROUP} for b in blocks}
 
-    def config(self, blocks: list[str]) -> dict:
+    def config(self, blocks: list[str], stats: Stats) -> dict:
         config = copy.deepcopy(self.model.config)
         fp4 = {"num_bits": 4, "type": "float", "group_size": GROUP, "dynamic": False}
         # quant_method stays "fp8": engines dispatch DeepSeek-V4 on it, and the block-FP8

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import math
 import re
-import threading
 
 import torch
 
@@ -59,8 +58,6 @@ class W4A16Target(Target):
             if size % self.group:
                 raise UnsupportedError(f"--group-size {self.group} does not divide {name}={size}; "
                                        "Marlin needs whole groups")
-        self._accuracy_lock = threading.Lock()
-        self.accuracy = Stats()
 
     # planning -------------------------------------------------------------------------------
     def plan_expert(self, expert: Expert) -> Unit:
@@ -110,8 +107,6 @@ class W4A16Target(Target):
             acc = stats.per_layer.setdefault(expert.block, [0.0, 0.0])
             acc[0] += enc.signal_energy
             acc[1] += enc.error_energy
-        with self._accuracy_lock:
-            self.accuracy.add(stats)
         return out, stats
 
     def encode_block_scale(self, name: str, out_name: str, tensors: dict[str, torch.Tensor]):
@@ -129,7 +124,7 @@ class W4A16Target(Target):
         names = "|".join(self.model.recipe["compressed_tensors_names"][p] for p in self.model.projections)
         return rf"re:.*\.{re.escape(experts)}\.\d+\.({names})$"
 
-    def config(self, blocks: list[str]) -> dict:
+    def config(self, blocks: list[str], stats: Stats) -> dict:
         config = copy.deepcopy(self.model.config)
         source_qc = config.get("quantization_config") or {}
         int4_args = {"num_bits": 4, "type": "int", "symmetric": self.scheme == "sym", "strategy": "group",
@@ -153,7 +148,7 @@ class W4A16Target(Target):
             "ignore": list(IGNORE),
             "kv_cache_scheme": None,
             "producer": dict(PRODUCER),
-            ACCURACY_KEY: self.accuracy_summary(),
+            ACCURACY_KEY: self.accuracy_summary(stats),
         }
         # DeepSeek-V4's attention reads quantization_config["scale_fmt"] directly.
         if "scale_fmt" in source_qc:
@@ -161,8 +156,7 @@ class W4A16Target(Target):
         config["quantization_config"] = qc
         return config
 
-    def accuracy_summary(self) -> dict:
-        a = self.accuracy
+    def accuracy_summary(self, a: Stats) -> dict:
         return {
             "reference": "dequantized MXFP4 source",
             "group_size": self.group,
