@@ -149,10 +149,14 @@ class _Tables:
         x = torch.cat([_LEVELS[: self.n_bins], -_LEVELS[: self.n_bins]])[:, None]
         q = torch.clamp(torch.round(x / self.s) + self.z, QMIN, QMAX)
         error = ((q - self.z) * self.s - x).square()                                 # [2 bins, C]
-        # Levels that never clamp cost the same for +v and -v: their counts are added together
-        # (counts[:, :n_bins] += counts[:, n_bins:] there), which shrinks every product below.
-        self.merged = torch.from_numpy(np.asarray((error[: self.n_bins] == error[self.n_bins:]).all(1)))
-        kept = torch.cat([torch.ones(self.n_bins, dtype=torch.bool), ~self.merged])
+        # Levels that never clamp cost the same for +v and -v: one row counts both signs, which
+        # shrinks every product below. Row r counts level row_level[r] of sign plane row_plane[r]
+        # (0: +, 1: -, 2: both).
+        merged = (error[: self.n_bins] == error[self.n_bins:]).all(1).numpy()
+        levels = np.arange(self.n_bins)
+        self.row_level = np.concatenate([levels, levels[~merged]])
+        self.row_plane = np.concatenate([np.where(merged, 2, 0), np.ones((~merged).sum(), dtype=int)])
+        kept = torch.from_numpy(np.concatenate([np.ones(self.n_bins, dtype=bool), ~merged]))
         self.error, self.level_energy = error[kept], x.squeeze(1).square()[kept]
         d = torch.arange(-1, _D_MAX + 1, dtype=torch.float32)
         v = e2m1.signed_values()[None, :, None] * torch.exp2(-d)[:, None, None]      # [d, 16, 1]
@@ -234,31 +238,28 @@ def encode_mxfp4(weight: torch.Tensor, scale: torch.Tensor, group_size: int = 12
     blocks = weight.numpy().reshape(-1, mxfp4.BLOCK // 2)
     n_blocks = len(blocks)
     hist = _block_histograms(blocks)
-    mags = np.stack([hist[:, 1:8], hist[:, 9:16]], 1)                 # [blocks, sign, magnitude 0.5 .. 6]
+    both = hist[:, 1:8] + hist[:, 9:16]
+    mags = np.stack([hist[:, 1:8], hist[:, 9:16], both], 1)          # [blocks, +/-/both, magnitude 0.5 .. 6]
 
     # Level of each block's top |value|, counted in half octaves (level 2e+1 is 1.5 * 2^e).
     exps = scale.numpy().reshape(-1).astype(np.int32) - mxfp4.E8M0_BIAS
     present = np.zeros(n_blocks, dtype=np.uint8)                    # bit j: magnitude j present
     for j in range(7):
-        present |= ((hist[:, 1 + j] | hist[:, 9 + j]) > 0).view(np.uint8) << j
+        present |= (both[:, j] > 0).view(np.uint8) << j
     group_top = (_TOP_LEVEL[present] + 2 * exps).reshape(-1, per_group).max(1)
     empty = group_top < -(10**5)
     r = group_top >> 1                                                # 2^R <= top < 2^(R+1)
     shift = np.clip(np.repeat(r, per_group) - exps, -1, _D_MAX)       # block values are m * 2^-shift
 
-    # Counts per group over signed levels: a block's magnitudes land at level 2 * shift + offset.
-    n_bins = tables.n_bins
+    # Counts per group over the table's rows: a block's magnitudes land at level 2 * shift + offset.
     lo = max(0, int(shift.max()) * 2 - 4)
-    width = lo + max(8, n_bins + 6)
-    padded = np.zeros((n_blocks, 2, width), dtype=np.uint8)
+    width = lo + max(8, tables.n_bins + 6)
+    padded = np.zeros((n_blocks, 3, width), dtype=np.uint8)
     padded[:, :, lo + _MAG_LEVEL] = mags
-    offsets = width * np.arange(2, dtype=np.int32)[:, None] + lo + 4 + np.arange(n_bins, dtype=np.int32)
-    index = (2 * width * np.arange(n_blocks, dtype=np.int32) - 2 * shift)[:, None, None] + offsets
-    counts = np.take(padded, index).reshape(-1, per_group, 2, n_bins)
-    counts = counts.sum(1, dtype=np.uint8) if per_group > 1 else counts[:, 0]       # <= 128
-    merged = tables.merged.numpy()
-    counts[:, 0, merged] += counts[:, 1, merged]
-    counts = torch.from_numpy(np.concatenate([counts[:, 0], counts[:, 1, ~merged]], 1))
+    offsets = (width * tables.row_plane + lo + 4 + tables.row_level).astype(np.int32)
+    index = (3 * width * np.arange(n_blocks, dtype=np.int32) - 2 * shift)[:, None] + offsets
+    counts = np.take(padded, index).reshape(-1, per_group, len(offsets))
+    counts = torch.from_numpy(counts.sum(1, dtype=np.uint8) if per_group > 1 else counts[:, 0])   # <= 128
 
     pick, best = tables.exhaustive(counts) if exhaustive else tables.coarse_to_fine(counts)
     empty_t = torch.from_numpy(empty)
@@ -276,7 +277,7 @@ def encode_mxfp4(weight: torch.Tensor, scale: torch.Tensor, group_size: int = 12
     # Error: the searched error per group, plus the energy of the levels left out (they decode to
     # 0): all energy minus the binned energy. Energies of normalised blocks and groups are sums of
     # multiples of 2^-12 below 2^12, exact in float32.
-    block_energy = (mags[:, 0] + mags[:, 1]).astype(np.float32) @ _MAG_SQUARED
+    block_energy = both.astype(np.float32) @ _MAG_SQUARED
     by_exponent = np.bincount(exps + mxfp4.E8M0_BIAS, weights=block_energy, minlength=256)
     signal = float(by_exponent @ np.exp2(2.0 * (np.arange(256) - mxfp4.E8M0_BIAS)))
     binned = torch.where(empty_t, 0.0, (counts.float() @ tables.level_energy).double() * torch.exp2(2 * r_t))
