@@ -13,16 +13,23 @@ import math
 import re
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 
 from requant.errors import UnsupportedError
 
 
+def _recipe_files():
+    """Recipe JSON files: inside an installed wheel they are the package requant.recipes; in a
+    source checkout (editable install, or run from the tree) they sit in the top-level recipes/."""
+    checkout = Path(__file__).resolve().parent.parent / "recipes"
+    if (checkout / "__init__.py").is_file():
+        return checkout.iterdir()
+    return resources.files("requant.recipes").iterdir()
+
+
 def load_recipes() -> list[dict]:
-    recipes = []
-    for entry in sorted(resources.files("requant.recipes").iterdir(), key=lambda p: p.name):
-        if entry.name.endswith(".json"):
-            recipes.append(json.loads(entry.read_text()))
-    return recipes
+    return [json.loads(entry.read_text()) for entry in sorted(_recipe_files(), key=lambda p: p.name)
+            if entry.name.endswith(".json")]
 
 
 @dataclass(frozen=True)
