@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from requant.errors import FormatError, RequantError, UnsupportedError
-from requant.formats import fp8_block, mxfp4, nvfp4
+from requant.formats import fp8_block, int4, mxfp4, nvfp4
 from requant.io.checkpoint import Checkpoint
 from requant.moe import MoEConfig, MoELayer, route, routed_experts, swiglu_expert
 from requant.report.build import parse_layers
@@ -125,22 +125,19 @@ def dense_expert(w, e: int) -> torch.Tensor:
         return mxfp4.decode(w.packed[e], w.scale[e])
     if w.format == "nvfp4":
         return nvfp4.decode(w.packed[e], w.scale[e], w.global_scale[e])
-    shifts = torch.arange(0, 32, 4, device=w.packed.device)
-    q = ((w.packed[e][..., None] >> shifts) & 15).flatten(-2).float()
-    if w.zero_point is None:
-        z = 8.0
-    else:
-        z = ((w.zero_point[e][:, None, :] >> shifts[None, :, None]) & 15).flatten(0, 1)[: w.n]
-        z = z.float().repeat_interleave(w.group, -1)
-    return (q - z) * w.scale[e].float().repeat_interleave(w.group, -1)
+    return int4.decode(w.packed[e], w.scale[e], None if w.zero_point is None else w.zero_point[e])
 
 
 def _shared(ck: Checkpoint, block: str, device):
     base = f"{block}.ffn.shared_experts"
     if f"{base}.w1.weight" not in set(ck.names):
         return None
-    return tuple(fp8_block.decode(ck.tensor(f"{base}.{p}.weight"), ck.tensor(f"{base}.{p}.scale")).to(device)
-                 for p in ("w1", "w3", "w2"))
+    names = set(ck.names)
+
+    def scale(p):  # W4A16 output keeps these FP8 blocks but names their scales compressed-tensors' way
+        return ck.tensor(f"{base}.{p}.scale" if f"{base}.{p}.scale" in names else f"{base}.{p}.weight_scale")
+
+    return tuple(fp8_block.decode(ck.tensor(f"{base}.{p}.weight"), scale(p)).to(device) for p in ("w1", "w3", "w2"))
 
 
 def _router(ck: Checkpoint, block: str, device) -> MoELayer:

@@ -71,3 +71,19 @@ def test_activations_file_and_cli(checkpoints, tmp_path):
                                       "--activations", path, "--quiet"])
     assert result.exit_code == 0, result.output
     assert "layers.1" in result.output and "PASSED" in result.output
+
+
+@pytest.mark.parametrize("scheme", ["sym", "asym"])
+def test_w4a16_output_validates_with_its_quantization_error(checkpoints, tmp_path, scheme):
+    """W4A16 output (shared-expert scales renamed to weight_scale, F32) runs through the INT4 path;
+    its error is the quantization error: reported, non-zero, inside the W4A16 limit."""
+    src, _ = checkpoints
+    dst = str(tmp_path / "w4a16")
+    result = CliRunner().invoke(cli, ["convert", src, dst, "--out", "w4a16", "--group-size", "32", "--scheme", scheme,
+                                      "--quiet"])
+    assert result.exit_code == 0, result.output
+    report = validate(src, dst, layers="2,mtp.0", tokens=7, device="cpu", progress=False)
+    assert report.passed
+    for r in report.layers:
+        assert (r.src_format, r.dst_format) == ("mxfp4", "int4")
+        assert 0.01 < r.rel_err < 0.15 and r.routing_agreement == 1.0

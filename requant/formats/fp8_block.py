@@ -18,11 +18,15 @@ def scale_shape(weight_shape) -> tuple[int, int]:
 
 
 def decode(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 [out, in] from E4M3 bytes and an E8M0 block-scale grid."""
+    """float32 [out, in] from E4M3 bytes and a block-scale grid: E8M0 bytes as DeepSeek stores
+    them, or the same powers of two as F32 (compressed-tensors' `weight_scale`)."""
     if tuple(scale.shape) != scale_shape(weight.shape):
         raise FormatError(f"scale shape {list(scale.shape)} does not match weight {list(weight.shape)}")
     values = weight.view(torch.float8_e4m3fn).to(torch.float32)
-    factors = torch.exp2(scale.view(torch.uint8).to(torch.float32) - 127)
+    if scale.dtype == torch.float32:
+        factors = scale
+    else:
+        factors = torch.exp2(scale.view(torch.uint8).to(torch.float32) - 127)
     rows, cols = weight.shape
     factors = factors.repeat_interleave(BLOCK, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :cols]
     return values * factors
