@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -47,3 +48,18 @@ def source_copy(small_source, tmp_path) -> str:
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     """Run the real console entry point in a child process, as a user would."""
     return subprocess.run([sys.executable, "-m", "requant", *args], capture_output=True, text=True, timeout=300)
+
+
+def tree(path: str) -> dict[str, str]:
+    """Every file below `path` by its sha256 (symlinks by their target): two trees compare equal
+    exactly when their bytes do."""
+    out = {}
+    for root, dirs, files in os.walk(path):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            p = os.path.join(root, name)
+            if os.path.islink(p):
+                out[os.path.relpath(p, path)] = "-> " + os.readlink(p)
+            else:
+                with open(p, "rb") as f:
+                    out[os.path.relpath(p, path)] = hashlib.sha256(f.read()).hexdigest()
+    return out

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -13,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from requant.formats import mxfp4, nvfp4
-from tests.conftest import run_cli
+from tests.conftest import run_cli, tree
 
 EXPERT = re.compile(r"^(?P<block>(?:layers|mtp)\.\d+)\.ffn\.experts\.(?P<e>\d+)\.(?P<proj>w[123])\.(?P<part>\w+)$")
 
@@ -30,16 +29,6 @@ def load_all(path: str) -> dict[str, torch.Tensor]:
     assert set(tensors) == set(index["weight_map"])
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
     return tensors
-
-
-def digest_tree(path: str) -> dict[str, str]:
-    out = {}
-    for root, _, files in os.walk(path):
-        for name in files:
-            p = os.path.join(root, name)
-            with open(p, "rb") as f:
-                out[os.path.relpath(p, path)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -160,11 +149,11 @@ def test_scale_headroom_lowers_block_scales_and_stays_lossless(small_source, tmp
 
 
 def test_dry_run_writes_nothing(small_source, tmp_path):
-    before = digest_tree(small_source)
+    before = tree(small_source)
     result = run_cli("convert", small_source, str(tmp_path / "o"), "--out", "nvfp4", "--dry-run")
     assert result.returncode == 0, result.stderr
     assert "converted tensors" in result.stdout and "free" in result.stdout
-    assert not os.path.exists(tmp_path / "o") and digest_tree(small_source) == before
+    assert not os.path.exists(tmp_path / "o") and tree(small_source) == before
 
 
 def test_inspect_source_and_output(small_source, converted):
@@ -259,14 +248,14 @@ def _lying_config(src):
 @pytest.mark.parametrize("damage", [_nan_scale, _scale_shape, _missing_scale, _truncated, _unknown_model, _lying_config])
 def test_bad_input_is_one_clear_line(source_copy, tmp_path, damage):
     expected = damage(source_copy)
-    before = digest_tree(source_copy)
+    before = tree(source_copy)
     dst = str(tmp_path / "out")
     result = run_cli("convert", source_copy, dst, "--out", "nvfp4", "--quiet")
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("requant: error:"), result.stderr
     assert expected in lines[0]
-    assert digest_tree(source_copy) == before
+    assert tree(source_copy) == before
     assert not os.path.exists(os.path.join(dst, "model.safetensors.index.json"))
 
 

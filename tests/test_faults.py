@@ -16,7 +16,7 @@ from requant import synth
 from requant.cli import cli
 from requant.io import fsutil, journal
 from requant.io.fsutil import DirLock
-from tests.test_resume import tree
+from tests.conftest import tree
 
 DIMS = synth.Dims(layers=3, experts=6)
 INDEX = "model.safetensors.index.json"

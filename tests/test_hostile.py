@@ -4,7 +4,6 @@ CLI's own entry (click's CliRunner), a sample through a real subprocess."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -18,25 +17,12 @@ from click.testing import CliRunner
 from requant import synth
 from requant.cli import cli
 from requant.io.checkpoint import Checkpoint
-from tests.conftest import run_cli
+from tests.conftest import run_cli, tree
 
 DIMS = synth.Dims(layers=2, experts=6, hidden=128, intermediate=128, vocab=64, hash_layers=1)
 INDEX = "model.safetensors.index.json"
 FUZZ_CASES = 300
 SUBPROCESS_SAMPLE = 8
-
-
-def tree(path: str) -> dict[str, str]:
-    out = {}
-    for root, dirs, files in os.walk(path):
-        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
-            p = os.path.join(root, name)
-            if os.path.islink(p):
-                out[os.path.relpath(p, path)] = "-> " + os.readlink(p)
-            else:
-                with open(p, "rb") as f:
-                    out[os.path.relpath(p, path)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 @pytest.fixture(scope="module")

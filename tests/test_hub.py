@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from requant import synth
 from requant.cli import cli
 from requant.io import hub as hub_lib
-from tests.test_resume import tree
+from tests.conftest import tree
 
 DIMS = synth.Dims(layers=3, experts=6)
 REPO = "deepseek-ai/Tiny-V4"

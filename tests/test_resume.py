@@ -4,7 +4,6 @@ its old or its new form while nothing in the target looks like a finished checkp
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing
 import os
 import shutil
@@ -18,20 +17,11 @@ from requant.io import fsutil, journal
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from requant.errors import CheckpointError, RequantError
 from requant.targets import Options
+from tests.conftest import tree
 
 DIMS = synth.Dims(layers=3, experts=6)
 _ctx = multiprocessing.get_context("forkserver")
 _ctx.set_forkserver_preload(["requant.convert"])   # each child forks with torch already imported
-
-
-def tree(path: str) -> dict[str, str]:
-    out = {}
-    for root, _, files in os.walk(path):
-        for name in files:
-            p = os.path.join(root, name)
-            with open(p, "rb") as f:
-                out[os.path.relpath(p, path)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 @pytest.fixture(scope="module")
