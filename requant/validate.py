@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
+from requant import formats
 from requant.errors import FormatError, RequantError, UnsupportedError
 from requant.formats import fp8_block, int4, mxfp4, nvfp4
 from requant.io.checkpoint import Checkpoint
@@ -86,16 +87,13 @@ def moe_blocks(ck: Checkpoint) -> list[str]:
 
 
 def expert_format(ck: Checkpoint, block: str) -> str:
-    """Format of a block's routed experts, from the tensor names expert 0's w1 has."""
-    base = f"{block}.ffn.experts.0.w1"
-    names = set(ck.names)
-    if f"{base}.weight_packed" in names:
-        return "int4"
-    if f"{base}.weight_scale_2" in names:
-        return "nvfp4"
-    if f"{base}.scale" in names and f"{base}.weight" in names:
-        return "mxfp4"
-    raise UnsupportedError(f"{block}: routed experts in no format requant's kernel reads")
+    """Format of a block's routed experts, as the kernel names it, from expert 0's w1 tensors."""
+    prefix = f"{block}.ffn.experts.0.w1."
+    parts = {n[len(prefix):]: ck.info(n).spec.dtype for n in ck.names if n.startswith(prefix)}
+    fmt = formats.identify(parts)
+    if fmt is None:
+        raise UnsupportedError(f"{block}: routed experts in no format requant's kernel reads")
+    return {"w4a16": "int4"}.get(fmt, fmt)   # the kernel calls compressed-tensors' INT4 "int4"
 
 
 def load_experts(ck: Checkpoint, block: str, proj: str, fmt: str, experts: int, device):
