@@ -4,6 +4,7 @@ cause is gone) a resume that ends byte-identical to an uninterrupted run."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -95,17 +96,22 @@ def test_disk_full_in_place_then_resume(tiny, tmp_path, monkeypatch):
     assert tree(src) == tiny[1]
 
 
-def _mount_tmpfs(path: str, size: str) -> None:
+@contextlib.contextmanager
+def tmpfs(path: str, size: str):
+    """A small tmpfs at `path` for the test's duration (a skip where mounting is not allowed)."""
     os.makedirs(path)
     if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root); the hook-driven disk-full tests cover the logic")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", path], check=False)
 
 
 def test_real_disk_full_on_tmpfs(tiny, tmp_path, monkeypatch):
     """A real ENOSPC from the kernel: a filler file takes the space the plan counted on."""
     mnt = str(tmp_path / "mnt")
-    _mount_tmpfs(mnt, "8m")
-    try:
+    with tmpfs(mnt, "8m"):
         dst, filler = os.path.join(mnt, "dst"), os.path.join(mnt, "filler")
 
         def fill():
@@ -124,34 +130,26 @@ def test_real_disk_full_on_tmpfs(tiny, tmp_path, monkeypatch):
         monkeypatch.undo()
         assert invoke(tiny[0], dst, "--resume").exit_code == 0
         assert tree(dst) == tiny[1]
-    finally:
-        subprocess.run(["umount", mnt], check=False)
 
 
 def test_read_only_destination(tiny, tmp_path):
     mnt = str(tmp_path / "ro")
-    _mount_tmpfs(mnt, "1m")
-    try:
+    with tmpfs(mnt, "1m"):
         subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
         result = invoke(tiny[0], os.path.join(mnt, "dst"))
         assert result.exit_code == 1 and "Read-only file system" in one_line(result)
         assert os.listdir(mnt) == []
-    finally:
-        subprocess.run(["umount", mnt], check=False)
 
 
 def test_read_only_in_place(tiny, tmp_path):
     mnt = str(tmp_path / "ro")
-    _mount_tmpfs(mnt, "16m")
-    try:
+    with tmpfs(mnt, "16m"):
         shutil.copytree(tiny[0], os.path.join(mnt, "ck"))
         before = tree(mnt)
         subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
         result = invoke(os.path.join(mnt, "ck"))
         assert result.exit_code == 1 and "Read-only file system" in one_line(result)
         assert tree(mnt) == before
-    finally:
-        subprocess.run(["umount", mnt], check=False)
 
 
 def test_interrupt_stops_cleanly_and_resumes(tiny, tmp_path, monkeypatch):
