@@ -11,7 +11,7 @@ import sys
 import click
 
 from requant import __version__
-from requant.errors import RequantError
+from requant.errors import RequantError, describe_os_error
 from requant.targets import TARGETS
 
 INPUT_SCALE_HELP = (
@@ -46,7 +46,7 @@ def reports_errors(fn):
         except KeyboardInterrupt:
             _fail("interrupted; no finished output was left behind", 130)
         except OSError as e:
-            _fail(f"{e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}", 1)
+            _fail(describe_os_error(e), 1)
     return wrapper
 
 

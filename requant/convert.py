@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from requant import __version__
-from requant.errors import CheckpointError, RequantError
+from requant.errors import CheckpointError, RequantError, describe_os_error
 from requant.io import hub as hub_lib
 from requant.io import journal
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, read_json, resolve_inside
@@ -119,7 +119,7 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
     except (RequantError, OSError) as e:
         if not journaled or isinstance(e, Stopped):
             raise
-        message = str(e) if isinstance(e, RequantError) else f"{e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}"
+        message = str(e) if isinstance(e, RequantError) else describe_os_error(e)
         raise Stopped(_stopped(message, target), getattr(e, "exit_code", 1)) from None
     finally:
         if plan is not None:

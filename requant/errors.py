@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+def describe_os_error(e: OSError) -> str:
+    """One line for an OSError: the file it concerns, then the system's reason."""
+    return f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e)
+
+
 class RequantError(Exception):
     """A failure the user can act on; the CLI prints it as one line and exits non-zero."""
 
