@@ -22,14 +22,6 @@ INPUT_SCALE_HELP = (
 )
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n):,} B"
-        n /= 1024
-    return str(n)
-
-
 def _fail(message: str, code: int) -> None:
     click.echo(f"requant: error: {message}", err=True)
     sys.exit(code)
