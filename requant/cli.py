@@ -11,6 +11,7 @@ import sys
 import click
 
 from requant import __version__
+from requant.engines import GPU_FAMILIES
 from requant.errors import RequantError, describe_os_error
 from requant.targets import TARGETS
 
@@ -20,6 +21,21 @@ INPUT_SCALE_HELP = (
     "input <= 1.5 * 10 * silu(10)), divided by 6 * 448, so no activation can overflow a W4A4 kernel. "
     "NVIDIA's calibration-free policy is 1.0. Weight-only (W4A16/Marlin) engines ignore it."
 )
+
+
+ENGINE_HELP = (
+    "Serving engine the output is laid out for (engines disagree about the MTP block's experts and "
+    "W4A16 attention, so one directory cannot serve both everywhere). Default vllm: vLLM 0.33.0 loads "
+    "both output formats, NVFP4 on every GPU family with no extra flag, and its MTP drafts get the same "
+    "experts as the main layers; SGLang 0.5.23 serves NVFP4 only (NextN experts kept MXFP4; Hopper/Ampere "
+    "need --moe-runner-backend marlin) and cannot load W4A16 DeepSeek-V4 at all."
+)
+
+
+def _engine_names() -> list[str]:
+    from requant.model import load_recipes
+
+    return sorted({name for recipe in load_recipes() for name in recipe.get("engines", {})})
 
 
 def _fail(message: str, code: int) -> None:
@@ -107,10 +123,13 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
               help="nvfp4: NVIDIA's ModelOpt layout (Blackwell W4A4; Hopper via Marlin W4A16). "
                    "w4a16: INT4 experts in compressed-tensors pack-quantized form (vLLM Marlin MoE, "
                    "Ampere/Hopper); lossy, the summary reports SQNR vs the source.")
+@click.option("--engine", type=click.Choice(_engine_names()), default=None, help=ENGINE_HELP)
 @click.option("--mtp", type=click.Choice(["keep", "convert"]), default=None,
-              help="keep: MTP experts stay MXFP4, as in NVIDIA's release (nvfp4 default); convert: them "
-                   "too (w4a16 default and requirement: vLLM loads them with the INT4 group). "
-                   "Default: the output format's.")
+              help="keep: the MTP block's experts stay MXFP4 (as in NVIDIA's release); convert: them too. "
+                   "Default: what --engine loads them as (vllm: convert; sglang: keep). A choice the engine "
+                   "would load as garbage is refused unless --force.")
+@click.option("--force", is_flag=True, help="Write a layout that --engine would load wrongly (MTP experts in the "
+              "other format, W4A16 for SGLang); the card and requant.json record why.")
 @click.option("--input-scale", type=float, default=None, help=INPUT_SCALE_HELP)
 @click.option("--scale-headroom", type=click.IntRange(0, 8), default=0, show_default=True,
               help="NVFP4: place the largest block scale at 2^(8-N) instead of 2^8. Guards vLLM's "
@@ -134,7 +153,7 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
 @click.option("--json", "as_json", is_flag=True, help="Print the summary (or plan) as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
-def convert(src, dst, in_format, out_format, mtp, input_scale, scale_headroom, group_size, scheme, workers, in_place,
+def convert(src, dst, in_format, out_format, engine, mtp, force, input_scale, scale_headroom, group_size, scheme, workers, in_place,
             resume, revision, stream_source, dry_run, as_json, quiet):
     """Convert checkpoint SRC (a directory or a Hub repository id) into a new directory DST, or in
     place with --in-place.
@@ -156,7 +175,7 @@ def convert(src, dst, in_format, out_format, mtp, input_scale, scale_headroom, g
         raise RequantError("give DST, or --in-place to convert SRC inside its own directory (not both)")
     extra = {"top_exponent": 8 - scale_headroom} if scale_headroom else {}
     extra.update({k: v for k, v in (("group_size", group_size and int(group_size)), ("scheme", scheme)) if v})
-    options = Options(mtp=mtp, input_scale=input_scale, extra=extra)
+    options = Options(mtp=mtp, input_scale=input_scale, extra=extra, engine=engine, force=force)
     if dry_run:
         plan = convert_lib.plan_conversion(src, out_format, options, in_format)
         summary = convert_lib.describe_plan(plan, dst, in_place)
@@ -198,15 +217,24 @@ def inspect(path, as_json):
 @click.argument("path", type=click.Path())
 @click.option("--deep", is_flag=True, help="Also decode every block (reads all expert bytes).")
 @click.option("--source", type=click.Path(), help="With --deep: count exact vs re-quantized blocks against this checkpoint.")
+@click.option("--engine", type=click.Choice(_engine_names()), default=None,
+              help="Judge loading by this engine's rules (each names the release it was checked against); its "
+                   "problems are errors. Default: the engine requant.json names, else every engine (then only "
+                   "'no engine loads it' is an error).")
+@click.option("--gpu", type=click.Choice(sorted(GPU_FAMILIES)), default=None,
+              help="Also name the MoE method and kernel each judged engine selects on this GPU family "
+                   "(sm_80 Ampere, sm_90 Hopper, sm_100/sm_120 Blackwell), or the flag it needs to start.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
-def verify(path, deep, source, as_json, quiet):
-    """Lint FP4 MoE checkpoint PATH (NVFP4, W4A16, MXFP4): completeness, scales, engine dispatch
-    (vLLM, SGLang), Hopper Marlin hazard. Exits 1 when it finds errors."""
+def verify(path, deep, source, engine, gpu, as_json, quiet):
+    """Lint FP4 MoE checkpoint PATH (NVFP4, W4A16, MXFP4): completeness, scales, config dispatch, and
+    whether vLLM / SGLang (pinned releases) load every tensor into the right kind of parameter.
+    Exits 1 when it finds errors."""
     from requant.verify import format_result, verify as verify_lib
 
-    result = verify_lib(path, deep=deep or source is not None, source=source, progress=not quiet)
+    result = verify_lib(path, deep=deep or source is not None, source=source, progress=not quiet, engine=engine,
+                        gpu=gpu)
     click.echo(json.dumps(result, indent=2) if as_json else format_result(result))
     if not result["ok"]:
         sys.exit(1)

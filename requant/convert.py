@@ -20,12 +20,13 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from requant import __version__
+from requant import __version__, card
 from requant.errors import CheckpointError, RequantError, describe_os_error
 from requant.io import hub as hub_lib
 from requant.io import journal
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, read_json, resolve_inside
-from requant.io.fsutil import DirLock, atomic_write_json, fault_point, free_bytes, fsync_dir, remove_quietly
+from requant.io.fsutil import (DirLock, atomic_write, atomic_write_json, fault_point, free_bytes, fsync_dir,
+                               remove_quietly)
 from requant.io.safetensors import ShardWriter, encode_header, read_header
 from requant.plan import Plan, ShardPlan, make_plan
 from requant.targets import Options, Stats
@@ -70,7 +71,8 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
     hint = resume_hint or f"requant convert {src} {dst or '--in-place'} --in {in_format} --out {out_format} --resume"
     request = {"format": journal.FORMAT, "requant": __version__, "mode": "in-place" if in_place else "out-of-place",
                "options": _jsonable({"in": in_format, "out": out_format, "mtp": options.mtp,
-                                     "input_scale": options.input_scale, "extra": options.extra}),
+                                     "input_scale": options.input_scale, "extra": options.extra,
+                                     "engine": options.engine, "force": options.force}),
                "resume": hint}
     hub = None
     if hub_lib.is_repo_id(src):
@@ -96,6 +98,7 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
         source, snapshot = _open_source(src, target, in_place, resume, request, hub)
         journaled = resume
         plan = make_plan(source, out_format, options, in_format)
+        plan.label = request.get("source") or src
         entries = {e["name"]: e for e in snapshot["shards"]}
         _drop_leftovers(plan, target)
         done = [_shard_done(shard, target, in_place, entries[shard.name]) for shard in plan.shards]
@@ -292,15 +295,24 @@ def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, a
                 continue
             if hub:
                 _fetch(plan, shard, hub, entries[shard.name])
-            shard_stats = write_shard(plan, shard, target, workers, bar, entries[shard.name], in_place)
+
+            def remember(shard_stats: Stats, state=state) -> None:
+                # Journaled before the rename: a run killed between rename and "done" resumes
+                # with this shard's stats, so the config's summary still covers every shard.
+                state["stats"] = dataclasses.asdict(shard_stats)
+                journal.save(target, record)
+
+            shard_stats = write_shard(plan, shard, target, workers, bar, entries[shard.name], in_place, remember)
             if hub:   # the disk never holds more than one source shard
                 os.remove(plan.source.reads[shard.name].path)
                 plan.source.relocate(shard.name, None)
-            state.update(done=True, stats=dataclasses.asdict(shard_stats))
+            state["done"] = True
             journal.save(target, record)
             stats.add(shard_stats)
     if not in_place:
         copy_ancillary(plan.source.path, target, ancillary)
+    else:
+        _set_aside_source_card(target)
     finish_metadata(target, final_metadata(plan, stats))   # after the shards: a target may summarise them
     journal.remove(target)
     return Result(plan, stats, plan.input_bytes, _dir_tensor_bytes(target, plan), time.monotonic() - started)
@@ -319,9 +331,10 @@ def _stats_from(d: dict) -> Stats:
 
 
 def write_shard(plan: Plan, shard: ShardPlan, target: str, workers: int, bar, entry: dict,
-                in_place: bool = False) -> Stats:
+                in_place: bool = False, before_rename=None) -> Stats:
     """Write one output shard. Worker threads read and encode experts; this thread writes, so
-    disk writes overlap with encoding. Copies go through the kernel (copy_file_range)."""
+    disk writes overlap with encoding. Copies go through the kernel (copy_file_range).
+    `before_rename(stats)` runs once the shard is written and checked, before it takes its name."""
     final = os.path.join(target, shard.name)
     partial = final + PARTIAL_SUFFIX
     source = plan.source
@@ -365,6 +378,8 @@ def write_shard(plan: Plan, shard: ShardPlan, target: str, workers: int, bar, en
         fault_point()
         _verify_written(partial, shard)
         _check_unchanged(source_path, entry)   # nothing rewrote the source while it was read
+        if before_rename is not None:
+            before_rename(stats)
     except BaseException:
         writer.abort()
         remove_quietly(partial)
@@ -396,7 +411,7 @@ def ancillary_files(src: str, shard_names: set[str]) -> list[str]:
     """Tokenizer files, generation config, reference code...: every file but the weights and the
     metadata the conversion rewrites, as paths relative to `src`. Hidden entries (caches, VCS,
     the journal) are skipped; a symlink leading out of the checkpoint is refused up front."""
-    skip = shard_names | {INDEX_NAME, CONFIG_NAME, "hf_quant_config.json"}
+    skip = shard_names | {INDEX_NAME, CONFIG_NAME, "hf_quant_config.json", card.PROVENANCE_NAME}
     found = []
 
     def walk(rel: str) -> None:
@@ -414,24 +429,45 @@ def ancillary_files(src: str, shard_names: set[str]) -> list[str]:
 
 
 def copy_ancillary(src: str, dst: str, files: list[str]) -> None:
+    """Copy the source's other files; its model card becomes README.source.md, since the output
+    gets a card of its own."""
     for name in files:
-        os.makedirs(os.path.dirname(os.path.join(dst, name)), exist_ok=True)
-        shutil.copyfile(resolve_inside(src, name), os.path.join(dst, name))
+        out = card.SOURCE_CARD_NAME if name == card.CARD_NAME else name
+        os.makedirs(os.path.dirname(os.path.join(dst, out)), exist_ok=True)
+        shutil.copyfile(resolve_inside(src, name), os.path.join(dst, out))
 
 
-def final_metadata(plan: Plan, stats: Stats | None = None) -> dict[str, dict]:
-    """The JSON files written last, in order: format side files, config.json, then the index
-    (whose arrival makes the output loadable). `stats` covers every shard, resumed runs included."""
-    files = dict(plan.target.extra_files(plan.blocks))
-    files[CONFIG_NAME] = plan.target.config(plan.blocks, stats or Stats())
+def _set_aside_source_card(target: str) -> None:
+    """In place, the source's README.md moves to README.source.md before requant's card is written
+    (a card left by a killed run of this conversion is requant's own and is simply replaced)."""
+    path = os.path.join(target, card.CARD_NAME)
+    if os.path.isfile(path) and not card.is_requant_card(path):
+        os.replace(path, os.path.join(target, card.SOURCE_CARD_NAME))
+        fsync_dir(target)
+        fault_point()
+
+
+def final_metadata(plan: Plan, stats: Stats | None = None) -> dict[str, dict | str]:
+    """The files written last, in order: format side files, requant.json, the model card,
+    config.json, then the index (whose arrival makes the output loadable). `stats` covers every
+    shard, resumed runs included."""
+    stats = stats or Stats()
+    files: dict[str, dict | str] = dict(plan.target.extra_files(plan.blocks))
+    record = card.provenance(plan, stats, plan.label)
+    files[card.PROVENANCE_NAME] = record
+    files[card.CARD_NAME] = card.model_card(record, plan.target.engine)
+    files[CONFIG_NAME] = plan.target.config(plan.blocks, stats)
     files[INDEX_NAME] = {"metadata": {**plan.source.index_metadata, "total_size": plan.total_size},
                          "weight_map": plan.weight_map}
     return files
 
 
-def finish_metadata(target: str, files: dict[str, dict]) -> None:
+def finish_metadata(target: str, files: dict[str, dict | str]) -> None:
     for name, content in files.items():
-        atomic_write_json(os.path.join(target, name), content)
+        if isinstance(content, str):
+            atomic_write(os.path.join(target, name), content.encode())
+        else:
+            atomic_write_json(os.path.join(target, name), content)
 
 
 def _dir_tensor_bytes(dst: str, plan: Plan) -> int:
@@ -443,6 +479,8 @@ def describe_plan(plan: Plan, dst: str | None, in_place: bool = False) -> dict:
         "source": plan.source.path,
         "source_format": plan.source_format,
         "target": plan.target.name,
+        "engine": plan.target.engine.label,
+        "mtp": plan.target.mtp,
         "shards": len(plan.shards),
         "converted_blocks": plan.blocks,
         "tensors": dict(plan.counts),
@@ -458,8 +496,8 @@ def format_plan(d: dict) -> str:
     counts = ", ".join(f"{v:,} {k}" for k, v in d["tensors"].items())
     ok = d["free_bytes_available"] >= d["free_bytes_needed"]
     return "\n".join([
-        f"plan: {d['source_format']} -> {d['target']}, {d['shards']} shards, "
-        f"{len(d['converted_blocks'])} MoE blocks converted",
+        f"plan: {d['source_format']} -> {d['target']} for {d['engine']}, {d['shards']} shards, "
+        f"{len(d['converted_blocks'])} MoE blocks converted (MTP experts: {d['mtp']})",
         f"  tensors   {counts}; {d['output_tensors']:,} written",
         f"  bytes     in {d['input_bytes']:,}, out {d['output_bytes']:,}",
         f"  disk      needs {d['free_bytes_needed']:,} free, {d['free_bytes_available']:,} available"
@@ -471,6 +509,7 @@ def describe_result(r: Result) -> dict:
     s = r.stats
     return {
         "target": r.plan.target.name,
+        "engine": r.plan.target.engine.label,
         "tensors_converted": s.tensors_converted,
         "blocks": s.blocks,
         "exact_blocks": s.exact_blocks,
@@ -484,5 +523,5 @@ def describe_result(r: Result) -> dict:
 
 def format_result(d: dict) -> str:
     rate = d["bytes_out"] / d["seconds"] / 2**20 if d["seconds"] else 0.0
-    return (f"converted {d['tensors_converted']:,} expert tensors to {d['target']} in {d['seconds']:.1f} s "
+    return (f"converted {d['tensors_converted']:,} expert tensors to {d['target']} for {d['engine']} in {d['seconds']:.1f} s "
             f"({rate:,.0f} MiB/s): {d['summary']}; bytes in {d['bytes_in']:,}, out {d['bytes_out']:,}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from requant import engines
 from requant.errors import UnsupportedError
 
 
@@ -107,6 +108,14 @@ class ModelSpec:
             if proj in group:
                 return next((p for p in group if p != proj), None)
         return None
+
+    def engine(self, name: str | None = None) -> engines.EngineRules:
+        """The rules of serving engine `name` (None: the recipe's default engine) for this model."""
+        return engines.rules_for(self.recipe, name or engines.default_engine(self.recipe))
+
+    @property
+    def engine_names(self) -> list[str]:
+        return engines.available(self.recipe)
 
     def is_mtp(self, block: str) -> bool:
         return block.startswith(self.recipe["mtp_block_prefix"])

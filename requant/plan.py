@@ -39,6 +39,7 @@ class Plan:
     blocks: list[str]                       # blocks whose routed experts are converted
     source_format: str
     counts: Counter = field(default_factory=Counter)
+    label: str = ""                         # how the output's card names the source (path or repo@commit)
 
     @property
     def weight_map(self) -> dict[str, str]:
@@ -114,7 +115,7 @@ def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: 
                 counts["passed through" if unit.encode is None else "rewritten"] += 1
                 units.append(unit)
         shards.append(ShardPlan(shard_name, units))
-    return Plan(source, model, target, shards, blocks, found, counts)
+    return Plan(source, model, target, shards, blocks, found, counts, label=source.path)
 
 
 def _check_config_values(model: ModelSpec) -> None:

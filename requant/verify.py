@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm import tqdm
 
+from requant import card
+from requant.engine_check import MarlinSpan, int4_groups, judge
 from requant.errors import CheckpointError, RequantError, UnsupportedError
 from requant.formats import mxfp4, nvfp4
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, read_json, resolve_inside
@@ -32,7 +33,6 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 NVFP4_GROUP = nvfp4.BLOCK
 SCALAR_SHAPES = ((), (1,))
 MARLIN_INT4_GROUPS = (32, 64, 128)   # group sizes vLLM's Marlin WNA16 MoE accepts (formats.md 3)
-FP16 = torch.float16
 
 
 @dataclass
@@ -191,42 +191,6 @@ def _check_structure(ck: Checkpoint, model: ModelSpec, expert: Expert, fmt: str,
 # scales
 
 
-class MarlinSpan:
-    """Smallest positive and largest block scale of one fused weight group across a layer's experts."""
-
-    def __init__(self):
-        self.min = math.inf
-        self.max = 0.0
-
-    def update(self, scales: torch.Tensor) -> None:
-        positive = scales[scales > 0]
-        if positive.numel():
-            self.min = min(self.min, float(positive.min()))
-            self.max = max(self.max, float(positive.max()))
-
-
-def marlin_overflows(smin: float, smax: float) -> bool:
-    """Whether vLLM's Marlin NVFP4 MoE preparation turns the largest block scale into fp16 inf.
-
-    vLLM (marlin_utils_fp4.py) multiplies block scales by 2^7 in fp16 after rescaling all experts
-    of a layer by one power of two chosen so that the smallest positive scale * 2^7 reaches 2
-    (bf16 activations; fp16 ones skip the rescale). The largest scale then overflows when
-    span = log2(max / min) >= 15.
-    """
-    if not smin < math.inf:
-        return False
-    factor = 2.0 ** math.ceil(math.log2(2 / (smin * 128))) if smin * 128 < 2 else 1.0
-    return bool(torch.isinf(torch.tensor(smax * factor, dtype=FP16) * 128))
-
-
-def marlin_headroom() -> int:
-    """Smallest --scale-headroom whose widest possible span (2^(8-N) .. 2^-9) no longer overflows."""
-    for n in range(nvfp4.E4M3_MAX_EXPONENT + 1):
-        if not marlin_overflows(2.0 ** nvfp4.E4M3_MIN_EXPONENT, 2.0 ** (nvfp4.E4M3_MAX_EXPONENT - n)):
-            return n
-    return nvfp4.E4M3_MAX_EXPONENT
-
-
 def _bad_scalar(value: float) -> str | None:
     if math.isnan(value):
         return "NaN"
@@ -378,13 +342,8 @@ def _check_nvfp4_config(ck, model, formats_by_block, out):
         if fmt == "nvfp4" and ignore and model.ignored(module, ignore):
             out.add("error", "ignored-nvfp4", "an ignore pattern matches NVFP4 experts (engines honouring it build "
                     "unquantized experts)", module)
-        if fmt == "mxfp4" and str(algo).upper() == "NVFP4":
-            if ignore is not None and not model.ignored(module, ignore):
-                out.add("warning", "mxfp4-not-ignored", "MXFP4 experts are not excluded by ignore", module)
-            out.add("warning", "mtp-mxfp4", "experts left in MXFP4 under moe_quant_algo NVFP4: vLLM's DeepSeek-V4 "
-                    "config builds NVFP4 layers for every routed-expert layer it does not skip, so these load "
-                    "into NVFP4 buffers in versions without per-prefix dispatch (fix: requant convert --mtp convert)",
-                    module)
+        if fmt == "mxfp4" and str(algo).upper() == "NVFP4" and ignore is not None and not model.ignored(module, ignore):
+            out.add("warning", "mxfp4-not-ignored", "MXFP4 experts are not excluded by ignore", module)
     for name, group in (qc.get("config_groups") or {}).items():
         weights = (group or {}).get("weights") or {}
         if weights and (weights.get("num_bits"), weights.get("type"), weights.get("group_size")) != (4, "float", 16):
@@ -423,13 +382,6 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _target_matches(target: str, name: str) -> bool:
-    """compressed-tensors matching: 're:' regex, else an exact module name (or the Linear class)."""
-    if target.startswith("re:"):
-        return re.match(target[3:], name) is not None
-    return target == "Linear" or target == name
-
-
 def _check_w4a16_config(ck, model, formats_by_block, groups_seen, zero_points, out):
     qc = ck.config.get("quantization_config")
     if not isinstance(qc, dict):
@@ -441,24 +393,14 @@ def _check_w4a16_config(ck, model, formats_by_block, groups_seen, zero_points, o
     if qc.get("quantization_status") not in (None, "compressed"):
         out.add("warning", "quantization-status", "quantization_status is not 'compressed'", CONFIG_NAME,
                 repr(qc.get("quantization_status")))
-    groups = {n: g for n, g in (qc.get("config_groups") or {}).items() if isinstance(g, dict)}
-    int4 = {n: g for n, g in groups.items()
-            if (g.get("weights") or {}).get("num_bits") == 4 and (g.get("weights") or {}).get("type") == "int"}
+    int4 = int4_groups(qc)
     if not int4:
         out.add("error", "config-groups", "config_groups has no 4-bit int weight group for the experts", CONFIG_NAME)
         return
-    names = model.recipe["compressed_tensors_names"]
-    ignore = qc.get("ignore") or []
-    block = next((b for b, f in formats_by_block.items() if f == "w4a16"), None)
-    for proj in model.projections if block else ():
-        probe = f"{model.experts_module(block)}.0.{names[proj]}"   # the module name vLLM asks about
-        matched = [n for n, g in int4.items() if any(_target_matches(t, probe) for t in g.get("targets") or [])]
-        if not matched:
-            out.add("error", "targets", "no int4 config group targets the experts as vLLM probes them", CONFIG_NAME, probe)
-            continue
-        if any(_target_matches(t, probe) for t in ignore if isinstance(t, str)):
-            out.add("error", "ignored-w4a16", "an ignore entry matches the W4A16 experts", CONFIG_NAME, probe)
-        weights = int4[matched[0]].get("weights") or {}
+    # Which engine probes reach these groups is each engine's rule (engine_check); here, the
+    # groups themselves.
+    for group in int4.values():
+        weights = group.get("weights") or {}
         size = weights.get("group_size")
         if weights.get("strategy") not in (None, "group"):
             out.add("warning", "strategy", "expert weights strategy is not 'group'", CONFIG_NAME, repr(weights.get("strategy")))
@@ -473,7 +415,7 @@ def _check_w4a16_config(ck, model, formats_by_block, groups_seen, zero_points, o
             out.add("warning", "zero-point", "symmetric scheme but weight_zero_point tensors are present", CONFIG_NAME)
         if not symmetric and not zero_points:
             out.add("error", "zero-point", "asymmetric scheme but no weight_zero_point tensors", CONFIG_NAME)
-        fmt = int4[matched[0]].get("format") or qc.get("format")
+        fmt = group.get("format") or qc.get("format")
         if fmt not in ("pack-quantized", "mixed-precision"):
             out.add("warning", "ct-format", "experts' compressed-tensors format is not pack-quantized", CONFIG_NAME, repr(fmt))
 
@@ -481,14 +423,19 @@ def _check_w4a16_config(ck, model, formats_by_block, groups_seen, zero_points, o
 # ------------------------------------------------------------------------------------------------
 
 
-def verify(path: str, deep: bool = False, source: str | None = None, progress: bool = True) -> dict:
-    """Check checkpoint `path`; return a JSON-able result whose 'ok' is False when errors were found."""
+def verify(path: str, deep: bool = False, source: str | None = None, progress: bool = True,
+           engine: str | None = None, gpu: str | None = None) -> dict:
+    """Check checkpoint `path`; return a JSON-able result whose 'ok' is False when errors were found.
+
+    `engine` (vllm, sglang): judge loading by that engine's rules only, its problems as errors;
+    None: the engine requant.json names, else every engine the recipe knows. `gpu` (sm_80 ...):
+    also name the MoE kernel each judged engine selects on that GPU family."""
     out = Findings()
-    result = {"path": os.path.abspath(path), "format": None, "experts_checked": 0, "deep": None}
+    result = {"path": os.path.abspath(path), "format": None, "experts_checked": 0, "deep": None, "engines": {}}
     ck = open_leniently(path, out)
     if ck is not None:
         try:
-            _verify_experts(ck, out, result, deep, source, progress)
+            _verify_experts(ck, out, result, deep, source, progress, engine, gpu)
         finally:
             ck.close()
     findings = out.sorted()
@@ -498,7 +445,7 @@ def verify(path: str, deep: bool = False, source: str | None = None, progress: b
     return result
 
 
-def _verify_experts(ck, out, result, deep, source, progress):
+def _verify_experts(ck, out, result, deep, source, progress, engine, gpu):
     try:
         model = ModelSpec.for_config(ck.config, os.path.join(ck.path, CONFIG_NAME))
     except RequantError as e:
@@ -570,13 +517,7 @@ def _verify_experts(ck, out, result, deep, source, progress):
             out.add("info", "input-scale-spread", "input_scale of one projection varies across a layer's experts "
                     "(W4A4 kernels use the layer maximum)", f"{model.experts_module(block)} {proj}",
                     f"{min(values):g} .. {max(values):g}")
-    overflowing = [(b, g, s) for (b, g), s in spans.items() if marlin_overflows(s.min, s.max)]
-    for block, group, span in overflowing:
-        out.add("warning", "hopper-marlin-overflow",
-                "block-scale span overflows the fp16 scale conversion of vLLM's Marlin NVFP4 MoE (Hopper): inf "
-                f"weights. Fix: requant convert --scale-headroom {marlin_headroom()}",
-                f"{model.experts_module(block)} {group}",
-                f"scales {span.min:g} .. {span.max:g}, span 2^{math.log2(span.max / span.min):.0f}")
+    _judge_engines(ck, model, formats_by_block, dominant, spans, engine, gpu, result, out)
     if dominant == "nvfp4":
         _check_nvfp4_config(ck, model, formats_by_block, out)
     elif dominant == "w4a16":
@@ -588,6 +529,32 @@ def _verify_experts(ck, out, result, deep, source, progress):
         if source and blocks_total:
             out.add("info", "deep-compare", f"decoded every block against the source: {exact_total:,} of "
                     f"{blocks_total:,} exact, {blocks_total - exact_total:,} re-quantized")
+
+
+def _judge_engines(ck, model, formats_by_block, dominant, spans, engine, gpu, result, out):
+    """Each engine's verdict. Problems are errors for the engine the output is served with (named,
+    or recorded in requant.json at conversion); with none known, warnings per engine, and an
+    error only when no engine loads the checkpoint correctly."""
+    made_for = _recorded_engine(ck.path)
+    names = [engine] if engine else [made_for] if made_for in model.engine_names else model.engine_names
+    strict = len(names) == 1
+    for name in names:
+        verdict, found = judge(model.engine(name), model, ck.config, formats_by_block, dominant, spans, gpu)
+        result["engines"][name] = asdict(verdict)
+        for code, message, where, detail in found:
+            severity = ("info" if code == "kernel" else "warning" if code == "marlin-flush"
+                        else "error" if strict else "warning")
+            out.add(severity, code, message, where, detail)
+    if not strict and not any(v["loads"] for v in result["engines"].values()):
+        out.add("error", "no-engine", "no engine release requant knows loads this checkpoint correctly (see the "
+                "warnings above)")
+
+
+def _recorded_engine(path: str) -> str | None:
+    try:
+        return (read_json(os.path.join(path, card.PROVENANCE_NAME)).get("engine") or {}).get("name")
+    except (CheckpointError, AttributeError):
+        return None
 
 
 def _deep_check(ck, model, expert, projs, source_ck, source_experts, deep_stats, out):
@@ -624,6 +591,9 @@ def _deep_check(ck, model, expert, projs, source_ck, source_experts, deep_stats,
 def format_result(result: dict) -> str:
     lines = [f"checkpoint  {result['path']}",
              f"experts     {result['experts_checked']:,} checked, format {result['format'] or 'unknown'}"]
+    for name, v in result["engines"].items():
+        lines.append(f"{'engine':<12}{name} {v['version']}: " + ("loads it correctly" if v["loads"] else "does NOT load it "
+                     "correctly") + (f"; MoE kernel: {v['kernel']['backend']}" if v.get("kernel") else ""))
     for f in result["findings"]:
         count = f" (x{f['count']:,})" if f["count"] > 1 else ""
         lines.append(f"{f['severity'].upper():<8}{f['code']}: {f['message']}{count}")

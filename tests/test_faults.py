@@ -17,7 +17,7 @@ from requant import synth
 from requant.cli import cli
 from requant.io import fsutil, journal
 from requant.io.fsutil import DirLock
-from tests.conftest import tree
+from tests.conftest import output_tree, tree
 
 DIMS = synth.Dims(layers=3, experts=6)
 INDEX = "model.safetensors.index.json"
@@ -29,7 +29,7 @@ def tiny(tmp_path_factory):
     src = str(base / "src")
     synth.write_checkpoint(src, DIMS, seed=4)
     assert invoke(src, str(base / "clean")).exit_code == 0
-    return src, tree(str(base / "clean"))
+    return src, output_tree(str(base / "clean"))
 
 
 def invoke(src, dst=None, *extra):
@@ -80,7 +80,7 @@ def test_disk_full_then_resume(tiny, tmp_path, monkeypatch, step):
     assert not [n for n in os.listdir(dst) if ".partial" in n or ".tmp-" in n], "temporaries left behind"
     monkeypatch.delenv("REQUANT_TEST_FAULT")
     assert invoke(src, dst, "--resume").exit_code == 0
-    assert tree(dst) == tiny[1]
+    assert output_tree(dst) == tiny[1]
 
 
 def test_disk_full_in_place_then_resume(tiny, tmp_path, monkeypatch):
@@ -93,7 +93,7 @@ def test_disk_full_in_place_then_resume(tiny, tmp_path, monkeypatch):
     assert inspect.exit_code == 1 and "conversion in progress" in inspect.stderr and "--in-place" in inspect.stderr
     monkeypatch.delenv("REQUANT_TEST_FAULT")
     assert invoke(src, None, "--resume").exit_code == 0
-    assert tree(src) == tiny[1]
+    assert output_tree(src) == tiny[1]
 
 
 @contextlib.contextmanager
@@ -129,7 +129,7 @@ def test_real_disk_full_on_tmpfs(tiny, tmp_path, monkeypatch):
         os.remove(filler)
         monkeypatch.undo()
         assert invoke(tiny[0], dst, "--resume").exit_code == 0
-        assert tree(dst) == tiny[1]
+        assert output_tree(dst) == tiny[1]
 
 
 def test_read_only_destination(tiny, tmp_path):
@@ -164,7 +164,7 @@ def test_interrupt_stops_cleanly_and_resumes(tiny, tmp_path, monkeypatch):
     assert "interrupted" in line and f"requant convert {src} {dst} --out nvfp4 --workers 2 --resume" in line
     monkeypatch.undo()
     assert invoke(src, dst, "--workers", "2", "--resume").exit_code == 0
-    assert tree(dst) == tiny[1]
+    assert output_tree(dst) == tiny[1]
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["out-of-place", "in-place"])
@@ -213,7 +213,7 @@ def test_refusals_that_protect_the_journal(tiny, tmp_path, monkeypatch):
     assert "options" in one_line(invoke(src, dst, "--resume", "--mtp", "convert"))
     assert "mode" in one_line(invoke(dst, None, "--resume"))                # not an in-place journal
     assert journal.exists(dst)
-    assert invoke(src, dst, "--resume").exit_code == 0 and tree(dst) == tiny[1]
+    assert invoke(src, dst, "--resume").exit_code == 0 and output_tree(dst) == tiny[1]
 
 
 def test_not_enough_space_is_refused_with_numbers(tiny, tmp_path, monkeypatch):

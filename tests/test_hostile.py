@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from requant import synth
 from requant.cli import cli
 from requant.io.checkpoint import Checkpoint
-from tests.conftest import run_cli, tree
+from tests.conftest import output_tree, run_cli, tree
 
 DIMS = synth.Dims(layers=2, experts=6, hidden=128, intermediate=128, vocab=64, hash_layers=1)
 INDEX = "model.safetensors.index.json"
@@ -33,7 +33,7 @@ def pristine(tmp_path_factory):
     synth.write_checkpoint(src, DIMS, seed=5)
     result = CliRunner().invoke(cli, ["convert", src, str(base / "clean"), "--out", "nvfp4", "--quiet"])
     assert result.exit_code == 0, result.output
-    return src, tree(str(base / "clean"))
+    return src, output_tree(str(base / "clean"))
 
 
 def read_shard(path: str) -> tuple[dict, bytes]:
@@ -268,7 +268,7 @@ def test_targeted(pristine, tmp_path, name):
     code, stderr = run_inprocess(case)
     assert check_outcome(case, code, stderr, before, pristine[1], name) == expected, stderr
     if expected == "ok":
-        assert tree(case.dst) == pristine[1], "a legal layout must convert to the same output"
+        assert output_tree(case.dst) == pristine[1], "a legal layout must convert to the same output"
 
 
 # --- fuzzing -------------------------------------------------------------------------------------

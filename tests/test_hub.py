@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from requant import synth
 from requant.cli import cli
 from requant.io import hub as hub_lib
-from tests.conftest import tree
+from tests.conftest import output_tree, tree
 
 DIMS = synth.Dims(layers=3, experts=6)
 REPO = "deepseek-ai/Tiny-V4"
@@ -113,7 +113,7 @@ def hub_repo(tmp_path_factory):
     assert CliRunner().invoke(cli, ["convert", src, str(base / "clean"), "--out", "nvfp4", "--quiet"]).exit_code == 0
     server = FakeHub(src)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server, tree(str(base / "clean"))
+    yield server, output_tree(str(base / "clean"))
     server.shutdown()
 
 
@@ -141,7 +141,7 @@ def test_repo_id_downloads_to_the_cache_and_converts(hub, tmp_path):
     server, clean = hub
     dst = str(tmp_path / "dst")
     assert invoke(dst, "--revision", "main").exit_code == 0
-    assert tree(dst) == clean
+    assert output_tree(dst) == clean
     snapshot = tmp_path / "cache" / "models--deepseek-ai--Tiny-V4" / "snapshots" / COMMIT
     assert os.path.islink(snapshot / shard_names(server)[0])   # a cache snapshot (links into blobs/) works as SRC
 
@@ -159,7 +159,7 @@ def test_stream_source_holds_one_shard_at_a_time(hub, tmp_path, monkeypatch):
     monkeypatch.setattr(hub_lib.HubSource, "fetch", watched)
     result = invoke(dst, "--stream-source")
     assert result.exit_code == 0, result.stderr
-    assert tree(dst) == clean
+    assert output_tree(dst) == clean
     assert all(s == [] for s in seen), f"a downloaded shard was still on disk: {seen}"
     assert not os.path.exists(tmp_path / "cache"), "streaming must not fill the Hugging Face cache"
     assert sorted(n for n in server.gets if n.endswith(".safetensors")) == shard_names(server)
@@ -171,7 +171,7 @@ def test_download_that_breaks_off_is_resumed(hub, tmp_path):
     dst = str(tmp_path / "dst")
     result = invoke(dst, "--stream-source")
     assert result.exit_code == 0, result.stderr
-    assert tree(dst) == clean
+    assert output_tree(dst) == clean
 
 
 def test_failed_or_corrupt_download_is_a_clean_error_then_resumes(hub, tmp_path):
@@ -187,7 +187,7 @@ def test_failed_or_corrupt_download_is_a_clean_error_then_resumes(hub, tmp_path)
         assert not os.path.exists(os.path.join(dst, "model.safetensors.index.json"))
         damage.clear()
     assert invoke(dst, "--stream-source", "--resume").exit_code == 0
-    assert tree(dst) == clean
+    assert output_tree(dst) == clean
 
 
 def test_unknown_repository_is_one_line(hub, tmp_path):

@@ -17,7 +17,7 @@ from requant.io import fsutil, journal
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from requant.errors import CheckpointError, RequantError
 from requant.targets import Options
-from tests.conftest import tree
+from tests.conftest import output_tree, tree
 
 DIMS = synth.Dims(layers=3, experts=6)
 _ctx = multiprocessing.get_context("forkserver")
@@ -31,7 +31,7 @@ def tiny(tmp_path_factory):
     src = str(base / "src")
     synth.write_checkpoint(src, DIMS, seed=3, hard=synth.HardCases(out_of_window=1, zero_blocks=1, neg_zero_blocks=1))
     convert(src, str(base / "clean"), "nvfp4", Options(), progress=False)
-    return src, tree(str(base / "clean"))
+    return src, output_tree(str(base / "clean"))
 
 
 def count_steps(monkeypatch, *args) -> int:
@@ -95,7 +95,7 @@ def test_kill_at_every_step_then_resume(tiny, tmp_path, monkeypatch, in_place):
         run_killed(a, b, step)
         check_intermediate(target, src_tree, clean, in_place, step)
         convert(a, b, "nvfp4", Options(), progress=False, resume=True)
-        assert tree(target) == clean, f"step {step}: resumed output differs from an uninterrupted run"
+        assert output_tree(target) == clean, f"step {step}: resumed output differs from an uninterrupted run"
         shutil.rmtree(target)
     print(f"{'in place' if in_place else 'out of place'}: killed at {steps} steps, all resumed byte-identical")
 
@@ -107,7 +107,7 @@ def test_killed_twice_resumes(tiny, tmp_path):
     run_killed(src, dst, 12)
     run_killed(src, dst, 9)
     convert(src, dst, "nvfp4", Options(), progress=False, resume=True)
-    assert tree(dst) == clean
+    assert output_tree(dst) == clean
 
 
 def test_w4a16_resume_records_the_whole_conversion(tmp_path, monkeypatch):
@@ -127,4 +127,4 @@ def test_w4a16_resume_records_the_whole_conversion(tmp_path, monkeypatch):
     done = [s for s in journal.load(dst)[0]["shards"] if s["done"]]
     assert 0 < len(done) < len(journal.load(dst)[0]["shards"]), "the fault should fall between shards"
     convert(src, dst, "w4a16", Options(), progress=False, resume=True)
-    assert tree(dst) == tree(clean)
+    assert output_tree(dst) == output_tree(clean)

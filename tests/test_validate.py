@@ -36,7 +36,7 @@ def test_lossless_nvfp4_passes(checkpoints):
     by = {r.layer: r for r in result.layers}
     assert result.passed and list(by) == ["layers.0", "layers.3", "mtp.0"]
     assert by["layers.0"].hash_routed and not by["layers.3"].hash_routed
-    assert (by["layers.3"].src_format, by["layers.3"].dst_format, by["mtp.0"].dst_format) == ("mxfp4", "nvfp4", "mxfp4")
+    assert (by["layers.3"].src_format, by["layers.3"].dst_format, by["mtp.0"].dst_format) == ("mxfp4", "nvfp4", "nvfp4")
     for r in result.layers:
         # Same decoded weights, products scaled by powers of two: identical outputs.
         assert r.rel_err == 0.0 and r.routing_agreement == 1.0 and r.tokens == 9

@@ -17,7 +17,8 @@ from requant.io.checkpoint import Checkpoint
 from requant.io.safetensors import save_file
 from requant.synth import Dims, HardCases, write_checkpoint
 from requant.targets import TARGETS, Options
-from requant.verify import marlin_headroom, marlin_overflows, verify
+from requant.engine_check import marlin_flush_threshold, marlin_headroom, marlin_overflows
+from requant.verify import verify
 
 DIMS = Dims(layers=2, experts=6, hidden=256, intermediate=128, hash_layers=1)
 
@@ -190,9 +191,9 @@ def test_leftover_source_scale_is_an_error(nv):
     assert codes(result) == {"unexpected-part"}
 
 
-def test_marlin_condition():
-    # Independent restatement: smallest positive scale rescaled to 2^-6, so the largest lands at
-    # 2^(span - 6) and times 2^7 must stay below fp16's 65520 overflow threshold.
+def test_pre_033_marlin_overflow_condition():
+    # Independent restatement of vLLM < 0.33: smallest positive scale rescaled to 2^-6, so the
+    # largest lands at 2^(span - 6) and times 2^7 must stay below fp16's 65520 overflow threshold.
     for span in range(0, 18):
         for top in (8, 5, 0):
             lo, hi = 2.0 ** (top - span), 2.0 ** top
@@ -202,24 +203,53 @@ def test_marlin_condition():
     assert marlin_headroom() == 3
 
 
-def test_hopper_hazard_and_its_fix(tmp_path):
-    src = str(tmp_path / "src")
+def test_marlin_flush_threshold():
+    # vLLM 0.33.0: factor 2^floor(log2(448 / largest)), then scale * factor * 2^7 < 2 is zero.
+    assert marlin_flush_threshold(256.0) == 2.0**-6           # lossless cast: largest block scale 2^8
+    assert marlin_flush_threshold(32.0) == 2.0**-9            # headroom 3 moves the whole window down
+    assert marlin_flush_threshold(448.0) == 2.0**-6 and marlin_flush_threshold(300.0) == 2.0**-6
+    assert marlin_flush_threshold(2.0**-9) == 2.0**-23        # factor 2^17
+
+
+def test_hopper_flush_counted_against_an_independent_decode(tmp_path):
+    """vLLM 0.33.0 on Hopper zeroes the blocks more than 14 octaves under the layer's largest
+    scale; verify counts exactly those, per layer and fused group, as a warning."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "plain")
     write_checkpoint(src, DIMS, seed=5, hard=HardCases(out_of_window=2))
-    convert(src, str(tmp_path / "plain"), "nvfp4", Options(), progress=False)
-    result = verify(str(tmp_path / "plain"), progress=False)
-    f = finding(result, "hopper-marlin-overflow")
-    assert f["severity"] == "warning" and "--scale-headroom 3" in f["message"]
-    assert f["count"] == 2 * DIMS.layers   # w1+w3 and w2 of every converted layer
-    convert(src, str(tmp_path / "safe"), "nvfp4", Options(extra={"top_exponent": 8 - marlin_headroom()}), progress=False)
-    assert "hopper-marlin-overflow" not in codes(verify(str(tmp_path / "safe"), progress=False), "warning")
+    convert(src, dst, "nvfp4", Options(), progress=False)
+    result = verify(dst, progress=False, engine="vllm")
+    f = finding(result, "marlin-flush")
+    assert f["severity"] == "warning" and "vLLM 0.33.0" in f["message"] and result["ok"]
+    expected = 0
+    with Checkpoint.open(dst) as ck:
+        for block in [f"layers.{i}" for i in range(DIMS.layers)] + ["mtp.0"]:
+            for group in (("w1", "w3"), ("w2",)):
+                scales = torch.cat([ck.tensor(f"{block}.ffn.experts.{e}.{p}.weight_scale").view(torch.float8_e4m3fn)
+                                    .float().reshape(-1) for e in range(DIMS.experts) for p in group])
+                top = scales.max().item()
+                factor = 2.0 ** math.floor(math.log2(448 / top))
+                expected += int(((scales > 0) & (scales * factor * 128 < 2)).sum())
+    assert expected >= 2 * 3 * DIMS.experts * DIMS.layers   # the planted blocks at least
+    assert result["engines"]["vllm"]["marlin_flushed_blocks"] == expected
+    assert "marlin-flush" not in codes(verify(dst, progress=False, engine="vllm", gpu="sm_100"), "warning")
 
 
-def test_mtp_left_in_mxfp4_is_flagged_and_convert_fixes_it(pair, tmp_path):
-    assert finding(verify(pair[1], progress=False), "mtp-mxfp4")["examples"] == ["mtp.0.ffn.experts"]
-    out = str(tmp_path / "all")
-    convert(pair[0], out, "nvfp4", Options(mtp="convert"), progress=False)
-    result = verify(out, progress=False)
-    assert result["ok"] and "mtp-mxfp4" not in codes(result, "warning")
+def test_mtp_layout_is_judged_per_engine(pair, tmp_path):
+    """vLLM 0.33.0 loads MTP experts as NVFP4 and SGLang 0.5.23 as MXFP4: each layout is right for
+    one engine, an error for the other, and requant.json says which one the output was made for."""
+    assert verify(pair[1], progress=False)["ok"]              # vLLM's layout (the default)
+    bad = verify(pair[1], progress=False, engine="sglang")
+    assert not bad["ok"] and finding(bad, "mtp-format")["examples"] == ["mtp.0.ffn.experts"]
+    assert "SGLang 0.5.23" in finding(bad, "mtp-format")["message"]
+    nvidia_like = str(tmp_path / "sglang")
+    convert(pair[0], nvidia_like, "nvfp4", Options(engine="sglang"), progress=False)
+    assert verify(nvidia_like, progress=False)["ok"]          # requant.json: made for SGLang
+    m4 = verify(nvidia_like, progress=False, engine="vllm")
+    assert not m4["ok"] and "garbage drafts" in finding(m4, "mtp-format")["message"]
+    os.remove(os.path.join(nvidia_like, "requant.json"))      # as NVIDIA's release: no record of an engine
+    unknown = verify(nvidia_like, progress=False)
+    assert unknown["ok"] and "mtp-format" in codes(unknown, "warning")
+    assert unknown["engines"]["sglang"]["loads"] and not unknown["engines"]["vllm"]["loads"]
 
 
 def test_deep_against_source_counts_exact_blocks(tmp_path):
@@ -227,10 +257,9 @@ def test_deep_against_source_counts_exact_blocks(tmp_path):
     write_checkpoint(src, DIMS, seed=7, hard=HardCases(out_of_window=3))
     stats = convert(src, dst, "nvfp4", Options(), progress=False).stats
     result = verify(dst, deep=True, source=src, progress=False)
-    layers = {b: s for b, s in result["deep"].items() if b.startswith("layers.")}
-    assert sum(s["blocks"] for s in layers.values()) == stats.blocks
-    assert sum(s["exact_blocks"] for s in layers.values()) == stats.exact_blocks
-    assert result["deep"]["mtp.0"]["blocks"] == result["deep"]["mtp.0"]["exact_blocks"]  # MXFP4 kept as is
+    assert sum(s["blocks"] for s in result["deep"].values()) == stats.blocks
+    assert sum(s["exact_blocks"] for s in result["deep"].values()) == stats.exact_blocks
+    assert set(result["deep"]) == {"layers.0", "layers.1", "mtp.0"}
 
 
 @pytest.mark.skipif("w4a16" not in TARGETS, reason="the W4A16 target (requant/targets/w4a16.py) has not landed")

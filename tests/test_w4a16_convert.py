@@ -18,7 +18,7 @@ from requant.cli import cli
 from requant.formats import int4, mxfp4
 
 EXPERT = re.compile(r"^(?P<block>(layers|mtp)\.\d+)\.ffn\.experts\.(?P<e>\d+)\.(?P<proj>w[123])\.(?P<part>\w+)$")
-VLLM_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+VLLM_LAYERS = 5   # synth's default num_hidden_layers: vLLM builds the MTP block as model.layers.5
 
 
 def _tensors(path):
@@ -80,8 +80,9 @@ def test_convert_w4a16_every_tensor(small_source, tmp_path, group, scheme):
             x = mxfp4.decode(s.view(torch.uint8), src[prefix + ".scale"].view(torch.uint8))
             signal += float(x.double().square().sum())
             error += float((decoded.double() - x).square().sum())
-            # vLLM probes <experts>.0.gate_proj etc. under its own prefix; the INT4 group must match.
-            probe = f"model.layers.{m['block'].split('.')[1]}.ffn.experts.0.{VLLM_NAMES[m['proj']]}"
+            # vLLM 0.33.0 probes <experts>.0.w1 etc. under its own prefix; the INT4 group must match.
+            layer = int(m["block"].split(".")[1]) + (VLLM_LAYERS if m["block"].startswith("mtp.") else 0)
+            probe = f"model.layers.{layer}.ffn.experts.0.{m['proj']}"
             assert _matches(int4_group.targets[0], probe)
         elif name.endswith(".scale"):
             renamed = name[: -len("scale")] + "weight_scale"

@@ -73,9 +73,11 @@ class Unit:
 @dataclass
 class Options:
     mtp: str | None = None              # "keep" MTP experts in the source format, "convert" them, or
-                                        # None: the target's default_mtp
+                                        # None: what the engine loads them as
     input_scale: float | None = None    # None: data-free bound; else this constant everywhere
     extra: dict = field(default_factory=dict)  # target-specific options
+    engine: str | None = None           # serving engine the layout is made for; None: the recipe's default
+    force: bool = False                 # write a layout the engine would load wrongly (recorded in the card)
 
 
 class Target:
@@ -83,13 +85,37 @@ class Target:
 
     name = "?"
     source_format = "mxfp4"
-    default_mtp = "keep"      # MTP experts when Options.mtp is None
 
     def __init__(self, model: ModelSpec, source: Checkpoint, options: Options):
         self.model, self.source, self.options = model, source, options
-        self.mtp = options.mtp or self.default_mtp
+        self.engine = model.engine(options.engine)
+        self.mtp = options.mtp or self._engine_mtp()
+        self.forced_problems = self._engine_problems()
+        if self.forced_problems and not options.force:
+            raise UnsupportedError(f"{self.forced_problems[0]} (--force writes it anyway)")
         self._bounds: dict[str, dict[str, float]] = {}
         self._bounds_lock = threading.Lock()
+
+    # the engine the layout is made for -----------------------------------------------------
+    def _engine_mtp(self) -> str:
+        """MTP policy that gives the engine the experts in the format it loads them as."""
+        return "convert" if self.engine.mtp_format(self.name) == self.name else "keep"
+
+    def _engine_problems(self) -> list[str]:
+        """What the engine would load wrongly from this layout: one sentence each, with the fix."""
+        problems = []
+        refusal = self.engine.refusal(self.name)
+        if refusal:
+            problems.append(f"{self.engine.label} cannot serve --out {self.name}: {refusal}")
+        expected = self.engine.mtp_format(self.name)
+        written = self.name if self.mtp == "convert" else self.source_format
+        if expected and written != expected and any(self.model.is_mtp(e.block)
+                                                    for e in self.model.group_experts(self.source.names)):
+            fix = "convert" if expected == self.name else "keep"
+            problems.append(f"{self.engine.label} loads the MTP block's experts as {expected.upper()}, so "
+                            f"{written.upper()} ones would load without error and draft garbage "
+                            f"({self.engine.mtp_evidence(self.name)}); use --mtp {fix}, or --engine for another engine")
+        return problems
 
     # planning -------------------------------------------------------------------------------
     def converts(self, block: str) -> bool:
@@ -165,6 +191,19 @@ class Target:
         return {}
 
     def summary(self, stats: Stats) -> str:
+        raise NotImplementedError
+
+    # the model card -------------------------------------------------------------------------
+    format_label = "?"   # how the card names the experts' storage
+
+    def describe_options(self) -> dict:
+        """The options that shaped the output, as `requant convert` spells them."""
+        return {"mtp": self.mtp}
+
+    def other_tensor_groups(self) -> dict[str, str]:
+        return {"every other tensor": "copied byte for byte"}
+
+    def accuracy(self, stats: Stats) -> dict:
         raise NotImplementedError
 
 

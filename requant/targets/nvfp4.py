@@ -99,3 +99,13 @@ class NVFP4Target(Target):
     def summary(self, stats: Stats) -> str:
         return (f"exact blocks {stats.exact_blocks:,} / {stats.blocks:,}, "
                 f"re-quantized blocks {stats.requantized_blocks:,}")
+
+    format_label = "NVFP4: U8 E2M1 codes, E4M3 scale per 16, F32 weight_scale_2 and input_scale"
+
+    def describe_options(self) -> dict:
+        return {**super().describe_options(), "input_scale": self.options.input_scale,
+                "scale_headroom": (nvfp4.DEFAULT_TOP - self.top) or None}
+
+    def accuracy(self, stats: Stats) -> dict:
+        return {"blocks": stats.blocks, "exact_blocks": stats.exact_blocks,
+                "requantized_blocks": stats.requantized_blocks}

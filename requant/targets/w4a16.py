@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import math
-import re
 
 import torch
 
@@ -36,8 +35,6 @@ def sqnr_db(signal: float, error: float) -> float | None:
 
 @register("w4a16")
 class W4A16Target(Target):
-    default_mtp = "convert"   # vLLM builds the MTP block's experts from the same config group
-
     def __init__(self, model, source, options: Options):
         super().__init__(model, source, options)
         extra = dict(options.extra)
@@ -48,9 +45,6 @@ class W4A16Target(Target):
                                    "--scale-headroom)")
         if options.input_scale is not None:
             raise UnsupportedError("--input-scale applies to W4A4 targets; W4A16 keeps activations in BF16")
-        if self.mtp == "keep":
-            raise UnsupportedError("--out w4a16 needs --mtp convert: vLLM's compressed-tensors path loads "
-                                   "the MTP experts with the INT4 group, so MXFP4 ones would not load")
         if self.group not in int4.GROUP_SIZES or self.scheme not in int4.SCHEMES:
             raise UnsupportedError(f"--group-size must be one of {int4.GROUP_SIZES} and --scheme one of {int4.SCHEMES}")
         hidden, inter = model.value("hidden_size"), model.value("intermediate_size")
@@ -78,8 +72,9 @@ class W4A16Target(Target):
         return Unit(inputs, outputs, lambda tensors: self.encode_expert(expert, tensors))
 
     def plan_tensor(self, spec: TensorSpec) -> Unit:
-        """FP8-block scales (E8M0 `.scale`) become compressed-tensors' F32 `.weight_scale`."""
-        if not (spec.name.endswith(".scale") and spec.dtype == "F8_E8M0"):
+        """FP8-block scales (E8M0 `.scale`) become compressed-tensors' F32 `.weight_scale`; the
+        scales of experts kept in the source format (--mtp keep --force) stay as they are."""
+        if not (spec.name.endswith(".scale") and spec.dtype == "F8_E8M0") or self.model.expert_tensor(spec.name):
             return super().plan_tensor(spec)
         out = TensorSpec(spec.name[: -len("scale")] + "weight_scale", "F32", spec.shape)
         return Unit([spec.name], [out], lambda tensors: self.encode_block_scale(spec.name, out.name, tensors))
@@ -119,10 +114,15 @@ class W4A16Target(Target):
 
     # description ----------------------------------------------------------------------------
     def expert_target(self) -> str:
-        """The regex matching the per-expert names vLLM probes (`<experts>.0.gate_proj`, ...)."""
-        experts = self.model.recipe["experts_module"].replace("{block}.", "")
-        names = "|".join(self.model.recipe["compressed_tensors_names"][p] for p in self.model.projections)
-        return rf"re:.*\.{re.escape(experts)}\.\d+\.({names})$"
+        """One regex matching the per-expert module names every engine of the recipe probes
+        (vLLM 0.33.0 `model.layers.L.ffn.experts.0.w1`, SGLang and older vLLM `...experts.0.gate_proj`)
+        and nothing else: shared experts and attention must stay in the FP8 group."""
+        modules, names = set(), set()
+        for engine in self.model.engine_names:
+            probes = self.model.engine(engine).expert_probes(0, self.model.projections).values()
+            modules.update(p.split(".")[-3] for p in probes)    # "<...>.experts.0.<name>"
+            names.update(p.split(".")[-1] for p in probes)
+        return rf"re:.*\.({'|'.join(sorted(modules))})\.\d+\.({'|'.join(sorted(names))})$"
 
     def config(self, blocks: list[str], stats: Stats) -> dict:
         config = copy.deepcopy(self.model.config)
@@ -155,6 +155,21 @@ class W4A16Target(Target):
             qc["scale_fmt"] = source_qc["scale_fmt"]
         config["quantization_config"] = qc
         return config
+
+    @property
+    def format_label(self) -> str:
+        return (f"INT4 W4A16: compressed-tensors pack-quantized, group {self.group}, "
+                f"{'symmetric' if self.scheme == 'sym' else 'asymmetric (zero points)'}, BF16 scales")
+
+    def describe_options(self) -> dict:
+        return {**super().describe_options(), "group_size": self.group, "scheme": self.scheme}
+
+    def other_tensor_groups(self) -> dict[str, str]:
+        return {"FP8-block linears": "E4M3 bytes unchanged; E8M0 .scale re-typed exactly as F32 .weight_scale",
+                **super().other_tensor_groups()}
+
+    def accuracy(self, stats: Stats) -> dict:
+        return self.accuracy_summary(stats)
 
     def accuracy_summary(self, a: Stats) -> dict:
         return {

@@ -1,0 +1,99 @@
+"""The model card (README.md) and provenance record (requant.json) every conversion writes.
+
+The card tells a person what the directory holds and how to serve it; requant.json says the same
+for tools (`requant verify` reads which engine the output was made for from it). Both are built
+from the plan, the conversion's summed stats and the engine rules of the model's recipe.
+"""
+
+from __future__ import annotations
+
+import math
+
+from requant import __version__
+from requant.engines import EngineRules
+
+CARD_MARK = "<!-- written by requant: the model card of a converted checkpoint -->"
+CARD_NAME = "README.md"
+SOURCE_CARD_NAME = "README.source.md"   # the source's own card, kept but not passed off as this one's
+PROVENANCE_NAME = "requant.json"
+
+
+def provenance(plan, stats, source_label: str) -> dict:
+    """What this output is: source, requant version and options, engine, format per tensor group,
+    accuracy. JSON-able."""
+    target, model = plan.target, plan.model
+    rules = target.engine
+    blocks = set(plan.blocks)
+    mtp_blocks = sorted({e.block for e in model.group_experts(plan.source.names) if model.is_mtp(e.block)})
+    groups = {"routed experts (main layers)": target.format_label}
+    if mtp_blocks:
+        groups["routed experts (MTP block)"] = (target.format_label if set(mtp_blocks) <= blocks
+                                                else f"{plan.source_format.upper()} (kept as in the source)")
+    groups.update(target.other_tensor_groups())
+    return {
+        "producer": {"name": "requant", "version": __version__},
+        "source": source_label,
+        "source_format": plan.source_format,
+        "target_format": target.name,
+        "options": target.describe_options(),
+        "engine": {"name": rules.name, "version": rules.version, "forced": target.forced_problems},
+        "tensor_groups": groups,
+        "accuracy": target.accuracy(stats),
+    }
+
+
+def model_card(record: dict, rules: EngineRules) -> str:
+    """README.md for the output directory: markdown a person reads on the Hub or in a terminal."""
+    src = record["source"]
+    opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in record["options"].items() if v is not None)
+    lines = [
+        "---",
+        "tags: [requant, " + record["target_format"] + ", moe]",
+        "---",
+        CARD_MARK,
+        "",
+        f"# {src.rstrip('/').split('/')[-1]}: {record['target_format'].upper()} experts for {rules.label}",
+        "",
+        f"Converted by requant {record['producer']['version']} from `{src}` "
+        f"({record['source_format'].upper()} routed experts), offline and without calibration data.",
+        "",
+        f"Command: `requant convert SRC DST --in {record['source_format']} --out {record['target_format']} "
+        f"--engine {rules.name} {opts}`".replace("  ", " ").rstrip() + "",
+        "",
+        f"Made for **{rules.label}**: every tensor of this directory loads there into a parameter of the right "
+        "kind (checked against that release's own loader code). Other engines or versions may load it "
+        "differently; `requant verify DIR --engine NAME` says whether they do.",
+    ]
+    if record["engine"]["forced"]:
+        lines += ["", "**Warning: converted with --force despite:** " + "; ".join(record["engine"]["forced"])]
+    lines += ["", "## Tensor formats", "", "| tensors | stored as |", "|---|---|"]
+    lines += [f"| {group} | {fmt} |" for group, fmt in record["tensor_groups"].items()]
+    lines += ["", "## Accuracy", ""] + [f"- {line}" for line in _accuracy_lines(record["accuracy"])]
+    lines += ["", "## Serve it", ""]
+    for family, how in rules.serve(record["target_format"]).items():
+        lines += [f"**{family}**: {how['note']}" if how.get("note") else f"**{family}**", ""]
+        if how.get("command"):
+            lines += ["```bash", how["command"].replace("{path}", "DIR"), "```", ""]
+    lines += ["Check it first: `requant verify DIR --engine " + rules.name + " --gpu sm_90` (or your GPU) names "
+              "the MoE kernel that engine selects.", ""]
+    lines += ["## Source", "", f"The source checkpoint's own model card, if it had one, is kept as "
+              f"`{SOURCE_CARD_NAME}`; its license and terms apply to these weights.", ""]
+    return "\n".join(lines)
+
+
+def is_requant_card(path: str) -> bool:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return CARD_MARK in f.read(4096)
+
+
+def _accuracy_lines(acc: dict) -> list[str]:
+    out = []
+    if acc.get("blocks") is not None:
+        exact, total = acc["exact_blocks"], acc["blocks"]
+        out.append(f"{exact:,} of {total:,} scale blocks exact (bit-identical values to the source)"
+                   + ("" if exact == total else f"; {acc['requantized_blocks']:,} re-quantized"))
+    if acc.get("sqnr_db") is not None:
+        db = acc["sqnr_db"]
+        out.append(f"SQNR {'inf' if db is None or math.isinf(db) else f'{db:.2f}'} dB against the dequantized source "
+                   f"(INT4 group {acc.get('group_size')}, {acc.get('scheme')})")
+    return out or ["no routed-expert data was converted"]

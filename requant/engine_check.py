@@ -1,0 +1,175 @@
+"""Whether each serving engine loads a checkpoint correctly, by the engine rules of its recipe.
+
+`requant verify` asks this module once the checkpoint's structure is known. Every finding names
+the engine release its rule was checked against (see requant/engines.py and tests/engines/).
+A checkpoint that an engine would load as garbage is an error for the engine the user serves
+with (--engine, or the one requant.json says the output was made for); when no engine is known,
+each engine's verdict is a warning and only "no engine loads it" is an error.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from requant.engines import GPU_FAMILIES, EngineRules
+from requant.formats import nvfp4
+from requant.model import ModelSpec
+
+MARLIN_GPUS = ("sm_80", "sm_90")   # no FP4 tensor cores: NVFP4 experts run through Marlin
+E4M3_MAX = 448.0
+MARLIN_SCALE_SHIFT = 2 ** 7   # Marlin's S0E5M3 scales are the block scale times 2^7, kept only from 2 up
+
+
+@dataclass
+class EngineVerdict:
+    engine: str
+    version: str
+    loads: bool = True
+    problems: list[str] = field(default_factory=list)
+    kernel: dict | None = None
+    marlin_flushed_blocks: int = 0   # NVFP4 blocks zeroed by the Marlin path (GPUs without FP4 tensor cores)
+
+
+class MarlinSpan:
+    """Smallest positive and largest block scale of one fused weight group across a layer's
+    experts, and how many blocks sit at each power of two (for the flush count)."""
+
+    def __init__(self):
+        self.min = math.inf
+        self.max = 0.0
+        self.scales: list[torch.Tensor] = []
+
+    def update(self, scales: torch.Tensor) -> None:
+        positive = scales[scales > 0]
+        if positive.numel():
+            self.min = min(self.min, float(positive.min()))
+            self.max = max(self.max, float(positive.max()))
+            self.scales.append(torch.unique(positive, return_counts=True))
+
+    def flushed_blocks(self) -> int:
+        """Blocks vLLM 0.33.0's Marlin preparation turns to zero (see marlin_flush_threshold)."""
+        if not self.scales:
+            return 0
+        threshold = marlin_flush_threshold(self.max)
+        return sum(int(counts[values < threshold].sum()) for values, counts in self.scales)
+
+
+def marlin_flush_threshold(layer_max: float) -> float:
+    """Block scales below this are zero in vLLM 0.33.0's NVFP4 Marlin MoE (bf16 activations).
+
+    marlin_utils_fp4.py: one power-of-two factor per layer and fused group,
+    2^floor(log2(448 / largest scale)) (1 when the largest is 448), multiplies every scale in fp16;
+    times 2^7, values under 2 are set to 0. So a block survives iff scale * factor >= 2^-6."""
+    factor = 2.0 ** math.floor(math.log2(E4M3_MAX / layer_max)) if layer_max < E4M3_MAX else 1.0
+    return 2.0 / MARLIN_SCALE_SHIFT / factor
+
+
+def marlin_overflows(smin: float, smax: float) -> bool:
+    """Whether vLLM before 0.33's Marlin NVFP4 MoE preparation turns the largest block scale into
+    fp16 inf: it rescaled all experts of a layer by one power of two chosen so that the smallest
+    positive scale * 2^7 reaches 2, then multiplied by 2^7 in fp16; the largest then overflows
+    when log2(max / min) >= 15."""
+    if not smin < math.inf:
+        return False
+    factor = 2.0 ** math.ceil(math.log2(2 / (smin * MARLIN_SCALE_SHIFT))) if smin * MARLIN_SCALE_SHIFT < 2 else 1.0
+    return bool(torch.isinf(torch.tensor(smax * factor, dtype=torch.float16) * MARLIN_SCALE_SHIFT))
+
+
+def marlin_headroom() -> int:
+    """Smallest --scale-headroom whose widest possible span (2^(8-N) .. 2^-9) no longer overflows
+    the pre-0.33 vLLM rule."""
+    for n in range(nvfp4.E4M3_MAX_EXPONENT + 1):
+        if not marlin_overflows(2.0 ** nvfp4.E4M3_MIN_EXPONENT, 2.0 ** (nvfp4.E4M3_MAX_EXPONENT - n)):
+            return n
+    return nvfp4.E4M3_MAX_EXPONENT
+
+
+def target_matches(target: str, name: str) -> bool:
+    """compressed-tensors matching: 're:' regex, else an exact module name (or the Linear class)."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == "Linear" or target == name
+
+
+def int4_groups(qc: dict) -> dict[str, dict]:
+    groups = {n: g for n, g in (qc.get("config_groups") or {}).items() if isinstance(g, dict)}
+    return {n: g for n, g in groups.items()
+            if (g.get("weights") or {}).get("num_bits") == 4 and (g.get("weights") or {}).get("type") == "int"}
+
+
+def w4a16_probe_misses(rules: EngineRules, model: ModelSpec, qc: dict, layers: list[int]) -> list[str]:
+    """The expert modules, as this engine probes them, that no INT4 config group claims (or that
+    `ignore` removes): the engine would build FP8 MoE layers for them and fail the load."""
+    int4 = int4_groups(qc)
+    ignore = [t for t in qc.get("ignore") or [] if isinstance(t, str)]
+    misses = []
+    for layer in layers:
+        for probe in rules.expert_probes(layer, model.projections).values():
+            claimed = any(target_matches(t, probe) for g in int4.values() for t in g.get("targets") or [])
+            if not claimed or any(target_matches(t, probe) for t in ignore):
+                misses.append(probe)
+    return misses
+
+
+def judge(rules: EngineRules, model: ModelSpec, config: dict, formats_by_block: dict[str, str], dominant: str,
+          spans: dict[tuple[str, str], MarlinSpan], gpu: str | None) -> tuple[EngineVerdict, list[tuple]]:
+    """This engine's verdict on the checkpoint and its findings as (code, message, where, detail)."""
+    verdict = EngineVerdict(rules.name, rules.version)
+    found: list[tuple] = []
+
+    def problem(code, message, where=None, detail=None):
+        verdict.loads = False
+        verdict.problems.append(message)
+        found.append((code, f"{rules.label}: {message}", where, detail))
+
+    refusal = rules.refusal(dominant)
+    if refusal:
+        problem("engine-unsupported", f"cannot serve {dominant} experts: {refusal}")
+    expected_mtp = rules.mtp_format(dominant)
+    for block, fmt in formats_by_block.items():
+        if model.is_mtp(block) and expected_mtp and fmt != expected_mtp:
+            problem("mtp-format", f"loads the MTP block's experts as {expected_mtp.upper()} but they are "
+                    f"{fmt.upper()}: no error, garbage drafts ({rules.mtp_evidence(dominant)}); "
+                    f"reconvert with --engine {rules.name}", model.experts_module(block))
+    if dominant == "w4a16":
+        qc = config.get("quantization_config") or {}
+        mtp_layers = [model.value("num_layers") + int(b.split(".")[-1]) for b in formats_by_block if model.is_mtp(b)]
+        misses = w4a16_probe_misses(rules, model, qc, [0] + mtp_layers)
+        if misses:
+            problem("w4a16-targets", "no INT4 config group matches the expert modules it probes, so they fall to "
+                    "the FP8 group and the load crashes", "config.json", ", ".join(misses[:3]))
+    if dominant == "nvfp4" and gpu in (None, *MARLIN_GPUS):
+        found += _marlin_findings(rules, model, spans, verdict)
+    if gpu is not None:
+        verdict.kernel = asdict(rules.kernel(dominant, gpu))
+        k = verdict.kernel
+        text = f"on {gpu} ({GPU_FAMILIES[gpu]}) selects {k['method']}: {k['backend']}"
+        if not k["runs"]:
+            text = f"on {gpu} ({GPU_FAMILIES[gpu]}) refuses to start: {k['backend']}"
+        found.append(("kernel", f"{rules.label}: {text}" + (f"; fix: {k['fix']}" if k["fix"] else "")
+                      + (f" ({k['note']})" if k["note"] else ""), None, None))
+    return verdict, found
+
+
+def _marlin_findings(rules: EngineRules, model: ModelSpec, spans, verdict: EngineVerdict) -> list[tuple]:
+    rule = rules.marlin_fp4_rule()
+    found = []
+    for (block, group), span in spans.items():
+        where = f"{model.experts_module(block)} {group}"
+        if rule == "largest":
+            flushed = span.flushed_blocks()
+            verdict.marlin_flushed_blocks += flushed
+            if flushed:
+                found.append(("marlin-flush", f"{rules.label}: where its Marlin NVFP4 MoE runs (no FP4 tensor cores: "
+                              "sm_80, or sm_90 without humming-kernels or with --moe-backend marlin) block scales 15 or "
+                              "more octaves below the layer's largest are flushed to zero",
+                              where, f"{flushed} blocks, scales {span.min:g} .. {span.max:g}"))
+        elif rule == "smallest" and marlin_overflows(span.min, span.max):
+            found.append(("marlin-overflow", f"{rules.label}: block-scale span overflows the fp16 scale conversion "
+                          f"of Marlin NVFP4 MoE: inf weights. Fix: requant convert --scale-headroom {marlin_headroom()}",
+                          where, f"scales {span.min:g} .. {span.max:g}, span 2^{math.log2(span.max / span.min):.0f}"))
+    return found

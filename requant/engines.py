@@ -1,0 +1,95 @@
+"""What each serving engine, at the release its rules were checked against, does with a checkpoint.
+
+The rules are data in the model's recipe (`engines` in recipes/<model>.json): per engine, its
+version, how it names the expert modules it probes, which format it loads the MTP experts in for
+each expert format, which output formats it cannot serve (and why), the MoE kernel it selects per
+GPU family, and how to start it. The conformance tests (tests/engines/) execute the engines' own
+code from their release wheels and hold these rules to it: a new engine release is a new set of
+rules, checked the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from requant.errors import UnsupportedError
+
+GPU_FAMILIES = {"sm_80": "Ampere (A100)", "sm_90": "Hopper (H100/H200)",
+                "sm_100": "Blackwell (B200/GB200)", "sm_120": "Blackwell (RTX PRO 6000)"}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """The MoE path an engine selects for one expert format on one GPU family."""
+
+    method: str          # the engine's MoE method class
+    backend: str         # what runs: "FP4 tensor-core grouped GEMM (...)", "Marlin W4A16", ...
+    runs: bool           # False: the engine refuses to start (see `fix`)
+    note: str = ""       # what the choice depends on (installed kernels, environment, flags)
+    fix: str = ""        # the flag or step that makes it run, where it does not
+
+
+@dataclass(frozen=True)
+class EngineRules:
+    name: str
+    data: dict
+
+    @property
+    def version(self) -> str:
+        return self.data["version"]
+
+    @property
+    def label(self) -> str:
+        return f"{self.data['label']} {self.version}"
+
+    def refusal(self, fmt: str) -> str | None:
+        """Why this engine release cannot serve experts stored as `fmt`, or None when it can."""
+        return self.data.get("unsupported", {}).get(fmt)
+
+    def mtp_format(self, fmt: str) -> str | None:
+        """The format this engine loads the MTP block's experts in when the main experts are `fmt`."""
+        return self.data["formats"].get(fmt, {}).get("mtp_experts")
+
+    def mtp_evidence(self, fmt: str) -> str:
+        return self.data["formats"].get(fmt, {}).get("mtp_evidence", "")
+
+    def expert_probes(self, layer: int, projections: list[str]) -> dict[str, str]:
+        """projection -> the module name the engine asks a compressed-tensors config about for
+        layer `layer`'s routed experts (expert 0, as engines probe)."""
+        probe = self.data["expert_probe"]
+        return {p: probe["module"].format(layer=layer, name=probe["names"][p]) for p in projections}
+
+    def kernel(self, fmt: str, gpu: str) -> Kernel:
+        table = self.data["kernels"].get(fmt)
+        if table is None:
+            raise UnsupportedError(f"{self.label} has no MoE path for {fmt} experts in requant's rules")
+        if gpu not in GPU_FAMILIES:
+            raise UnsupportedError(f"unknown GPU family {gpu!r} (known: {', '.join(GPU_FAMILIES)})")
+        return Kernel(**table[gpu])
+
+    def serve(self, fmt: str) -> dict[str, dict]:
+        """GPU family -> {"command", "note"} for serving a checkpoint of `fmt` experts."""
+        return self.data["serve"].get(fmt, {})
+
+    def marlin_fp4_rule(self) -> str | None:
+        """How this release turns NVFP4 block scales into Marlin's fp16 ones on GPUs without FP4
+        tensor cores: "largest" (vLLM >= 0.33: one factor per layer from the largest scale,
+        blocks far below it flushed), "smallest" (older vLLM: factor from the smallest scale, the
+        largest may overflow), "none" (no rescale), or None (no Marlin NVFP4 path)."""
+        return self.data.get("marlin_fp4_scales")
+
+
+def available(recipe: dict) -> list[str]:
+    return list(recipe.get("engines", {}))
+
+
+def rules_for(recipe: dict, engine: str) -> EngineRules:
+    engines = recipe.get("engines", {})
+    if engine not in engines:
+        raise UnsupportedError(f"no rules for engine {engine!r} for {recipe['name']} "
+                               f"(known: {', '.join(engines) or 'none'})")
+    return EngineRules(engine, engines[engine])
+
+
+def default_engine(recipe: dict) -> str:
+    return next(name for name, data in recipe["engines"].items() if data.get("default"))
