@@ -316,3 +316,36 @@ def test_kernel_named_per_gpu_family(pair):
     result = run_cli(pair[1], "--engine", "vllm", "--gpu", "sm_100")
     assert result.exit_code == 0 and "FlashInfer TRT-LLM FP4" in result.output
 
+
+
+@pytest.fixture(scope="module")
+def layouts(pair, tmp_path_factory):
+    """Each engine's own output of each format, and the broken layouts of issue 9 (M1-M5)."""
+    root = tmp_path_factory.mktemp("layouts")
+    out = {}
+    for fmt in ("nvfp4", "w4a16"):
+        for engine in ("vllm", "sglang"):
+            out[fmt, engine] = str(root / f"{fmt}-{engine}")
+            convert(pair[0], out[fmt, engine], fmt, Options(engine=engine), progress=False)
+    out["old-target"] = str(root / "old-target")
+    shutil.copytree(out["w4a16", "vllm"], out["old-target"])
+    edit_config(out["old-target"], lambda qc: qc["config_groups"]["group_0"].update(
+        targets=[r"re:.*\.ffn\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"]))
+    return out
+
+
+@pytest.mark.parametrize("case, engine, code", [
+    ("old-target", "vllm", 1),                # M1: vLLM probes .ffn.experts.0.w1
+    ("old-target", "sglang", 1),              # M2: SGLang probes .mlp.experts.0.gate_proj
+    (("w4a16", "vllm"), "sglang", 1),         # M3: attention scales as .weight_scale, no linear_fp8_config
+    (("nvfp4", "sglang"), "vllm", 1),         # M4: MXFP4 MTP experts under vLLM's NVFP4 method
+    (("nvfp4", "vllm"), "sglang", 1),         # M5: NVFP4 NextN experts under SGLang's MXFP4 method
+    (("nvfp4", "vllm"), "vllm", 0),
+    (("nvfp4", "sglang"), "sglang", 0),
+    (("w4a16", "vllm"), "vllm", 0),
+    (("w4a16", "sglang"), "sglang", 0),
+])
+def test_verify_engine_exit_status(layouts, case, engine, code):
+    result = run_cli(layouts[case], "--engine", engine)
+    assert result.exit_code == code, result.output
+    assert ("FAILED" if code else "OK") in result.output.splitlines()[-1]
