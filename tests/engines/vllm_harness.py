@@ -696,3 +696,224 @@ def vllm_load_report(path) -> list[str]:
         if "FP8 block" not in method:
             problems.append(f"{name}: FP8 weights, but {engine} gives {prefix} {method}")
     return problems
+
+
+# ------------------------------------------------------------------- MoE kernel selection
+EXPERTS = "vllm/model_executor/layers/fused_moe/experts/"
+ORACLE = "vllm/model_executor/layers/fused_moe/oracle/"
+# Quant keys as tokens: the selectors and the kernels' _supports_quant_scheme compare keys by
+# equality and membership only (quant_utils.py builds them as dataclasses).
+QUANT_KEYS = ["kNvfp4Static", "kNvfp4Dynamic", "kNvfp4DynamicToken", "kMxfp4Static", "kMxfp4Dynamic",
+              "kMxfp8Dynamic", "kMxfp8Static", "kFp8Dynamic128Sym", "kFp8StaticTensorSym", "kFp8Static128BlockSym",
+              "kFp8StaticChannelSym", "kFp8DynamicTokenSym", "kFp8DynamicTensorSym", "kInt4Static", "kInt8Static",
+              "kInt4Static32", "kInt4StaticAsym", "kInt4Static32Asym"]
+# What an installation may or may not provide that changes vLLM's choice (requant.engines
+# INSTALL_CONDITIONS names the deviations from the default).
+DEFAULT_INSTALL = frozenset({"flashinfer", "humming"})
+
+
+class _CurrentPlatform:
+    """vllm.platforms.current_platform as the extracted functions see it: the GPU of the
+    selection being run."""
+
+    def __init__(self, state):
+        self._state = state
+
+    def __getattr__(self, name):
+        return getattr(self._state.platform, name)
+
+
+@lru_cache(maxsize=None)
+def _support_deep_gemm():
+    return methods("vllm/platforms/cuda.py", "CudaPlatformBase", ["support_deep_gemm"], {})["support_deep_gemm"].__func__
+
+
+class FakePlatform:
+    """vllm.platforms.current_platform of a CUDA GPU of compute capability `cap` (e.g. 90): the
+    capability arithmetic of CudaPlatformBase, with support_deep_gemm the engine's own."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.device_name = f"sm_{cap}"
+        support = _support_deep_gemm()
+        self.support_deep_gemm = lambda: support(self)
+
+    def is_cuda(self):
+        return True
+
+    is_cuda_alike = is_cuda
+
+    def is_rocm(self):
+        return False
+
+    is_xpu = is_cpu = is_rocm
+
+    def _int(self, cap):
+        return cap if isinstance(cap, int) else cap[0] * 10 + cap[1]
+
+    def is_device_capability(self, cap):
+        return self.cap == self._int(cap)
+
+    def is_device_capability_family(self, family):
+        return self.cap // 10 == self._int(family) // 10
+
+    def has_device_capability(self, cap):
+        return self.cap >= self._int(cap)
+
+    def get_device_capability(self):
+        return SimpleNamespace(major=self.cap // 10, minor=self.cap % 10, to_int=lambda: self.cap)
+
+
+KERNEL_CHECKS = ["_supports_current_device", "_supports_quant_scheme", "_supports_routing_method"]
+
+
+def _kernel(ns, base, name, relpath, cls, checks, batched=False, monolithic=False):
+    """A kernel class with the engine's own support checks `checks` of class `cls` and
+    FusedMoEExperts.is_supported_config (`base`). Checks about activation function, parallel
+    layout, shapes, router-logit dtype and LoRA answer yes: DeepSeek-V4's SiLU, TP-only, its shapes
+    (the tier asks which kernel a supported deployment gets, not whether one exists)."""
+    attrs = {k: staticmethod(v.__func__ if isinstance(v, staticmethod) else v)
+             for k, v in methods(EXPERTS + relpath, cls, checks, ns).items()}
+    # Humming's _supports_quant_scheme inspects QuantKey fields the tokens lack; its list
+    # (fused_humming_moe.py) holds the NVFP4, MXFP4 and INT4 keys the three formats use
+    attrs.setdefault("_supports_quant_scheme", staticmethod(lambda weight, activation: True))
+    attrs.setdefault("_supports_routing_method", staticmethod(lambda routing, weight, activation: True))
+    for check in ("_supports_no_act_and_mul", "_supports_activation", "_supports_parallel_config",
+                  "_supports_router_logits_dtype", "_supports_shape", "_supports_batch_invariance", "supports_lora"):
+        attrs[check] = staticmethod(lambda *args: True)
+    fmt = ns["mk"].FusedMoEActivationFormat
+    attrs.update(is_monolithic=staticmethod(lambda: monolithic), _supports_hash_routing=staticmethod(lambda: False),
+                 activation_format=staticmethod(lambda: fmt.BatchedExperts if batched else fmt.Standard),
+                 is_supported_config=base)
+    return type(name, (), attrs)
+
+
+@lru_cache(maxsize=None)
+def _selection_env() -> tuple[dict, dict, SimpleNamespace]:
+    """The selectors and kernel classes, built once; `state` holds the GPU and the installed
+    optional kernels that the stand-in flags read at call time."""
+    state = SimpleNamespace(platform=None, installed=frozenset())
+    fmt = enum.Enum("FusedMoEActivationFormat", {"Standard": "standard", "BatchedExperts": "batched"})
+    routing = enum.Enum("RoutingMethodType", {n: i for i, n in enumerate(
+        ["DeepSeekV3", "Renormalize", "RenormalizeNaive", "Llama4", "SigmoidRenorm", "Sigmoid", "MiniMax2",
+         "DeepseekV4", "Unspecified"])})
+    fi = lambda: "flashinfer" in state.installed   # noqa: E731
+    ns = dict({k: k for k in QUANT_KEYS}, current_platform=_CurrentPlatform(state), RoutingMethodType=routing,
+              torch=torch,
+              logger=LOG, Enum=enum.Enum, replace=dataclasses.replace, GroupShape=None,
+              mk=SimpleNamespace(FusedMoEActivationFormat=fmt),
+              # vllm/utils/flashinfer.py: usable = importable and (cubin or nvcc+ninja)
+              has_flashinfer=fi, has_flashinfer_trtllm_fused_moe=fi, has_flashinfer_cutedsl_moe_nvfp4=fi,
+              has_flashinfer_cutedsl_grouped_gemm_nt_masked=fi, has_flashinfer_cutlass_fused_moe=fi,
+              has_humming=lambda: "humming" in state.installed,   # utils/import_utils.py: humming importable
+              # deep_gemm.py is_deep_gemm_supported: the platform's support_deep_gemm, VLLM_USE_DEEP_GEMM
+              # (default on) and deep_gemm importable
+              is_deep_gemm_supported=lambda: "deep_gemm" in state.installed and state.platform.support_deep_gemm(),
+              # CUTLASS grouped GEMM builds (csrc): sm90 and sm100
+              cutlass_group_gemm_supported=lambda: state.platform.cap in (90, 100),
+              # the custom op that reports the MXFP4 experts quant kernel: built for sm100 family
+              ops=SimpleNamespace(mxfp4_experts_quant_supported=lambda c: c // 10 == 10),
+              envs=SimpleNamespace(VLLM_BATCH_INVARIANT=False, VLLM_B12X_MOE_FP4_FORCE_A16=False,
+                                   VLLM_CPU_INT4_W4A8=False))
+    wheels.fake_module("vllm.model_executor.layers.quantization.utils.flashinfer_mxint4_moe",
+                       is_flashinfer_mxint4_moe_available=fi)
+    base = methods("vllm/model_executor/layers/fused_moe/modular_kernel.py", "FusedMoEExperts",
+                   ["is_supported_config"], dict(ns))["is_supported_config"]
+    device, quant, routed = KERNEL_CHECKS[:1], KERNEL_CHECKS[:2], KERNEL_CHECKS
+    k = lambda *args, **kw: _kernel(ns, base, *args, **kw)   # noqa: E731
+    kernels = dict(
+        trtllm_nvfp4_mono=k("TrtLlmNvFp4ExpertsMonolithic", "trtllm_nvfp4_moe.py", "TrtLlmNvFp4ExpertsBase", quant,
+                            monolithic=True),
+        trtllm_nvfp4=k("TrtLlmNvFp4ExpertsModular", "trtllm_nvfp4_moe.py", "TrtLlmNvFp4ExpertsBase", quant),
+        cutedsl=k("FlashInferCuteDSLExperts", "flashinfer_cutedsl_moe.py", "FlashInferCuteDSLExperts", quant),
+        cutedsl_batched=k("FlashInferCuteDSLBatchedExperts", "flashinfer_cutedsl_batched_moe.py",
+                          "FlashInferCuteDSLBatchedExperts", device, batched=True),
+        fi_cutlass=k("FlashInferExperts", "flashinfer_cutlass_moe.py", "FlashInferExperts", quant),
+        cutlass_fp4=k("CutlassExpertsFp4", "cutlass_moe.py", "CutlassExpertsFp4", quant),
+        marlin=k("MarlinExperts", "marlin_moe.py", "MarlinExpertsBase", quant),
+        batched_marlin=k("BatchedMarlinExperts", "marlin_moe.py", "MarlinExpertsBase", quant, batched=True),
+        humming=k("HummingGroupedExperts", "fused_humming_moe.py", "HummingExpertsBase", device),
+        emulation=k("Nvfp4QuantizationEmulationTritonExperts", "triton_moe.py", "TritonExperts", device),
+        trtllm_mxfp4_mono=k("TrtLlmMxfp4ExpertsMonolithic", "trtllm_mxfp4_moe.py", "TrtLlmMxfp4ExpertsBase", quant,
+                            monolithic=True),
+        trtllm_mxfp4=k("TrtLlmMxfp4ExpertsModular", "trtllm_mxfp4_moe.py", "TrtLlmMxfp4ExpertsBase", quant),
+        deepgemm_fp4=k("DeepGemmFP4Experts", "deep_gemm_moe.py", "DeepGemmFP4Experts", quant),
+        trtllm_int4_mono=k("TrtLlmMxint4ExpertsMonolithic", "trtllm_mxint4_moe.py", "TrtLlmMxint4ExpertsMonolithic",
+                           routed, monolithic=True),
+        triton_wna16=k("TritonWNA16Experts", "triton_moe.py", "TritonWNA16Experts", device),
+    )
+    # the monolithic TRT-LLM kernels' routing lists live on the monolithic subclasses
+    for key, relpath, cls in (("trtllm_nvfp4_mono", "trtllm_nvfp4_moe.py", "TrtLlmNvFp4ExpertsMonolithic"),
+                              ("trtllm_mxfp4_mono", "trtllm_mxfp4_moe.py", "TrtLlmMxfp4ExpertsMonolithic")):
+        check = methods(EXPERTS + relpath, cls, ["_supports_routing_method"], ns)["_supports_routing_method"]
+        kernels[key]._supports_routing_method = staticmethod(getattr(check, "__func__", check))
+    extract("vllm/model_executor/layers/quantization/utils/humming/priority.py",
+            ["_HUMMING_PREFERRED_CAPABILITIES", "prefers_humming", "prioritize_humming"], ns)
+    config = SimpleNamespace(swiglu_limit=10.0, moe_backend="auto", routing_method=routing.DeepseekV4,
+                             has_hash_routing=False, require_decomposed_backend=False, is_act_and_mul=True,
+                             activation="silu", router_logits_dtype=torch.float32, hidden_dim=4096,
+                             is_lora_enabled=False,
+                             moe_parallel_config=SimpleNamespace(use_batched_activation_format=False))
+
+    # one namespace per oracle file: they define helpers of the same name (_get_priority_backends)
+    oracles = {name: dict(ns) for name in ("nvfp4", "mxfp4", "w4a16")}
+    extract(ORACLE + "nvfp4.py", ["NvFp4MoeBackend", "map_nvfp4_backend", "_use_a16", "select_nvfp4_moe_backend"],
+            oracles["nvfp4"])
+    oracles["mxfp4"]["QuantizationConfigArgs"] = type("QuantizationConfigArgs", (), {})
+    extract(ORACLE + "mxfp4.py", ["Mxfp4MoeBackend", "_get_priority_backends", "_backend_activation_key",
+                                  "_make_log_backend", "_make_log_unsupported",
+                                  "select_deepseek_v4_mxfp4_moe_backend"], oracles["mxfp4"])
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy
+    oracles["w4a16"].update(QuantizationArgs=QuantizationArgs, QuantizationStrategy=QuantizationStrategy,
+              # marlin_utils.py check_moe_marlin_supports_config: the group sizes Marlin MoE runs
+              check_moe_marlin_supports_config=lambda moe, group, allow_tile_padding=False: group in (-1, 32, 64, 128))
+    for module, name in (("auto_awq", "AutoAWQConfig"), ("auto_gptq", "AutoGPTQConfig"), ("moe_wna16", "MoeWNA16Config")):
+        wheels.fake_module(f"vllm.model_executor.layers.quantization.{module}", **{name: type(name, (), {})})
+    extract(ORACLE + "int_wna16.py", ["WNA16MoEBackend", "_get_priority_backends", "_backend_incompatibility_reason",
+                                      "map_wna16_backend", "select_wna16_moe_backend"], oracles["w4a16"])
+    return oracles, kernels, config, state
+
+
+def kernel_selection(cap: int, installed: frozenset[str]) -> dict[str, list[str]]:
+    """The MoE backend vLLM's own selectors pick for DeepSeek-V4's routed experts on a GPU of
+    capability `cap` with the optional kernels `installed` (subset of flashinfer, humming,
+    deep_gemm), per expert format: select_nvfp4_moe_backend (ModelOptNvFp4FusedMoE),
+    select_deepseek_v4_mxfp4_moe_backend (Mxfp4MoEMethod), select_wna16_moe_backend
+    (CompressedTensorsWNA16MoEMethod, for g32/g128 sym/asym), each for a hash-routed and a
+    normally routed layer. Returns format -> the backend enum names (or "refuses: ...")."""
+    oracles, kernels, config, state = _selection_env()
+    state.platform, state.installed = FakePlatform(cap), installed
+    wheels.fake_module("vllm.platforms", current_platform=state.platform)
+
+    def run(oracle, select, table, *args):
+        """backend_to_kernel_cls (which imports the kernel modules) answered from `table`."""
+        ns = oracles[oracle]
+        ns["backend_to_kernel_cls"] = lambda backend: [kernels[name] for name in table[backend.name]]
+        picks = []
+        for hashed in (False, True):   # DeepSeek-V4's first layers are hash-routed
+            layer = SimpleNamespace(**{**vars(config), "has_hash_routing": hashed})
+            try:
+                picks.append(ns[select](layer, *args)[0].name)
+            except (ValueError, NotImplementedError) as e:   # the engine refusing to start is an answer
+                picks.append(f"refuses: {e}")
+        return picks
+
+    out = {}
+    out["nvfp4"] = run("nvfp4", "select_nvfp4_moe_backend", {
+        "FLASHINFER_TRTLLM": ["trtllm_nvfp4_mono", "trtllm_nvfp4"], "FLASHINFER_CUTEDSL": ["cutedsl"],
+        "FLASHINFER_CUTEDSL_BATCHED": ["cutedsl_batched"], "FLASHINFER_CUTLASS": ["fi_cutlass"],
+        "VLLM_CUTLASS": ["cutlass_fp4"], "MARLIN": ["marlin"], "HUMMING": ["humming"], "EMULATION": ["emulation"]},
+        "kNvfp4Static", "kNvfp4Dynamic")
+    out["mxfp4"] = run("mxfp4", "select_deepseek_v4_mxfp4_moe_backend", {
+        "FLASHINFER_TRTLLM_MXFP4_MXFP8": ["trtllm_mxfp4_mono", "trtllm_mxfp4"], "DEEPGEMM_MXFP4": ["deepgemm_fp4"],
+        "MARLIN": ["marlin"], "BATCHED_MARLIN": ["batched_marlin"], "HUMMING": ["humming"]})
+    from compressed_tensors.quantization import QuantizationArgs
+    wna16 = {"RDNA3": [], "FLASHINFER_TRTLLM": ["trtllm_int4_mono"], "MARLIN": ["marlin"],
+             "BATCHED_MARLIN": ["batched_marlin"], "TRITON": ["triton_wna16"], "HUMMING": ["humming"],
+             "EMULATION": ["emulation"]}
+    out["w4a16"] = []
+    for group, symmetric in ((32, True), (128, True), (32, False), (128, False)):
+        args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group)
+        key = "kInt4Static" + ("32" if group == 32 else "") + ("" if symmetric else "Asym")
+        out["w4a16"] += run("w4a16", "select_wna16_moe_backend", wna16, key, args, not symmetric, False, True)
+    return out
