@@ -439,6 +439,7 @@ def _ct_w8a8_fp8(args, kwargs):
                     **{k: k for k in ("kFp8StaticChannelSym", "kFp8StaticTensorSym", "kFp8Static128BlockSym",
                                       "kFp8DynamicTokenSym", "kFp8Dynamic128Sym")})
     extract(QUANT + "utils/fp8_utils.py", ["validate_fp8_block_shape_moe"], ns)
+    wheels.fake_module("vllm.distributed", get_tensor_model_parallel_world_size=lambda: 1)   # one GPU
     return klass(CT_MOE + "compressed_tensors_moe_w8a8_fp8.py", "CompressedTensorsW8A8Fp8MoEMethod", ns,
                  bases=("CompressedTensorsMoEMethod",))(*args, **kwargs)
 
@@ -607,6 +608,11 @@ def expert_blocks(ckpt: Checkpoint) -> list[tuple[str, str]]:
                      for i in range(ckpt.config.get("num_nextn_predict_layers", 0))]
 
 
+def dims(ckpt: Checkpoint) -> tuple[int, int, int]:
+    """(experts, hidden, intermediate) as the MoE methods' create_weights take them."""
+    return ckpt.config["n_routed_experts"], ckpt.config["hidden_size"], ckpt.config["moe_intermediate_size"]
+
+
 def _bytes(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().view(torch.uint8).clone() for name, p in layer.named_parameters()}
 
@@ -633,8 +639,6 @@ def vllm_load_report(path) -> list[str]:
     engine = f"vLLM {VERSION}"
     problems: list[str] = []
     disp = dispatch(ckpt)
-    dims = (ckpt.config["n_routed_experts"], ckpt.config["hidden_size"], ckpt.config["moe_intermediate_size"])
-
     record = LoadRecord()
     experts: dict[str, torch.nn.Module] = {}
     for block, prefix in expert_blocks(ckpt):
@@ -649,7 +653,7 @@ def vllm_load_report(path) -> list[str]:
         if method is None:
             problems.append(f"{block}: {engine}'s {name} is not built by this tier, its loading is unchecked")
             continue
-        experts[block] = routed_experts(method, disp.config, *dims, record)
+        experts[block] = routed_experts(method, disp.config, *dims(ckpt), record)
 
     main = {int(b.split(".")[1]): m for b, m in experts.items() if b.startswith("layers.")}
     mtp = {b: m for b, m in experts.items() if b.startswith("mtp.")}
@@ -917,3 +921,24 @@ def kernel_selection(cap: int, installed: frozenset[str]) -> dict[str, list[str]
         key = "kInt4Static" + ("32" if group == 32 else "") + ("" if symmetric else "Asym")
         out["w4a16"] += run("w4a16", "select_wna16_moe_backend", wna16, key, args, not symmetric, False, True)
     return out
+
+
+# ------------------------------------------------------------------ NVFP4 numerics references
+def nvfp4_dequantizer() -> Callable:
+    """nvfp4_emulation_utils.dequantize_to_dtype(fp4, scales, global_scale, dtype, block_size,
+    swizzle): vLLM's reference NVFP4 dequant. Off CUDA it takes its torch path."""
+    ns = dict(torch=torch, SimpleNamespace=SimpleNamespace,
+              current_platform=SimpleNamespace(is_cuda_alike=lambda: False))   # the CPU it runs on
+    extract(EMULATION, ["kE2M1ToFloat_handle", "break_fp4_bytes", "convert_swizzled_to_linear",
+                        "dequantize_to_dtype"], ns)
+    return ns["dequantize_to_dtype"]
+
+
+def marlin_scale_processing() -> tuple[Callable, Callable]:
+    """marlin_utils_fp4.py's _nvfp4_compute_scale_factor(scales, a_dtype) and
+    nvfp4_marlin_process_scales(scales, scale_factor, a_dtype): how the Marlin NVFP4 MoE path
+    (prepare_nvfp4_moe_layer_for_marlin: one factor per layer and fused group) turns E4M3 block
+    scales into its S0E5M3 ones."""
+    ns = dict(torch=torch, logger=LOG)
+    extract(MARLIN_FP4, ["_nvfp4_compute_scale_factor", "nvfp4_marlin_process_scales"], ns)
+    return ns["_nvfp4_compute_scale_factor"], ns["nvfp4_marlin_process_scales"]
