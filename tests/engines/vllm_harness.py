@@ -179,6 +179,11 @@ def moe_config() -> SimpleNamespace:
                            moe_parallel_config=SimpleNamespace(tp_size=1, enable_eplb=False))
 
 
+SCHEMES = ["CompressedTensorsW4A4Fp4", "CompressedTensorsW4A4Mxfp4", "CompressedTensorsW4A8Fp8",
+           "CompressedTensorsW4A8Int", "CompressedTensorsW4A8Mxfp4", "CompressedTensorsW8A16Fp8",
+           "CompressedTensorsW8A8Fp8", "CompressedTensorsW8A8Int8", "CompressedTensorsW8A8Mxfp8",
+           "CompressedTensorsWNA16", "CompressedTensorsWNA4Int", "CompressedTensorsWNA8Int", "CompressedTensorsWNA8O8Int"]
+
 PACKED_MODULES = {"gate_up_proj": ["w1", "w3"], "fused_wqa_wkv": ["wq_a", "wkv"],
                   "fused_wkv_wgate": ["wkv", "wgate"]}   # DeepseekV4ForCausalLM.packed_modules_mapping
 
@@ -188,8 +193,8 @@ class Dispatch:
     """What the quantization config vLLM builds for a checkpoint gives each layer."""
 
     config: object                     # the engine's quantization config object
-    moe: Callable[[str], object]       # layer prefix -> the method instance (recorder)
-    linear: Callable[[str], str]       # layer prefix -> the linear method, described
+    moe: Callable[[str], object]       # layer prefix -> the MoE method (recorder)
+    linear: Callable[[str], object]    # layer prefix -> the linear method or scheme (recorder)
 
 
 def _quantization_config_stub() -> type:
@@ -257,9 +262,7 @@ def ds4_fp8_dispatch(ckpt: Checkpoint) -> Dispatch:
         return config.get_quant_method(layer, prefix)
 
     def linear(prefix):
-        method = config.get_quant_method(LinearBase(), prefix)
-        block = getattr(method.args[0] if method.args else None, "weight_block_size", None)
-        return f"{type(method).__name__}" + (f" (FP8 block {block})" if block else "")
+        return config.get_quant_method(LinearBase(), prefix)
 
     return Dispatch(config, moe, linear)
 
@@ -296,10 +299,18 @@ def compressed_tensors_dispatch(ckpt: Checkpoint) -> Dispatch:
         "get_name", "_quantization_scheme_map_from_config", "apply_vllm_mapper", "get_scheme_dict",
         "_add_fused_moe_to_target_scheme_map", "_is_fp8_w8a8_sm90", "_is_fp8_w8a8_sm100", "_is_wNa16_group_channel",
         "_is_mxfp4", "_is_mxfp8", "_is_mxfp4_w4a8_fp8", "_is_nvfp4_format", "_is_fp8_w8a8", "_is_dynamic_token_w8a8",
-        "_is_dynamic_token_w4a8_int", "_is_fp8_w4a8"], ns)
-    # _check_scheme_supported asks the GPU's capability; the sm90/sm100-exact FP8 variants lead to
-    # the same method class as plain _is_fp8_w8a8 (compressed_tensors_moe.py), so "not that GPU"
-    fns["_check_scheme_supported"] = classmethod(lambda cls, *args, **kwargs: False)
+        "_is_dynamic_token_w4a8_int", "_is_fp8_w4a8", "get_scheme", "_get_scheme_from_parts",
+        "_is_fp8_w8a16", "_is_static_tensor_w8a8", "_is_wNa8o8_int", "_is_wNaM_int", "_is_fp8_w4a8_sm90",
+        "_fp8_dynamic_input_key"], ns)
+    # the scheme classes get_scheme may construct: recorders (their constructors pick kernels)
+    ns.update({name: recorder(name) for name in SCHEMES},
+              current_platform=SimpleNamespace(is_xpu=lambda: False, is_rocm=lambda: False))   # a CUDA machine
+    for name in SCHEMES:
+        ns[name].get_min_capability = classmethod(lambda cls: 0)
+    # _check_scheme_supported asks the GPU's capability: one with FP8 (sm_89 and up); its exact
+    # sm90/sm100 questions lead to the same classes as the general FP8 one, so "not exactly that"
+    fns["_check_scheme_supported"] = classmethod(
+        lambda cls, capability, error=True, match_exact=False: not match_exact)
     cls = type("CompressedTensorsConfig", (), fns)
     config = object.__new__(cls)
     config.target_scheme_map = cls._quantization_scheme_map_from_config(dict(ckpt.quant))
@@ -339,14 +350,8 @@ def compressed_tensors_dispatch(ckpt: Checkpoint) -> Dispatch:
             return recorder(f"refused ({type(e).__name__}: {e})")()
 
     def linear(prefix):
-        if ns["should_ignore_layer"](prefix, ignore=config.ignore, fused_mapping=PACKED_MODULES):
-            return "UnquantizedLinearMethod"
-        scheme = config.get_scheme_dict(LinearBase(), prefix)
-        if scheme is None:
-            return "no scheme"
-        weights = scheme["weights"]
-        fp8_block = config._is_fp8_w8a8(weights, scheme["input_activations"]) and weights.strategy == "block"
-        return "CompressedTensorsW8A8Fp8" + (f" (FP8 block {weights.block_structure})" if fp8_block else "")
+        # CompressedTensorsLinearMethod delegates create_weights to the layer's scheme
+        return config.get_scheme(LinearBase(), prefix) or recorder("UnquantizedLinearMethod")()
 
     return Dispatch(config, moe, linear)
 
@@ -478,6 +483,7 @@ class LoadRecord:
         self.current = ""                              # the checkpoint tensor being loaded
         self.targets: dict[str, list[str]] = {}        # checkpoint name -> parameter names looked up
         self.by_value: dict[str, set[str]] = {}        # dtype change -> tensors copied by value
+        self.others: dict[str, dict[str, tuple]] = {}  # non-expert parameter -> tensor -> (shard, dtype, shape)
 
     def tensors(self, ckpt: Checkpoint, pairs):
         """(loader name, checkpoint name) -> what load_weights iterates, noting the current tensor."""
@@ -537,7 +543,8 @@ class Params(dict):
                 return param
         if ".experts." in key and ".shared_experts." not in key:
             raise KeyError(key)
-        return SimpleNamespace(weight_loader=lambda *args, **kwargs: None)
+        return SimpleNamespace(weight_loader=lambda param, weight, shard=None: self.record.others.setdefault(
+            key, {}).__setitem__(self.record.current, (shard, weight.dtype, tuple(weight.shape))))
 
 
 def _identity_layers(count):
@@ -691,14 +698,7 @@ def vllm_load_report(path) -> list[str]:
         for name, (dtype, _) in sorted(ckpt.header.items()):
             if not record.targets.get(name):
                 problems.append(f"{name}: no {engine} parameter takes it (dropped at load)")
-    for name, (dtype, _) in sorted(ckpt.header.items()):
-        if dtype != "F8_E4M3" or ckpt.spec.expert_tensor(name) or not record.targets.get(name):
-            continue
-        module = record.targets[name][0].rsplit(".", 1)[0]
-        prefix = module.replace(".mtp_block.", ".") if module.startswith("model.") else f"model.{module}"
-        method = disp.linear(prefix)
-        if "FP8 block" not in method:
-            problems.append(f"{name}: FP8 weights, but {engine} gives {prefix} {method}")
+    problems += fp8_linear_problems(ckpt, disp, record, engine)
     return problems
 
 
@@ -923,6 +923,45 @@ def kernel_selection(cap: int, installed: frozenset[str]) -> dict[str, list[str]
     return out
 
 
+def fp8_linear_problems(ckpt: Checkpoint, disp: Dispatch, record: LoadRecord, engine: str) -> list[str]:
+    """Every linear whose checkpoint weight is FP8 (attention, shared experts, MTP projections)
+    must get an FP8-block method, and each tensor loaded into it must meet a parameter that
+    method's create_weights registers, of the same dtype, the fused shards adding up to its shape."""
+    problems = []
+    modules: dict[str, dict[str, dict[str, tuple]]] = {}
+    for param, loads in record.others.items():
+        module, _, leaf = param.rpartition(".")
+        modules.setdefault(module, {})[leaf] = loads
+    for module, leaves in sorted(modules.items()):
+        weights = leaves.get("weight", {})
+        if not any(ckpt.header[name][0] == "F8_E4M3" for name in weights):
+            continue
+        prefix = module.replace(".mtp_block.", ".") if module.startswith("model.") else f"model.{module}"
+        chosen = disp.linear(prefix)
+        method = build_linear_method(chosen)
+        if method is None or getattr(method, "weight_block_size", None) is None:
+            problems.append(f"{module}: FP8 weights, but {engine} gives {prefix} {type(chosen).__name__}")
+            continue
+        shards = sorted(weights.values(), key=lambda load: load[0] or 0)
+        params = linear_params(method, [shape[0] for _, _, shape in shards], shards[0][2][1])
+        for leaf in sorted(set(params) - set(leaves)):
+            problems.append(f"{module}.{leaf}: no checkpoint tensor loads it ({engine} leaves it uninitialised)")
+        for leaf, loads in sorted(leaves.items()):
+            param = params.get(leaf)
+            if param is None:
+                problems.append(f"{module}: {engine}'s {type(method).__name__} registers no {leaf} "
+                                f"(it has {', '.join(params)}) for {', '.join(sorted(loads))}")
+                continue
+            for name, (_, dtype, shape) in sorted(loads.items()):
+                if dtype != param.dtype:
+                    problems.append(f"{name} ({dtype}) copied by value into {module}.{leaf} ({param.dtype})")
+            rows = sum(shape[0] for _, _, shape in loads.values())
+            if (rows, *next(iter(loads.values()))[2][1:]) != tuple(param.shape):
+                problems.append(f"{module}.{leaf}: {engine} registers {tuple(param.shape)}, the checkpoint's "
+                                f"{', '.join(sorted(loads))} add up to {rows} rows")
+    return problems
+
+
 # ------------------------------------------------------------------ NVFP4 numerics references
 def nvfp4_dequantizer() -> Callable:
     """nvfp4_emulation_utils.dequantize_to_dtype(fp4, scales, global_scale, dtype, block_size,
@@ -942,3 +981,67 @@ def marlin_scale_processing() -> tuple[Callable, Callable]:
     ns = dict(torch=torch, logger=LOG)
     extract(MARLIN_FP4, ["_nvfp4_compute_scale_factor", "nvfp4_marlin_process_scales"], ns)
     return ns["_nvfp4_compute_scale_factor"], ns["nvfp4_marlin_process_scales"]
+
+
+# --------------------------------------------------------- FP8 linear methods and their parameters
+def _param_class(name: str) -> type:
+    """One of vLLM's parameter classes (vllm/model_executor/parameter.py), told apart by class as
+    create_fp8_scale_parameter does; the TP-sharding loaders they carry are not executed."""
+    return type(name, (Param,), {})
+
+
+@lru_cache(maxsize=None)
+def _fp8_linear_ns() -> dict:
+    """What the FP8 linear methods' constructors and create_weights use: fp8_utils.py's parameter
+    factories (run), the parameter classes, and stand-ins for the kernel they pick."""
+    from compressed_tensors.quantization import QuantizationStrategy
+    params = {n: _param_class(n) for n in ("ModelWeightParameter", "BlockQuantScaleParameter",
+                                           "ChannelQuantScaleParameter", "PerTensorScaleParameter")}
+    wheels.fake_module("vllm.model_executor.parameter", **params)
+    wheels.fake_module("vllm.distributed", get_tensor_model_parallel_world_size=lambda: 1)   # one GPU
+    ns = dict(torch=torch, logger=LOG, set_weight_attrs=set_weight_attrs, QuantizationStrategy=QuantizationStrategy,
+              Callable=Callable, **params,
+              # the running engine's config: bf16 activations
+              get_current_vllm_config=lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16)),
+              # kernel choice (init_fp8_linear_kernel and what it keys on) does not change the parameters
+              init_fp8_linear_kernel=lambda **kwargs: SimpleNamespace(**kwargs), is_deep_gemm_supported=lambda: False,
+              create_fp8_quant_key=lambda **kwargs: ("fp8", tuple(sorted(kwargs.items()))),
+              GroupShape=lambda *args: args, expose_input_quant_key=lambda layer, kernel: None,
+              cutlass_fp8_supported=lambda: True, MarlinFP8ScaledMMLinearKernel=type("Marlin", (), {}),
+              rocm_aiter_ops=SimpleNamespace(is_linear_fp8_enabled=lambda: False),   # a CUDA machine
+              LinearMethodBase=object, CompressedTensorsScheme=object)
+    extract(QUANT + "utils/fp8_utils.py", ["create_fp8_weight_parameter", "create_fp8_scale_parameter",
+                                            "create_fp8_input_scale", "validate_fp8_block_shape"], ns)
+    extract(CT_UTILS, ["STRATEGY_TO_PARAMETER_TYPE"], ns)
+    return ns
+
+
+def build_linear_method(recorded):
+    """The engine's FP8 linear method (Fp8LinearMethod, or the compressed-tensors W8A8 FP8 scheme)
+    for a dispatch's recorder, constructed with the arguments the dispatch passed; None for others."""
+    ns = dict(_fp8_linear_ns())
+    name = type(recorded).__name__
+    if name == "Fp8LinearMethod":
+        for key in ("kFp8StaticTensorSym", "kFp8DynamicTokenSym", "kFp8DynamicTensorSym"):
+            ns[key] = key
+        cls = klass(FP8, name, ns, bases=("LinearMethodBase",))
+    elif name == "CompressedTensorsW8A8Fp8":
+        for key in ("kFp8StaticTensorSym", "kFp8DynamicTokenSym", "kFp8StaticChannelSym"):
+            ns[key] = key
+        relpath = QUANT + "compressed_tensors/schemes/compressed_tensors_w8a8_fp8.py"
+        extract(relpath, ["STATIC_QUANT", "DYNAMIC_QUANT", "activation_quant_key_mapping",
+                          "weight_quant_key_mapping"], ns)
+        cls = klass(relpath, name, ns, bases=("CompressedTensorsScheme",))
+    else:
+        return None
+    return cls(*recorded.args, **recorded.kwargs)
+
+
+def linear_params(method, partitions: list[int], input_size: int) -> dict[str, torch.nn.Parameter]:
+    """The parameters `method`.create_weights registers for a linear of these output partitions
+    (one per fused checkpoint tensor) and input size."""
+    layer = torch.nn.Module()
+    method.create_weights(layer=layer, input_size_per_partition=input_size, output_partition_sizes=partitions,
+                          input_size=input_size, output_size=sum(partitions), params_dtype=torch.bfloat16,
+                          weight_loader=None)
+    return dict(layer.named_parameters())
