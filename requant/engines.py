@@ -53,6 +53,8 @@ class Kernel:
             raise ValueError(f"unknown install conditions {sorted(unknown)} (known: {', '.join(INSTALL_CONDITIONS)})")
         fitting = {cond: set() if cond == "default" else set(cond.split("+")) for cond in self.selects}
         fitting = {cond: flags for cond, flags in fitting.items() if flags <= set(deviations)}
+        if not fitting:
+            return None
         most = max(len(flags) for flags in fitting.values())
         picks = {self.selects[cond] for cond, flags in fitting.items() if len(flags) == most}
         if len(picks) > 1:

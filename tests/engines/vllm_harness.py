@@ -6,9 +6,16 @@ imported, and no engine code lives in this repository. What vLLM would construct
 functions (its platform, kernels, modules) is replaced by small stand-ins, each saying why.
 
 `vllm_load_report(path)` is the one checker: it runs the weight-name remapping, the quantization
-method dispatch per layer, the dispatched MoE method's `create_weights`, and the model's and the
-MTP draft's `load_weights` (with `RoutedExperts.weight_loader`) over every tensor of the
-checkpoint, and returns what vLLM would get wrong, as sentences; an empty list means it loads.
+method dispatch per layer, the dispatched MoE method's and FP8 linear method's `create_weights`,
+and the model's and the MTP draft's `load_weights` (with `RoutedExperts.weight_loader`) over every
+tensor of the checkpoint, and returns what vLLM would get wrong, as sentences; an empty list means
+it loads. Also here: vLLM's NVFP4 reference dequant and Marlin scale processing
+(`nvfp4_dequantizer`, `marlin_scale_processing`) and its MoE kernel selectors (`kernel_selection`).
+
+Not executed: the modules' constructors and process_weights_after_loading (GPU kernels), the
+linear layers' TP weight loaders (their shapes are checked against create_weights instead), and
+the non-quantized modules (norms, embeddings, router): their tensors are routed by the engine's
+load_weights but not checked against a parameter.
 """
 
 from __future__ import annotations
@@ -107,10 +114,6 @@ class Checkpoint:
     def tensor(self, name: str) -> torch.Tensor:
         with safe_open(str(self.path / self.weight_map[name]), "pt") as f:
             return f.get_tensor(name)
-
-    def tensors(self, names: Iterable[str]) -> Iterable[tuple[str, torch.Tensor]]:
-        for name in names:
-            yield name, self.tensor(name)
 
     @property
     def layers(self) -> int:
@@ -547,7 +550,7 @@ class Params(dict):
             key, {}).__setitem__(self.record.current, (shard, weight.dtype, tuple(weight.shape))))
 
 
-def _identity_layers(count):
+def _decoder_layers(count):
     """DeepseekV4DecoderLayer stand-ins: load_weights asks only whether an MoE uses the native
     mega-MoE kernel (off on CPU) and fused shared experts (off unless that kernel is on)."""
     return [SimpleNamespace(ffn=SimpleNamespace(use_native_mega_moe=False, n_redundant_experts=0,
@@ -568,7 +571,7 @@ def load_main(ckpt: Checkpoint, experts: dict[int, torch.nn.Module], record: Loa
               make_deepseek_v4_expert_params_mapping=None, cdiv=lambda a, b: -(-a // b),
               get_tensor_model_parallel_world_size=lambda: 1)
     fns = methods(MODEL, "DeepseekV4Model", ["load_weights", "get_expert_mapping", "_pad_shared_expert_weight"], ns)
-    model = SimpleNamespace(layers=_identity_layers(ckpt.layers), start_layer=0, end_layer=ckpt.layers,
+    model = SimpleNamespace(layers=_decoder_layers(ckpt.layers), start_layer=0, end_layer=ckpt.layers,
                             quant_config=quant_config, use_sequence_parallel=False, named_parameters=lambda: [],
                             config=ckpt.hf_config())
     model.get_expert_mapping = lambda: fns["get_expert_mapping"](model)
@@ -596,7 +599,7 @@ def load_mtp(ckpt: Checkpoint, experts: torch.nn.Module, record: LoadRecord, qua
               get_spec_layer_idx_from_weight_name=_mapper_ns()["get_spec_layer_idx_from_weight_name"])
     extract(MTP, ["_EXPERT_SCALE_RE"], ns)
     fns = methods(MTP, "DeepSeekV4MTP", ["load_weights", "_to_spec_layer_name", "_rewrite_spec_layer_name"], ns)
-    layer = SimpleNamespace(mtp_block=_identity_layers(1)[0])
+    layer = SimpleNamespace(mtp_block=_decoder_layers(1)[0])
     mtp = SimpleNamespace(config=ckpt.hf_config(), quant_config=quant_config, pad_shared_expert=False,
                           model=SimpleNamespace(layers={str(L): layer}, mtp_start_layer_idx=L, num_mtp_layers=1),
                           named_parameters=lambda: [])
