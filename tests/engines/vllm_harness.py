@@ -1048,3 +1048,12 @@ def linear_params(method, partitions: list[int], input_size: int) -> dict[str, t
                           input_size=input_size, output_size=sum(partitions), params_dtype=torch.bfloat16,
                           weight_loader=None)
     return dict(layer.named_parameters())
+
+
+def reset() -> None:
+    """Forget every engine definition built so far and take the stand-in modules out of
+    sys.modules (wheels.remove_fakes); the next call builds them again."""
+    for value in list(globals().values()):
+        if hasattr(value, "cache_clear"):
+            value.cache_clear()
+    wheels.remove_fakes()

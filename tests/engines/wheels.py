@@ -125,13 +125,17 @@ def klass(engine: str, relpath: str, cls: str, namespace: dict | None = None, ba
     return _exec(engine, relpath, [node], namespace)[cls]
 
 
+_PLACED: set[str] = set()   # sys.modules entries this module added
+
+
 def fake_module(name: str, **attrs) -> types.ModuleType:
     """A stand-in module `name` (and its parent packages) in sys.modules, with `attrs` set on it,
     for the imports that engine function bodies perform themselves (`from vllm.x import y` inside
-    a function). Never shadows a real, importable module of that name."""
+    a function). Never shadows a real, importable module of that name. `remove_fakes` takes them
+    out again."""
     parts = name.split(".")
     for i in range(1, len(parts) + 1):
-        sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+        _place(".".join(parts[:i]))
     module = sys.modules[name]
     if getattr(module, "__file__", None):
         raise RuntimeError(f"{name} is a real module ({module.__file__}); refusing to overwrite it with stand-ins")
@@ -146,6 +150,21 @@ def _tree(engine: str, relpath: str) -> ast.Module:
     return ast.parse(source(engine, relpath), filename=f"{engine}/{relpath}")
 
 
+def remove_fakes() -> None:
+    """Take every module fake_module (or an executed dataclass's home module) placed out of
+    sys.modules: left there, they would answer `importlib.util.find_spec("vllm")` with an error
+    for the rest of the test session. Call it when a tier's tests are done."""
+    for name in _PLACED:
+        sys.modules.pop(name, None)
+    _PLACED.clear()
+
+
+def _place(name: str) -> None:
+    if name not in sys.modules:
+        sys.modules[name] = types.ModuleType(name)
+        _PLACED.add(name)
+
+
 def _class_node(engine: str, relpath: str, cls: str) -> ast.ClassDef:
     for node in _tree(engine, relpath).body:
         if isinstance(node, ast.ClassDef) and node.name == cls:
@@ -156,8 +175,7 @@ def _class_node(engine: str, relpath: str, cls: str) -> ast.ClassDef:
 def _exec(engine: str, filename: str, body: list[ast.stmt], namespace: dict | None) -> dict:
     ns = {} if namespace is None else namespace
     ns.setdefault("__name__", f"engine_{engine}")
-    # dataclasses and enum look their class's module up in sys.modules
-    sys.modules.setdefault(ns["__name__"], types.ModuleType(ns["__name__"]))
+    _place(ns["__name__"])   # dataclasses look their class's module up in sys.modules
     module = ast.fix_missing_locations(ast.Module(body=body, type_ignores=[]))
     exec(compile(module, f"{engine}/{filename}", "exec"), ns)
     return ns
