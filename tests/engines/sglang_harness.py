@@ -21,7 +21,6 @@ when touched, so a missing stand-in fails loudly instead of answering wrongly.
 
 from __future__ import annotations
 
-import __future__ as _future
 import ast
 import builtins
 import concurrent.futures
@@ -32,8 +31,8 @@ import json
 import logging
 import os
 import re
+import importlib.util
 import struct
-import sys
 import types
 import typing
 from collections import Counter
@@ -83,47 +82,25 @@ def _tree(relpath: str) -> ast.Module:
     return ast.parse(wheels.source(ENGINE, SRT + relpath))
 
 
-def _fill_missing(nodes, ns):
+def _stand_in_missing(nodes, ns):
+    """Every name `nodes` read that `ns` and builtins lack becomes a Missing in `ns`."""
     for node in nodes:
         for n in ast.walk(node):
             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in ns and not hasattr(builtins, n.id):
                 ns[n.id] = Missing(n.id)
 
 
-def _run(nodes, relpath, ns):
-    ns.setdefault("__name__", "engine_sglang")
-    _fill_missing(nodes, ns)
-    mod = ast.fix_missing_locations(ast.Module(body=list(nodes), type_ignores=[]))
-    exec(compile(mod, f"sglang/{SRT}{relpath}", "exec", flags=_future.annotations.compiler_flag), ns)
-    return ns
-
-
 def ext(relpath, names, ns):
-    """Top-level definitions `names` of one wheel file, executed in `ns`."""
-    wanted, picked = set(names), []
-    for node in _tree(relpath).body:
-        bound = wheels._binds(node)
-        if bound & wanted:
-            picked.append(node)
-            wanted -= bound
-    if wanted:
-        raise KeyError(f"{wheels.where(ENGINE, SRT + relpath)} defines no {', '.join(sorted(wanted))}")
-    return _run(picked, relpath, ns)
+    """wheels.extract of top-level definitions `names`, the names they use but `ns` lacks
+    (annotations included) standing in as Missing."""
+    _stand_in_missing([n for n in _tree(relpath).body if wheels._binds(n) & set(names)], ns)
+    return wheels.extract(ENGINE, SRT + relpath, names, ns)
 
 
-def ext_methods(relpath, cls, methods, ns, bases=(object,)):
-    """Class `cls` of one wheel file holding only `methods` (and its class-level assignments), on
-    `bases`: for classes whose other members need CUDA (DeepseekV4ForCausalLM, FusedMoE)."""
-    node = next(n for n in _tree(relpath).body if isinstance(n, ast.ClassDef) and n.name == cls)
-    body = [n for n in node.body if (isinstance(n, ast.FunctionDef) and n.name in methods) or isinstance(n, ast.Assign)]
-    missing = set(methods) - {n.name for n in body if isinstance(n, ast.FunctionDef)}
-    if missing:
-        raise KeyError(f"{wheels.where(ENGINE, SRT + relpath)}: {cls} has no {', '.join(sorted(missing))}")
-    for i, b in enumerate(bases):
-        ns[f"_harness_base_{i}"] = b
-    new = ast.ClassDef(name=cls, bases=[ast.Name(id=f"_harness_base_{i}", ctx=ast.Load()) for i in range(len(bases))],
-                       keywords=[], body=body, decorator_list=[], type_params=[])
-    return _run([new], relpath, ns)[cls]
+def ext_class(relpath, cls, ns, bases=()):
+    """wheels.klass (the whole class on stand-in bases named in `ns`), Missing for what `ns` lacks."""
+    _stand_in_missing([n for n in _tree(relpath).body if isinstance(n, ast.ClassDef) and n.name == cls], ns)
+    return wheels.klass(ENGINE, SRT + relpath, cls, ns, bases=bases)
 
 
 def ext_statements(relpath, cls, method, first, last, ns):
@@ -135,7 +112,10 @@ def ext_statements(relpath, cls, method, first, last, ns):
     segs = [ast.get_source_segment(src, s) for s in f.body]
     i = next(k for k, s in enumerate(segs) if first in s)
     j = next(k for k, s in enumerate(segs) if k >= i and last in s)
-    return _run(f.body[i:j + 1], relpath, ns)
+    body = f.body[i:j + 1]
+    _stand_in_missing(body, ns)
+    exec(compile(ast.Module(body=body, type_ignores=[]), f"sglang/{SRT}{relpath}", "exec"), ns)
+    return ns
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,30 +236,6 @@ def _not_built(name):
                                      "load_up_proj_weight_first": False})
 
 
-@contextlib.contextmanager
-def _engine_modules(modules: dict):
-    """Function-local `from sglang.x import y` inside executed code resolve to the harness's
-    objects while a report runs, and nothing is left in sys.modules afterwards."""
-    fakes = {}
-    for dotted, attrs in modules.items():
-        parts = dotted.split(".")
-        for i in range(1, len(parts) + 1):
-            name = ".".join(parts[:i])
-            if name not in fakes:
-                fakes[name] = types.ModuleType(name)
-                fakes[name].__path__ = []
-        for k, v in attrs.items():
-            setattr(fakes[dotted], k, v)
-    saved = {k: sys.modules[k] for k in fakes if k in sys.modules}
-    sys.modules.update(fakes)
-    try:
-        yield
-    finally:
-        for k in fakes:
-            sys.modules.pop(k, None)
-        sys.modules.update(saved)
-
-
 # ---------------------------------------------------------------------------------------------
 # the module stand-ins the dispatch and the weight loader look at
 # ---------------------------------------------------------------------------------------------
@@ -290,15 +246,13 @@ class LinearBase(torch.nn.Module):
 def _fused_moe_class(eng):
     """FusedMoE: SGLang's own weight-loading methods (layers/moe/fused_moe_triton/layer.py) on a
     bare nn.Module that carries the attributes __init__ would set for one GPU, TP=EP=1."""
-    loader = ext_methods("layers/moe/fused_moe_triton/layer.py", "FusedMoE", [
-        "_set_runner_flags", "use_padded_loading", "_load_per_tensor_weight_scale",
-        "_load_model_weight_or_group_weight_scale", "_load_per_channel_weight_scale", "_load_w13", "_load_w2",
-        "_maybe_load_bf16_shared_expert_as_fp4", "_maybe_load_fp8_shared_expert_as_fp4", "_load_single_value",
-        "_load_g_idx", "_map_global_expert_id_to_local_expert_id", "weight_loader", "_weight_loader_impl",
-        "_load_gguf_weight", "make_expert_params_mapping", "make_expert_input_scale_params_mapping"],
-        eng.layer_ns, bases=(torch.nn.Module,))
+    eng.layer_ns["Module"] = torch.nn.Module
+    engine_class = ext_class("layers/moe/fused_moe_triton/layer.py", "FusedMoE", eng.layer_ns, bases=("Module",))
 
-    class FusedMoE(loader):
+    class FusedMoE(engine_class):
+        # layer.py declares it @cached_property; wheels.klass keeps only builtin decorators
+        use_padded_loading = functools.cached_property(engine_class.use_padded_loading)
+
         def __init__(self, num_experts, hidden, inter, prefix):
             torch.nn.Module.__init__(self)
             self.prefix, self.hidden_size, self.intermediate_size_per_partition = prefix, hidden, inter
@@ -341,15 +295,7 @@ class Engine:
         self.modules["sglang.srt.configs.model_config"] = {"is_deepseek_v4": self.mc_ns["is_deepseek_v4"]}
 
         # --- quantization configs and MoE methods
-        class QuantizationConfig:  # base_config.QuantizationConfig: only what the picked code reads
-            convert_mxfp8_to_block_fp8 = None
-
-            def __init__(self):
-                self.packed_modules_mapping = {}
-
-        qbase = ext_methods("layers/quantization/base_config.py", "QuantizationConfig",
-                            ["get_from_keys", "get_from_keys_or", "_modelopt_override_quantization_method"],
-                            _base_ns(), bases=(QuantizationConfig,))
+        qbase = ext_class("layers/quantization/base_config.py", "QuantizationConfig", _base_ns())
         self.moe_utils = ext("layers/moe/utils.py", ["get_moe_padding_size", "get_moe_weight_sizes"], _base_ns())
         unq_linear = _not_built("UnquantizedLinearMethod")
         unq_moe = _not_built("UnquantizedFusedMoEMethod")
@@ -435,8 +381,8 @@ class Engine:
         self.modules["sglang.srt.layers.vocab_parallel_embedding"] = {
             "ParallelLMHead": type("ParallelLMHead", (torch.nn.Module,), {})}
         self.modules["sglang.srt.layers.radix_attention"] = {"RadixAttention": type("RadixAttention", (), {})}
-        # einops (a dependency of the sglang wheel, not installed here): the two patterns _dequant_fp8 uses
-        self.modules["einops"] = {"rearrange": _rearrange}
+        if importlib.util.find_spec("einops") is None:  # a dependency of the sglang wheel, not of requant
+            self.modules["einops"] = {"rearrange": _rearrange}  # the two patterns _dequant_fp8 uses
 
         # --- the model's load_weights and the loader's quant-config construction
         self.model_ns = _base_ns(
@@ -453,9 +399,9 @@ class Engine:
             ["DEEPSEEK_V4_STACKED_PARAMS_MAPPING", "wo_a_fp8_gemm_enabled", "_prepare_deepseek_v4_weights",
              "_dequant_fp8_wo_a_streaming", "_dequant_fp8", "_clone_if_runai_streamed_tensor",
              "_rename_quark_fp8_block_scales", "_fuse_deepseek_v4_wqkv_a_pair"], self.model_ns)
-        self.model = ext_methods("models/deepseek_v4.py", "DeepseekV4ForCausalLM",
-                                 ["load_weights", "remap_weight_name_to_dpsk_hf_format", "get_hf_to_sglang_mapper"],
-                                 self.model_ns)
+        # the class is defined, never instantiated: load_weights runs on a stand-in `self` (see _load)
+        self.model_ns["Module"] = torch.nn.Module
+        self.model = ext_class("models/deepseek_v4.py", "DeepseekV4ForCausalLM", self.model_ns, bases=("Module",))
         self.model.packed_modules_mapping = {}
         classes = {"fp8": fp8["Fp8Config"], "compressed-tensors": ct["CompressedTensorsConfig"]}
 
@@ -473,6 +419,9 @@ class Engine:
         self.override_ns = ext("arg_groups/model_overrides/deepseek_v4.py", ["_deepseek_v4_overrides"], _base_ns(
             _register_for=lambda *a: (lambda f: f), resolving_view=lambda sa: sa,
             model_config_of=lambda sa: sa.model_config))
+        # function bodies import these themselves (`from sglang.srt... import X` at call time)
+        for name, attrs in self.modules.items():
+            wheels.fake_module(name, **attrs)
 
 
 def _rearrange(t, pattern, **k):
@@ -546,28 +495,27 @@ def sglang_load_report(ckpt, gpu: str = "sm_100", moe_runner_backend: str = "aut
     leave a parameter unloaded or copy bytes of the wrong kind is a problem in the report."""
     eng = engine()
     ckpt = Path(ckpt)
-    with _engine_modules(eng.modules):
-        Ctx.gpu, Ctx.backend, Ctx.warnings = gpu, moe_runner_backend, []
-        mc = _model_config(eng, ckpt)
-        server_args = NS(device="cuda", fp8_gemm_runner_backend="auto", swa_full_tokens_ratio=None,
-                         moe_runner_backend=moe_runner_backend, moe_a2a_backend="none", model_config=mc)
-        overrides = eng.override_ns["_deepseek_v4_overrides"](server_args, mc.hf_config)
-        Ctx.backend = overrides.get("moe_runner_backend", moe_runner_backend)
-        report = LoadReport(gpu, Ctx.backend)
-        qc = eng.loader_ns["_get_quantization_config"](mc, NS())
-        report.quant_config = type(qc).__name__
-        hf = mc.hf_config
-        tensors = _read(ckpt) if load else []
-        for nextn in (False, True):
-            prefixes = (["model.decoder.mlp.experts"] if nextn else
-                        [f"model.layers.{i}.mlp.experts" for i in range(hf.num_hidden_layers)])
-            experts = {}
-            for prefix in prefixes:
-                layer = _build_experts(eng, qc, prefix, hf, report)
-                if layer is not None:
-                    experts[prefix] = layer
-            if load and len(experts) == len(prefixes):
-                _load(eng, qc, hf, tensors, experts, nextn, report)
+    Ctx.gpu, Ctx.backend, Ctx.warnings = gpu, moe_runner_backend, []
+    mc = _model_config(eng, ckpt)
+    server_args = NS(device="cuda", fp8_gemm_runner_backend="auto", swa_full_tokens_ratio=None,
+                     moe_runner_backend=moe_runner_backend, moe_a2a_backend="none", model_config=mc)
+    overrides = eng.override_ns["_deepseek_v4_overrides"](server_args, mc.hf_config)
+    Ctx.backend = overrides.get("moe_runner_backend", moe_runner_backend)
+    report = LoadReport(gpu, Ctx.backend)
+    qc = eng.loader_ns["_get_quantization_config"](mc, NS())
+    report.quant_config = type(qc).__name__
+    hf = mc.hf_config
+    tensors = _read(ckpt) if load else []
+    for nextn in (False, True):
+        prefixes = (["model.decoder.mlp.experts"] if nextn else
+                    [f"model.layers.{i}.mlp.experts" for i in range(hf.num_hidden_layers)])
+        experts = {}
+        for prefix in prefixes:
+            layer = _build_experts(eng, qc, prefix, hf, report)
+            if layer is not None:
+                experts[prefix] = layer
+        if load and len(experts) == len(prefixes):
+            _load(eng, qc, hf, tensors, experts, nextn, report)
     return report
 
 
