@@ -345,8 +345,14 @@ class Engine:
         not_built = {n: _not_built(n) for n in [
             "CompressedTensorsMxInt4MoE", "CompressedTensorsW4A4Fp4", "CompressedTensorsW4A4Nvfp4MoE",
             "CompressedTensorsW4A16Fp4", "CompressedTensorsW4A16Nvfp4MoE", "CompressedTensorsW4AFP8MoE",
-            "CompressedTensorsW8A8Fp8", "CompressedTensorsW8A8Fp8MoE", "CompressedTensorsW8A8Int8",
+            "CompressedTensorsW8A8Fp8", "CompressedTensorsW8A8Int8",
             "CompressedTensorsW8A16Fp8", "CompressedTensorsWNA16", "XPUCompressedTensorsWNA16"]}
+        # the FP8 MoE scheme experts fall to when no INT4 group claims them (M2): built and loaded for real
+        fp8_moe = ext("layers/quantization/compressed_tensors/schemes/compressed_tensors_w8a8_fp8_moe.py",
+                      ["CompressedTensorsW8A8Fp8MoE"],
+                      _base_ns(QuantizationStrategy=ctq.QuantizationStrategy,
+                               CompressedTensorsMoEScheme=sch["CompressedTensorsMoEScheme"],
+                               get_moe_weight_sizes=self.moe_utils["get_moe_weight_sizes"]))
         ct = ext("layers/quantization/compressed_tensors/compressed_tensors.py",
                  ["CompressedTensorsConfig", "CompressedTensorsLinearMethod", "CompressedTensorsFusedMoEMethod"],
                  _base_ns(**{k: u[k] for k in ("should_ignore_layer", "check_equal_or_regex_match",
@@ -357,6 +363,7 @@ class Engine:
                           QuantizationArgs=ctq.QuantizationArgs, QuantizationStrategy=ctq.QuantizationStrategy,
                           QuantizationType=ctq.QuantizationType, SPARSITY_CONFIG_NAME="sparsity_config",
                           CompressedTensorsWNA16MoE=wna16["CompressedTensorsWNA16MoE"],
+                          CompressedTensorsW8A8Fp8MoE=fp8_moe["CompressedTensorsW8A8Fp8MoE"],
                           CompressedTensorsWNA16TritonMoE=wna16["CompressedTensorsWNA16TritonMoE"],
                           Fp8LinearMethod=_not_built("Fp8LinearMethod"), UnquantizedLinearMethod=unq_linear,
                           UnquantizedFusedMoEMethod=unq_moe, DeviceCapability=NS))
