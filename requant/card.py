@@ -7,7 +7,9 @@ from the plan, the conversion's summed stats and the engine rules of the model's
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 from requant import __version__
 from requant.engines import EngineRules
@@ -79,6 +81,17 @@ def model_card(record: dict, rules: EngineRules) -> str:
     lines += ["## Source", "", f"The source checkpoint's own model card, if it had one, is kept as "
               f"`{SOURCE_CARD_NAME}`; its license and terms apply to these weights.", ""]
     return "\n".join(lines)
+
+
+def recorded_engine(path: str) -> dict | None:
+    """{"name", "version"} of the engine requant laid the checkpoint at `path` out for, from its
+    requant.json; None for checkpoints requant did not write (or whose record is unreadable)."""
+    try:
+        with open(os.path.join(path, PROVENANCE_NAME), encoding="utf-8") as f:
+            engine = json.load(f).get("engine")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return engine if isinstance(engine, dict) and isinstance(engine.get("name"), str) else None
 
 
 def is_requant_card(path: str) -> bool:

@@ -24,11 +24,10 @@ INPUT_SCALE_HELP = (
 
 
 ENGINE_HELP = (
-    "Serving engine the output is laid out for (engines disagree about the MTP block's experts and "
-    "W4A16 attention, so one directory cannot serve both everywhere). Default vllm: vLLM 0.33.0 loads "
-    "both output formats, NVFP4 on every GPU family with no extra flag, and its MTP drafts get the same "
-    "experts as the main layers; SGLang 0.5.23 serves NVFP4 only (NextN experts kept MXFP4; Hopper/Ampere "
-    "need --moe-runner-backend marlin) and cannot load W4A16 DeepSeek-V4 at all."
+    "Serving engine the output is laid out for: engines disagree about the MTP block's experts (vLLM "
+    "0.33.0 loads them as NVFP4, SGLang 0.5.23 as MXFP4) and about W4A16's FP8 attention, so one "
+    "directory cannot serve both. Default vllm: it loads both output formats on every GPU family "
+    "without extra flags (SGLang needs --moe-runner-backend marlin for NVFP4 on Hopper/Ampere)."
 )
 
 
@@ -121,8 +120,9 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
               help="Format of SRC's routed experts.")
 @click.option("--out", "out_format", type=click.Choice(sorted(TARGETS)), required=True,
               help="nvfp4: NVIDIA's ModelOpt layout (Blackwell W4A4; Hopper via Marlin W4A16). "
-                   "w4a16: INT4 experts in compressed-tensors pack-quantized form (vLLM Marlin MoE, "
-                   "Ampere/Hopper); lossy, the summary reports SQNR vs the source.")
+                   "w4a16: INT4 experts in compressed-tensors pack-quantized form (Marlin MoE, "
+                   "Ampere/Hopper); lossy, the summary reports SQNR vs the source. The output's README.md "
+                   "says how to serve it.")
 @click.option("--engine", type=click.Choice(_engine_names()), default=None, help=ENGINE_HELP)
 @click.option("--mtp", type=click.Choice(["keep", "convert"]), default=None,
               help="keep: the MTP block's experts stay MXFP4 (as in NVIDIA's release); convert: them too. "
@@ -132,8 +132,9 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
               "other format, W4A16 for SGLang); the card and requant.json record why.")
 @click.option("--input-scale", type=float, default=None, help=INPUT_SCALE_HELP)
 @click.option("--scale-headroom", type=click.IntRange(0, 8), default=0, show_default=True,
-              help="NVFP4: place the largest block scale at 2^(8-N) instead of 2^8. Guards vLLM's "
-                   "Hopper Marlin path (fp16 scale conversion) at the cost of an N-step narrower lossless window.")
+              help="NVFP4: place the largest block scale at 2^(8-N) instead of 2^8, at the cost of an N-step "
+                   "narrower lossless window. N=3 guarded vLLM < 0.33's Hopper Marlin path (fp16 scale "
+                   "overflow); vLLM 0.33.0 and SGLang 0.5.23 do not need it.")
 @click.option("--group-size", type=click.Choice(["32", "64", "128"]), default=None,
               help="w4a16: K elements sharing one INT4 scale. 32 is the most accurate (about 3 dB over "
                    "128), 128 the smallest; Marlin runs all three. Default 128.")

@@ -22,6 +22,7 @@ from requant.model import ModelSpec
 MARLIN_GPUS = ("sm_80", "sm_90")   # no FP4 tensor cores: NVFP4 experts run through Marlin
 E4M3_MAX = 448.0
 MARLIN_SCALE_SHIFT = 2 ** 7   # Marlin's S0E5M3 scales are the block scale times 2^7, kept only from 2 up
+MARLIN_SCALE_FLOOR = 2.0 / MARLIN_SCALE_SHIFT   # smallest block scale S0E5M3 holds without a rescale
 
 
 @dataclass
@@ -50,11 +51,7 @@ class MarlinSpan:
             self.max = max(self.max, float(positive.max()))
             self.scales.append(torch.unique(positive, return_counts=True))
 
-    def flushed_blocks(self) -> int:
-        """Blocks vLLM 0.33.0's Marlin preparation turns to zero (see marlin_flush_threshold)."""
-        if not self.scales:
-            return 0
-        threshold = marlin_flush_threshold(self.max)
+    def blocks_below(self, threshold: float) -> int:
         return sum(int(counts[values < threshold].sum()) for values, counts in self.scales)
 
 
@@ -115,9 +112,37 @@ def w4a16_probe_misses(rules: EngineRules, model: ModelSpec, qc: dict, layers: l
     return misses
 
 
+def fp8_linear_problems(rules: EngineRules, qc: dict, scale_names: set[str]) -> list[str]:
+    """How a W4A16 checkpoint's FP8-block linears fail this engine's rule for describing them."""
+    style = rules.layout("w4a16", "fp8_linears")
+    has_group = any((g.get("weights") or {}).get("num_bits") == 8 and "Linear" in (g.get("targets") or [])
+                    for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict))
+    problems = []
+    if style == "config_group":
+        if not has_group:
+            problems.append("no FP8 config group targets Linear, so the FP8-block attention and shared-expert "
+                            "linears are not built as FP8")
+        if scale_names - {"weight_scale"}:
+            problems.append("the FP8-block linears' scales are named ." + "/.".join(sorted(scale_names - {"weight_scale"}))
+                            + "; its compressed-tensors FP8 scheme loads .weight_scale")
+    elif style == "linear_fp8_config":
+        if "linear_fp8_config" not in qc:
+            problems.append("no linear_fp8_config: its DeepSeek-V4 model has no other FP8-block attention path under "
+                            "compressed-tensors (wo_a is built in BF16 and gets raw FP8 bytes)")
+        if "weight_scale" in scale_names:
+            problems.append("the FP8-block linears' scales are named .weight_scale; its loader reads only .scale / "
+                            ".weight_scale_inv there, so they are skipped (the fused wqkv_a scale stays uninitialised)")
+        if qc.get("format") != "pack-quantized":
+            problems.append(f"top-level format is {qc.get('format')!r}; its INT4 MoE method requires 'pack-quantized' "
+                            "and raises at model build")
+    return problems
+
+
 def judge(rules: EngineRules, model: ModelSpec, config: dict, formats_by_block: dict[str, str], dominant: str,
-          spans: dict[tuple[str, str], MarlinSpan], gpu: str | None) -> tuple[EngineVerdict, list[tuple]]:
-    """This engine's verdict on the checkpoint and its findings as (code, message, where, detail)."""
+          spans: dict[tuple[str, str], MarlinSpan], gpu: str | None,
+          fp8_scale_names: set[str] = frozenset()) -> tuple[EngineVerdict, list[tuple]]:
+    """This engine's verdict on the checkpoint and its findings as (code, message, where, detail).
+    `fp8_scale_names`: the suffixes the FP8-block linears' scales carry (scale, weight_scale, ...)."""
     verdict = EngineVerdict(rules.name, rules.version)
     found: list[tuple] = []
 
@@ -142,6 +167,8 @@ def judge(rules: EngineRules, model: ModelSpec, config: dict, formats_by_block: 
         if misses:
             problem("w4a16-targets", "no INT4 config group matches the expert modules it probes, so they fall to "
                     "the FP8 group and the load crashes", "config.json", ", ".join(misses[:3]))
+        for text in fp8_linear_problems(rules, qc, set(fp8_scale_names)):
+            problem("w4a16-fp8-linears", text, "config.json")
     if dominant == "nvfp4" and gpu in (None, *MARLIN_GPUS):
         found += _marlin_findings(rules, model, spans, verdict)
     if gpu is not None:
@@ -160,14 +187,20 @@ def _marlin_findings(rules: EngineRules, model: ModelSpec, spans, verdict: Engin
     found = []
     for (block, group), span in spans.items():
         where = f"{model.experts_module(block)} {group}"
-        if rule == "largest":
-            flushed = span.flushed_blocks()
+        if rule == "largest" and span.scales:
+            flushed = span.blocks_below(marlin_flush_threshold(span.max))
             verdict.marlin_flushed_blocks += flushed
             if flushed:
                 found.append(("marlin-flush", f"{rules.label}: where its Marlin NVFP4 MoE runs (no FP4 tensor cores: "
                               "sm_80, or sm_90 without humming-kernels or with --moe-backend marlin) block scales 15 or "
                               "more octaves below the layer's largest are flushed to zero",
                               where, f"{flushed} blocks, scales {span.min:g} .. {span.max:g}"))
+        elif rule == "unguarded" and span.blocks_below(MARLIN_SCALE_FLOOR):
+            found.append(("marlin-unguarded", f"{rules.label}: its Marlin NVFP4 MoE (--moe-runner-backend marlin on "
+                          "sm_80/sm_90) passes block scales under 2^-6 to a scale format that cannot hold them (no "
+                          "guard in srt/layers/quantization/marlin_utils_fp4.py; vLLM 0.33.0 zeroes these): those "
+                          "blocks' weights decode wrongly", where,
+                          f"{span.blocks_below(MARLIN_SCALE_FLOOR)} blocks, scales {span.min:g} .. {span.max:g}"))
         elif rule == "smallest" and marlin_overflows(span.min, span.max):
             found.append(("marlin-overflow", f"{rules.label}: block-scale span overflows the fp16 scale conversion "
                           f"of Marlin NVFP4 MoE: inf weights. Fix: requant convert --scale-headroom {marlin_headroom()}",

@@ -46,6 +46,11 @@ class EngineRules:
         """Why this engine release cannot serve experts stored as `fmt`, or None when it can."""
         return self.data.get("unsupported", {}).get(fmt)
 
+    def layout(self, fmt: str, key: str):
+        """A layout rule for `fmt` output (e.g. W4A16's "fp8_linears": how the FP8-block linears must
+        be described for this engine), or None."""
+        return self.data["formats"].get(fmt, {}).get(key)
+
     def mtp_format(self, fmt: str) -> str | None:
         """The format this engine loads the MTP block's experts in when the main experts are `fmt`."""
         return self.data["formats"].get(fmt, {}).get("mtp_experts")
@@ -75,7 +80,8 @@ class EngineRules:
         """How this release turns NVFP4 block scales into Marlin's fp16 ones on GPUs without FP4
         tensor cores: "largest" (vLLM >= 0.33: one factor per layer from the largest scale,
         blocks far below it flushed), "smallest" (older vLLM: factor from the smallest scale, the
-        largest may overflow), "none" (no rescale), or None (no Marlin NVFP4 path)."""
+        largest may overflow), "unguarded" (scales times 2^7 go to Marlin's S0E5M3 format as they
+        are, also those under 2 that the format cannot hold), or None (no Marlin NVFP4 path)."""
         return self.data.get("marlin_fp4_scales")
 
 

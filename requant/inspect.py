@@ -6,6 +6,7 @@ import os
 from collections import defaultdict
 
 from requant.errors import RequantError
+from requant.card import recorded_engine
 from requant.io.checkpoint import Checkpoint
 from requant.model import ModelSpec
 from requant.plan import expert_format
@@ -47,7 +48,13 @@ def inspect_checkpoint(path: str) -> dict:
               | ({"ignore": qc["ignore"]} if "ignore" in qc else {})
               | ({"sqnr_db_vs_source": qc["requant_accuracy"].get("sqnr_db")} if "requant_accuracy" in qc else {}),
             "expert_dtype": ck.config.get("expert_dtype"),
+            "made_for": _made_for(path),
         }
+
+
+def _made_for(path: str) -> str | None:
+    engine = recorded_engine(path)
+    return f"{engine['name']} {engine.get('version')}" if engine else None
 
 
 def format_report(info: dict) -> str:
@@ -65,4 +72,6 @@ def format_report(info: dict) -> str:
         lines.append(f"  {dtype:<9} {v['tensors']:>8,} tensors {v['bytes']:>18,} bytes")
     qc = info["quantization_config"]
     lines.append("quantization   " + (", ".join(f"{k}={v}" for k, v in qc.items()) if qc else "none"))
+    if info["made_for"]:
+        lines.append(f"made for       {info['made_for']} (requant.json; README.md says how to serve it)")
     return "\n".join(lines)

@@ -535,14 +535,15 @@ def _judge_engines(ck, model, formats_by_block, dominant, spans, engine, gpu, re
     """Each engine's verdict. Problems are errors for the engine the output is served with (named,
     or recorded in requant.json at conversion); with none known, warnings per engine, and an
     error only when no engine loads the checkpoint correctly."""
-    made_for = _recorded_engine(ck.path)
+    made_for = (card.recorded_engine(ck.path) or {}).get("name")
     names = [engine] if engine else [made_for] if made_for in model.engine_names else model.engine_names
     strict = len(names) == 1
     for name in names:
-        verdict, found = judge(model.engine(name), model, ck.config, formats_by_block, dominant, spans, gpu)
+        verdict, found = judge(model.engine(name), model, ck.config, formats_by_block, dominant, spans, gpu,
+                               _fp8_linear_scale_names(ck, model))
         result["engines"][name] = asdict(verdict)
         for code, message, where, detail in found:
-            severity = ("info" if code == "kernel" else "warning" if code == "marlin-flush"
+            severity = ("info" if code == "kernel" else "warning" if code in ("marlin-flush", "marlin-unguarded")
                         else "error" if strict else "warning")
             out.add(severity, code, message, where, detail)
     if not strict and not any(v["loads"] for v in result["engines"].values()):
@@ -550,11 +551,15 @@ def _judge_engines(ck, model, formats_by_block, dominant, spans, engine, gpu, re
                 "warnings above)")
 
 
-def _recorded_engine(path: str) -> str | None:
-    try:
-        return (read_json(os.path.join(path, card.PROVENANCE_NAME)).get("engine") or {}).get("name")
-    except (CheckpointError, AttributeError):
-        return None
+def _fp8_linear_scale_names(ck, model) -> set[str]:
+    """The suffixes the FP8-block linears' scales carry: the source's `scale`, compressed-tensors'
+    `weight_scale`, or `weight_scale_inv`."""
+    found = set()
+    for name in ck.names:
+        if name.endswith(".weight") and model.expert_tensor(name) is None and ck.info(name).spec.dtype == "F8_E4M3":
+            base = name[: -len("weight")]
+            found.update(s for s in ("scale", "weight_scale", "weight_scale_inv") if base + s in ck.locations)
+    return found
 
 
 def _deep_check(ck, model, expert, projs, source_ck, source_experts, deep_stats, out):

@@ -37,6 +37,7 @@ def read(path, name):
     (["--out", "nvfp4"], "vLLM 0.33.0", "| routed experts (MTP block) | NVFP4"),
     (["--out", "nvfp4", "--engine", "sglang"], "SGLang 0.5.23", "| routed experts (MTP block) | MXFP4 (kept"),
     (["--out", "w4a16", "--group-size", "32"], "vLLM 0.33.0", "| routed experts (MTP block) | INT4 W4A16"),
+    (["--out", "w4a16", "--group-size", "32", "--engine", "sglang"], "SGLang 0.5.23", "| routed experts (MTP block) | INT4 W4A16"),
 ])
 def test_card_and_record(source, tmp_path, args, engine, mtp_row):
     dst = str(tmp_path / "out")

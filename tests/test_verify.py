@@ -269,3 +269,83 @@ def test_clean_on_w4a16_output(pair, tmp_path):
     result = verify(out, deep=True, progress=False)
     assert result["format"] == "w4a16"
     assert result["ok"], result["findings"]
+
+
+def edit_config(path, fn):
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    fn(config["quantization_config"])
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def test_w4a16_layouts_are_judged_per_engine(pair, tmp_path):
+    """Each engine's W4A16 layout passes for it and fails for the other (FP8 linears described the
+    other way); the expert target the last round wrote (gate/up/down names under .ffn.) fails both
+    (vLLM 0.33.0 probes .ffn.experts.0.w1, SGLang 0.5.23 .mlp.experts.0.gate_proj)."""
+    for engine, other in (("vllm", "sglang"), ("sglang", "vllm")):
+        out = str(tmp_path / engine)
+        convert(pair[0], out, "w4a16", Options(engine=engine), progress=False)
+        assert verify(out, progress=False)["ok"] and verify(out, progress=False, engine=engine)["ok"]
+        wrong = verify(out, progress=False, engine=other)
+        assert not wrong["ok"] and codes(wrong) == {"w4a16-fp8-linears"}, wrong["findings"]
+        old = str(tmp_path / f"{engine}-old-target")
+        shutil.copytree(out, old)
+        edit_config(old, lambda qc: qc["config_groups"]["group_0"].update(
+            targets=[r"re:.*\.ffn\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"]))
+        broken = verify(old, progress=False, engine="vllm")
+        assert "w4a16-targets" in codes(broken) and "model.layers.0.ffn.experts.0.w1" in finding(broken, "w4a16-targets")["examples"][0]
+        broken = verify(old, progress=False, engine="sglang")
+        assert "w4a16-targets" in codes(broken) and "model.layers.0.mlp.experts.0.gate_proj" in finding(broken, "w4a16-targets")["examples"][0]
+    mixed = str(tmp_path / "mixed")
+    shutil.copytree(str(tmp_path / "sglang"), mixed)
+    edit_config(mixed, lambda qc: qc.update(format="mixed-precision"))
+    assert "pack-quantized" in finding(verify(mixed, progress=False, engine="sglang"), "w4a16-fp8-linears")["message"]
+
+
+def test_kernel_named_per_gpu_family(pair):
+    """The question requant exists for, answered offline from the engines' own selection rules."""
+    src = verify(pair[0], progress=False, engine="vllm", gpu="sm_120")
+    assert src["engines"]["vllm"]["kernel"]["method"] == "Mxfp4MoEMethod"
+    assert "Marlin" in src["engines"]["vllm"]["kernel"]["backend"]       # MXFP4 source: no FP4 tensor cores there
+    out = verify(pair[1], progress=False, engine="vllm", gpu="sm_120")
+    assert "FP4 tensor cores" in out["engines"]["vllm"]["kernel"]["backend"] and out["ok"]
+    hopper = verify(pair[1], progress=False, engine="sglang", gpu="sm_90")
+    k = hopper["engines"]["sglang"]["kernel"]
+    assert not k["runs"] and k["fix"].startswith("--moe-runner-backend marlin")
+    result = run_cli(pair[1], "--engine", "vllm", "--gpu", "sm_100")
+    assert result.exit_code == 0 and "FlashInfer TRT-LLM FP4" in result.output
+
+
+
+@pytest.fixture(scope="module")
+def layouts(pair, tmp_path_factory):
+    """Each engine's own output of each format, and the broken layouts of issue 9 (M1-M5)."""
+    root = tmp_path_factory.mktemp("layouts")
+    out = {}
+    for fmt in ("nvfp4", "w4a16"):
+        for engine in ("vllm", "sglang"):
+            out[fmt, engine] = str(root / f"{fmt}-{engine}")
+            convert(pair[0], out[fmt, engine], fmt, Options(engine=engine), progress=False)
+    out["old-target"] = str(root / "old-target")
+    shutil.copytree(out["w4a16", "vllm"], out["old-target"])
+    edit_config(out["old-target"], lambda qc: qc["config_groups"]["group_0"].update(
+        targets=[r"re:.*\.ffn\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"]))
+    return out
+
+
+@pytest.mark.parametrize("case, engine, code", [
+    ("old-target", "vllm", 1),                # M1: vLLM probes .ffn.experts.0.w1
+    ("old-target", "sglang", 1),              # M2: SGLang probes .mlp.experts.0.gate_proj
+    (("w4a16", "vllm"), "sglang", 1),         # M3: attention scales as .weight_scale, no linear_fp8_config
+    (("nvfp4", "sglang"), "vllm", 1),         # M4: MXFP4 MTP experts under vLLM's NVFP4 method
+    (("nvfp4", "vllm"), "sglang", 1),         # M5: NVFP4 NextN experts under SGLang's MXFP4 method
+    (("nvfp4", "vllm"), "vllm", 0),
+    (("nvfp4", "sglang"), "sglang", 0),
+    (("w4a16", "vllm"), "vllm", 0),
+    (("w4a16", "sglang"), "sglang", 0),
+])
+def test_verify_engine_exit_status(layouts, case, engine, code):
+    result = run_cli(layouts[case], "--engine", engine)
+    assert result.exit_code == code, result.output
+    assert ("FAILED" if code else "OK") in result.output.splitlines()[-1]

@@ -19,6 +19,18 @@ from requant.formats import int4, mxfp4
 
 EXPERT = re.compile(r"^(?P<block>(layers|mtp)\.\d+)\.ffn\.experts\.(?P<e>\d+)\.(?P<proj>w[123])\.(?P<part>\w+)$")
 VLLM_LAYERS = 5   # synth's default num_hidden_layers: vLLM builds the MTP block as model.layers.5
+SGLANG_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def engine_probe(engine: str, block: str, proj: str) -> str:
+    """The module name each engine release asks compressed-tensors about for a block's experts
+    (vLLM 0.33.0: nvidia/model.py ckpt_names, mtp.py layer numbering; SGLang 0.5.23:
+    compressed_tensors.py get_moe_scheme, deepseek_v4_nextn.py model.decoder)."""
+    n = int(block.split(".")[1])
+    if engine == "vllm":
+        return f"model.layers.{n + (VLLM_LAYERS if block.startswith('mtp.') else 0)}.ffn.experts.0.{proj}"
+    module = "model.decoder" if block.startswith("mtp.") else f"model.layers.{n}"
+    return f"{module}.mlp.experts.0.{SGLANG_NAMES[proj]}"
 
 
 def _tensors(path):
@@ -40,11 +52,11 @@ def _matches(target, name):
     return re.match(target[3:], name) is not None if target.startswith("re:") else target == name
 
 
-@pytest.mark.parametrize("group,scheme", [(128, "sym"), (32, "asym")])
-def test_convert_w4a16_every_tensor(small_source, tmp_path, group, scheme):
+@pytest.mark.parametrize("group,scheme,engine", [(128, "sym", "vllm"), (32, "asym", "vllm"), (64, "sym", "sglang")])
+def test_convert_w4a16_every_tensor(small_source, tmp_path, group, scheme, engine):
     dst = str(tmp_path / "out")
     result = CliRunner().invoke(cli, ["convert", small_source, dst, "--out", "w4a16", "--group-size", str(group),
-                                      "--scheme", scheme, "--quiet", "--json"])
+                                      "--scheme", scheme, "--engine", engine, "--quiet", "--json"])
     assert result.exit_code == 0, result.output
     src, _ = _tensors(small_source)
     out, index = _tensors(dst)
@@ -56,6 +68,11 @@ def test_convert_w4a16_every_tensor(small_source, tmp_path, group, scheme):
     scheme_obj = QuantizationScheme(targets=["Linear"], weights=int4_group.weights)
     assert int4_group.weights.group_size == group and int4_group.weights.symmetric == (scheme == "sym")
     assert qc["scale_fmt"] == "ue8m0" and config["expert_dtype"] == "fp4"
+    if engine == "sglang":   # SGLang's own FP8-linear key, and the top-level format its INT4 MoE checks
+        assert qc["format"] == "pack-quantized" and list(qc["config_groups"]) == ["group_0"]
+        assert qc["linear_fp8_config"]["weight_block_size"] == [128, 128]
+    else:
+        assert qc["format"] == "mixed-precision" and "linear_fp8_config" not in qc
 
     signal = error = 0.0
     seen = set()
@@ -80,10 +97,11 @@ def test_convert_w4a16_every_tensor(small_source, tmp_path, group, scheme):
             x = mxfp4.decode(s.view(torch.uint8), src[prefix + ".scale"].view(torch.uint8))
             signal += float(x.double().square().sum())
             error += float((decoded.double() - x).square().sum())
-            # vLLM 0.33.0 probes <experts>.0.w1 etc. under its own prefix; the INT4 group must match.
-            layer = int(m["block"].split(".")[1]) + (VLLM_LAYERS if m["block"].startswith("mtp.") else 0)
-            probe = f"model.layers.{layer}.ffn.experts.0.{m['proj']}"
-            assert _matches(int4_group.targets[0], probe)
+            # The engine probes <experts>.0.<name> under its own prefix; the INT4 group must match.
+            assert _matches(int4_group.targets[0], engine_probe(engine, m["block"], m["proj"]))
+        elif name.endswith(".scale") and engine == "sglang":
+            assert torch.equal(_raw(out[name]), _raw(s)) and out[name].dtype == s.dtype, name   # read as .scale
+            seen.add(name)
         elif name.endswith(".scale"):
             renamed = name[: -len("scale")] + "weight_scale"
             assert name not in out and out[renamed].dtype == torch.float32

@@ -1,9 +1,13 @@
-"""W4A16 INT4 experts in compressed-tensors' pack-quantized layout, for vLLM's Marlin MoE on
-Ampere/Hopper (formats.md section 3; the vLLM facts it relies on are listed in docs/w4a16.md).
+"""W4A16 INT4 experts in compressed-tensors' pack-quantized layout, for the engines' Marlin MoE on
+Ampere/Hopper (formats.md section 3; the engine facts it relies on are listed in docs/w4a16.md).
 
-Routed experts (MTP block included) become INT4; every FP8-block linear keeps its E4M3 bytes and
-gets its E8M0 `.scale` re-typed, exactly, as an F32 `.weight_scale` (compressed-tensors' name);
-everything else is copied byte for byte.
+Routed experts (MTP block included) become INT4. The FP8-block linears keep their E4M3 bytes; how
+the config describes them is the engine's rule (`fp8_linears`):
+- "config_group" (vLLM): an FP8-block compressed-tensors group targeting `Linear`, the E8M0
+  `.scale` re-typed, exactly, as compressed-tensors' F32 `.weight_scale`;
+- "linear_fp8_config" (SGLang): SGLang's own `linear_fp8_config` key, the `.scale` tensors kept as
+  they are (its DeepSeek-V4 loader reads no other name there).
+Everything else is copied byte for byte.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ def sqnr_db(signal: float, error: float) -> float | None:
 class W4A16Target(Target):
     def __init__(self, model, source, options: Options):
         super().__init__(model, source, options)
+        self.fp8_linears = self.engine.layout(self.name, "fp8_linears")
         extra = dict(options.extra)
         self.group = int(extra.pop("group_size", None) or DEFAULT_GROUP)
         self.scheme = extra.pop("scheme", None) or DEFAULT_SCHEME
@@ -73,8 +78,10 @@ class W4A16Target(Target):
 
     def plan_tensor(self, spec: TensorSpec) -> Unit:
         """FP8-block scales (E8M0 `.scale`) become compressed-tensors' F32 `.weight_scale`; the
-        scales of experts kept in the source format (--mtp keep --force) stay as they are."""
-        if not (spec.name.endswith(".scale") and spec.dtype == "F8_E8M0") or self.model.expert_tensor(spec.name):
+        scales of experts kept in the source format (--mtp keep --force) stay as they are, and so do
+        all of them where the engine reads FP8 linears through linear_fp8_config."""
+        if (self.fp8_linears != "config_group" or not (spec.name.endswith(".scale") and spec.dtype == "F8_E8M0")
+                or self.model.expert_tensor(spec.name)):
             return super().plan_tensor(spec)
         out = TensorSpec(spec.name[: -len("scale")] + "weight_scale", "F32", spec.shape)
         return Unit([spec.name], [out], lambda tensors: self.encode_block_scale(spec.name, out.name, tensors))
@@ -133,23 +140,28 @@ class W4A16Target(Target):
                        "block_structure": FP8_BLOCK, "dynamic": False, "observer": "minmax"}
         fp8_inputs = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",
                       "group_size": FP8_BLOCK[1], "dynamic": True, "observer": None}
-        qc = {
-            "quant_method": "compressed-tensors",
-            "format": "mixed-precision",
+        groups = {"group_0": {"targets": [self.expert_target()], "weights": int4_args,
+                              "input_activations": None, "output_activations": None, "format": "pack-quantized"}}
+        qc = {"quant_method": "compressed-tensors"}
+        if self.fp8_linears == "config_group":
+            # vLLM names the MTP e_proj/h_proj with an empty prefix, so only the class target
+            # reaches them; experts match group_0 by name first.
+            groups["group_1"] = {"targets": ["Linear"], "weights": fp8_weights, "input_activations": fp8_inputs,
+                                 "output_activations": None, "format": "float-quantized"}
+            qc["format"] = "mixed-precision"
+        else:
+            # SGLang's INT4 MoE method checks the top-level format; its linears take the source's
+            # FP8-block settings from linear_fp8_config.
+            qc["format"] = "pack-quantized"
+            qc["linear_fp8_config"] = {k: v for k, v in source_qc.items() if k != "quantization_config"}
+        qc.update({
             "quantization_status": "compressed",
-            "config_groups": {
-                "group_0": {"targets": [self.expert_target()], "weights": int4_args,
-                            "input_activations": None, "output_activations": None, "format": "pack-quantized"},
-                # vLLM names the MTP e_proj/h_proj with an empty prefix, so only the class target
-                # reaches them; experts match group_0 by name first.
-                "group_1": {"targets": ["Linear"], "weights": fp8_weights, "input_activations": fp8_inputs,
-                            "output_activations": None, "format": "float-quantized"},
-            },
+            "config_groups": groups,
             "ignore": list(IGNORE),
             "kv_cache_scheme": None,
             "producer": dict(PRODUCER),
             ACCURACY_KEY: self.accuracy_summary(stats),
-        }
+        })
         # DeepSeek-V4's attention reads quantization_config["scale_fmt"] directly.
         if "scale_fmt" in source_qc:
             qc["scale_fmt"] = source_qc["scale_fmt"]
@@ -165,8 +177,11 @@ class W4A16Target(Target):
         return {**super().describe_options(), "group_size": self.group, "scheme": self.scheme}
 
     def other_tensor_groups(self) -> dict[str, str]:
-        return {"FP8-block linears": "E4M3 bytes unchanged; E8M0 .scale re-typed exactly as F32 .weight_scale",
-                **super().other_tensor_groups()}
+        if self.fp8_linears == "config_group":
+            fp8 = "E4M3 bytes unchanged; E8M0 .scale re-typed exactly as F32 .weight_scale (compressed-tensors FP8 group)"
+        else:
+            fp8 = "E4M3 bytes and E8M0 .scale unchanged, described by SGLang's linear_fp8_config"
+        return {"FP8-block linears": fp8, **super().other_tensor_groups()}
 
     def accuracy(self, stats: Stats) -> dict:
         return self.accuracy_summary(stats)
