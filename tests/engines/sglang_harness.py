@@ -106,16 +106,27 @@ def ext_class(relpath, cls, ns, bases=()):
 def ext_statements(relpath, cls, method, first, last, ns):
     """The run of statements of `cls.method` from the one containing `first` to the one
     containing `last`, executed in `ns` (for ModelConfig.__init__, whose rest reads the hub)."""
+    body = _statements(relpath, cls, method, first, last)
+    _stand_in_missing(body, ns)
+    exec(_compiled_statements(relpath, cls, method, first, last), ns)
+    return ns
+
+
+@lru_cache(maxsize=None)
+def _statements(relpath, cls, method, first, last):
     src = wheels.source(ENGINE, SRT + relpath)
     c = next(n for n in _tree(relpath).body if isinstance(n, ast.ClassDef) and n.name == cls)
     f = next(n for n in c.body if isinstance(n, ast.FunctionDef) and n.name == method)
     segs = [ast.get_source_segment(src, s) for s in f.body]
     i = next(k for k, s in enumerate(segs) if first in s)
     j = next(k for k, s in enumerate(segs) if k >= i and last in s)
-    body = f.body[i:j + 1]
-    _stand_in_missing(body, ns)
-    exec(compile(ast.Module(body=body, type_ignores=[]), f"sglang/{SRT}{relpath}", "exec"), ns)
-    return ns
+    return tuple(f.body[i:j + 1])
+
+
+@lru_cache(maxsize=None)
+def _compiled_statements(relpath, cls, method, first, last):
+    body = list(_statements(relpath, cls, method, first, last))
+    return compile(ast.Module(body=body, type_ignores=[]), f"sglang/{SRT}{relpath}", "exec")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,15 +474,9 @@ class LoadReport:
 
 
 def method_name(method, layer) -> str:
-    """The class a layer's MoE work runs through: a wrapper's inner method in (), a
-    compressed-tensors scheme in []."""
-    name = type(method).__name__
-    inner = getattr(method, "_fp8", None)
-    if inner is not None:
-        name += f"({type(inner).__name__})"
-    if getattr(layer, "scheme", None) is not None:
-        name += f"[{type(layer.scheme).__name__}]"
-    return name
+    """The class a layer's MoE work runs through: the compressed-tensors scheme where the method
+    is CompressedTensorsFusedMoEMethod (which only delegates to it), else the method's class."""
+    return type(layer.scheme).__name__ if getattr(layer, "scheme", None) is not None else type(method).__name__
 
 
 def _model_config(eng: Engine, ckpt: Path):
@@ -621,7 +626,7 @@ def _load(eng, qc, hf, tensors, experts, nextn, report):
 
     def note(pname, loaded):
         consumed.add(_Stream.current)
-        short = pname.rsplit(".", 1)[-1] if ".mlp.experts." in pname else ".".join(pname.split(".")[-2:])
+        short = pname.rsplit(".", 1)[-1] if ".mlp.experts." in pname else re.sub(r"^model\.(layers\.\d+\.|decoder\.)?", "", pname)
         report.loads[f"{short} <- {str(loaded.dtype).removeprefix('torch.')}"] += 1
 
     params = {}
@@ -698,3 +703,15 @@ def _unloaded_problem(warning: str, experts) -> str | None:
         getattr(experts.get(n.rsplit(".", 1)[0]), "scheme", None), "actorder", "group") != "group"}
     rest = sorted(names - benign)
     return f"parameters left at their initial values (no checkpoint tensor loads them): {rest}" if rest else None
+
+
+def loaded_format(params: dict) -> str:
+    """The expert format a layer's registered parameters hold: what SGLang loads it as."""
+    if "w13_weight_packed" in params:
+        return "w4a16"
+    if "w13_weight_scale_2" in params:
+        return "nvfp4"
+    dtype = params.get("w13_weight", ("?",))[0]
+    if dtype in ("int8", "uint8") and "w13_weight_scale_inv" in params:
+        return "mxfp4"
+    return f"other ({dtype} weights)"
