@@ -18,6 +18,19 @@ GPU_FAMILIES = {"sm_80": "Ampere (A100)", "sm_90": "Hopper (H100/H200)",
                 "sm_100": "Blackwell (B200/GB200)", "sm_120": "Blackwell (RTX PRO 6000)"}
 
 
+# How an installation can differ from the engine's default one in ways that change the MoE
+# kernel it selects (`Kernel.selects`). "default" is the release installed with its declared
+# dependencies on a machine where they all work: for vLLM 0.33.0, FlashInfer usable (it needs
+# flashinfer-cubin, or nvcc + ninja to JIT), humming-kernels importable, deep_gemm (not a
+# dependency) absent. A condition is "default" or deviations joined by "+", e.g.
+# "no_flashinfer+deep_gemm".
+INSTALL_CONDITIONS = {
+    "no_flashinfer": "FlashInfer not usable (no flashinfer-cubin and no nvcc + ninja)",
+    "no_humming": "humming-kernels not importable",
+    "deep_gemm": "deep_gemm installed",
+}
+
+
 @dataclass(frozen=True)
 class Kernel:
     """The MoE path an engine selects for one expert format on one GPU family."""
@@ -27,6 +40,24 @@ class Kernel:
     runs: bool           # False: the engine refuses to start (see `fix`)
     note: str = ""       # what the choice depends on (installed kernels, environment, flags)
     fix: str = ""        # the flag or step that makes it run, where it does not
+    selects: dict[str, str] | None = None   # install condition -> the engine's backend name (its enum)
+
+    def selected(self, deviations: set[str]) -> str | None:
+        """The engine's backend name on an installation with these INSTALL_CONDITIONS deviations
+        from the default: the entry of the listed condition with the most deviations, all of
+        them present ("default" has none). None where the rules do not say."""
+        if not self.selects:
+            return None
+        unknown = set(deviations) - set(INSTALL_CONDITIONS)
+        if unknown:
+            raise ValueError(f"unknown install conditions {sorted(unknown)} (known: {', '.join(INSTALL_CONDITIONS)})")
+        fitting = {cond: set() if cond == "default" else set(cond.split("+")) for cond in self.selects}
+        fitting = {cond: flags for cond, flags in fitting.items() if flags <= set(deviations)}
+        most = max(len(flags) for flags in fitting.values())
+        picks = {self.selects[cond] for cond, flags in fitting.items() if len(flags) == most}
+        if len(picks) > 1:
+            raise ValueError(f"conditions {sorted(fitting)} disagree for {sorted(deviations)}: list the combination")
+        return picks.pop()
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ one pin change in ENGINES.
 from __future__ import annotations
 
 import ast
+import copy
 import glob
 import os
 import subprocess
@@ -78,12 +79,11 @@ def extract(engine: str, relpath: str, names: list[str], namespace: dict | None 
     The file's imports are not run: whatever the definitions use from elsewhere must be in
     `namespace` (a test's stand-ins for engine internals it does not want to execute). Names that
     cannot be found raise KeyError, so an engine release that renames one fails loudly."""
-    tree = ast.parse(source(engine, relpath), filename=f"{engine}/{relpath}")
     wanted, picked = set(names), []
-    for node in tree.body:
+    for node in _tree(engine, relpath).body:
         bound = _binds(node)
         if bound & wanted:
-            picked.append(node)
+            picked.append(copy.deepcopy(node))
             wanted -= bound
     if wanted:
         raise KeyError(f"{where(engine, relpath)} defines no {', '.join(sorted(wanted))}")
@@ -140,11 +140,16 @@ def fake_module(name: str, **attrs) -> types.ModuleType:
     return module
 
 
+@lru_cache(maxsize=None)
+def _tree(engine: str, relpath: str) -> ast.Module:
+    """The parsed file; callers copy the nodes they change."""
+    return ast.parse(source(engine, relpath), filename=f"{engine}/{relpath}")
+
+
 def _class_node(engine: str, relpath: str, cls: str) -> ast.ClassDef:
-    tree = ast.parse(source(engine, relpath), filename=f"{engine}/{relpath}")
-    for node in tree.body:
+    for node in _tree(engine, relpath).body:
         if isinstance(node, ast.ClassDef) and node.name == cls:
-            return node
+            return copy.deepcopy(node)
     raise KeyError(f"{where(engine, relpath)} defines no class {cls}")
 
 
