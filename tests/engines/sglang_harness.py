@@ -77,9 +77,8 @@ class Missing:
         raise RuntimeError(f"SGLang code read {self._name}.{attr}, which the harness does not stand in for")
 
 
-@lru_cache(maxsize=None)
 def _tree(relpath: str) -> ast.Module:
-    return ast.parse(wheels.source(ENGINE, SRT + relpath))
+    return wheels._tree(ENGINE, SRT + relpath)   # parsed once, shared with wheels.extract/klass
 
 
 def _stand_in_missing(nodes, ns):
