@@ -8,13 +8,18 @@ load_weights (name remapping, fusions, wo_a dequant, expert mapping) and FusedMo
 
 What is NOT the engine's, and why (each stand-in is named where it is made):
 - the GPU: get_platform()/get_device_capability() answer for one GPU family (no GPU here);
-- the module tree: FusedMoE/LinearBase instances are bare nn.Modules with the attributes the
-  executed code reads, because the real constructors need CUDA, distributed groups and kernels;
+- the module tree: the routed experts are SGLang's own FusedMoE class with a stand-in __init__
+  that sets what the real one would for one GPU at TP=EP=1 (the real constructor needs CUDA,
+  distributed groups and kernels); LinearBase is an empty class (only isinstance looks at it);
 - the parameters of non-expert modules (model_params): modelled from the checkpoint (see there),
   because building DeepseekV4ForCausalLM needs CUDA; routed-expert parameters are exactly what the
   chosen method's create_weights registered;
-- non-expert weight loaders check dtype/shape compatibility instead of running the linear layers'
-  loaders (again CUDA-bound classes).
+- non-expert weight loaders check the kind of data (raw FP8 into a BF16 parameter, integers into
+  floats) instead of running the linear layers' loaders (CUDA-bound classes); their shapes are
+  not checked;
+- ModelConfig: only the statements of its __init__ that read quantization_config run (the rest
+  reads the hub); get_quant_config is config.json's quantization_config handed to from_config;
+- the process: server args at their defaults, envs at their defaults, flashinfer importable.
 Any other name the executed definitions use becomes a `Missing` object that raises, naming itself,
 when touched, so a missing stand-in fails loudly instead of answering wrongly.
 """
@@ -309,8 +314,8 @@ class Engine:
         self.moe_utils = ext("layers/moe/utils.py", ["get_moe_padding_size", "get_moe_weight_sizes"], _base_ns())
         unq_linear = _not_built("UnquantizedLinearMethod")
         unq_moe = _not_built("UnquantizedFusedMoEMethod")
-        # fp8.py's is_layer_skipped (layers/quantization/utils) with no fused mapping: prefix match
-        skipped = lambda prefix, ignored, fused_mapping=None: any(prefix.startswith(i) or prefix == i for i in ignored)  # noqa: E731
+        skipped = ext("layers/quantization/utils.py", ["_module_path_match", "_FALLBACK_FUSED_SHARDS", "is_layer_skipped"],
+                      _base_ns(MappingProxyType=types.MappingProxyType))["is_layer_skipped"]
         fp8 = ext("layers/quantization/fp8.py", ["Fp8Config", "Fp8MoEMethod"], _base_ns(
             QuantizationConfig=qbase, UnquantizedLinearMethod=unq_linear, UnquantizedFusedMoEMethod=unq_moe,
             Fp8LinearMethod=_not_built("Fp8LinearMethod"), ACTIVATION_SCHEMES=["static", "dynamic"],
