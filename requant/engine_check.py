@@ -169,6 +169,11 @@ def judge(rules: EngineRules, model: ModelSpec, config: dict, formats_by_block: 
                     "the FP8 group and the load crashes", "config.json", ", ".join(misses[:3]))
         for text in fp8_linear_problems(rules, qc, set(fp8_scale_names)):
             problem("w4a16-fp8-linears", text, "config.json")
+        refused = (rules.layout("w4a16", "refuses") or {}).get("scheme", {})
+        for group in int4_groups(qc).values():
+            scheme = "sym" if (group.get("weights") or {}).get("symmetric", True) else "asym"
+            if scheme in refused:
+                problem("w4a16-scheme", f"cannot load {scheme} INT4 experts: {refused[scheme]}", "config.json")
     if dominant == "nvfp4" and gpu in (None, *MARLIN_GPUS):
         found += _marlin_findings(rules, model, spans, verdict)
     if gpu is not None:

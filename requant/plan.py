@@ -79,6 +79,7 @@ def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: 
     if found != in_format:
         raise UnsupportedError(f"{source.path}: routed experts are stored as {found}, not {in_format} (--in {in_format})")
     target = get_target(out_format)(model, source, options)
+    target.check_engine()
     if target.source_format != in_format:
         raise UnsupportedError(f"--out {out_format} converts from {target.source_format}, not {in_format}")
 

@@ -90,9 +90,7 @@ class Target:
         self.model, self.source, self.options = model, source, options
         self.engine = model.engine(options.engine)
         self.mtp = options.mtp or self._engine_mtp()
-        self.forced_problems = self._engine_problems()
-        if self.forced_problems and not options.force:
-            raise UnsupportedError(f"{self.forced_problems[0]} (--force writes it anyway)")
+        self.forced_problems: list[str] = []
         self._bounds: dict[str, dict[str, float]] = {}
         self._bounds_lock = threading.Lock()
 
@@ -101,12 +99,25 @@ class Target:
         """MTP policy that gives the engine the experts in the format it loads them as."""
         return "convert" if self.engine.mtp_format(self.name) == self.name else "keep"
 
+    def check_engine(self) -> None:
+        """Refuse (once the target knows its options) a layout the engine would load wrongly,
+        unless --force; then remember why, for the card."""
+        self.forced_problems = self._engine_problems()
+        if self.forced_problems and not self.options.force:
+            raise UnsupportedError(f"{self.forced_problems[0]} (--force writes it anyway)")
+
     def _engine_problems(self) -> list[str]:
         """What the engine would load wrongly from this layout: one sentence each, with the fix."""
         problems = []
         refusal = self.engine.refusal(self.name)
         if refusal:
             problems.append(f"{self.engine.label} cannot serve --out {self.name}: {refusal}")
+        options = self.describe_options()
+        for option, refused in (self.engine.layout(self.name, "refuses") or {}).items():
+            if options.get(option) in refused:
+                value = options[option]
+                problems.append(f"{self.engine.label} cannot load --{option.replace('_', '-')} {value}: "
+                                f"{refused[value]}")
         expected = self.engine.mtp_format(self.name)
         written = self.name if self.mtp == "convert" else self.source_format
         if expected and written != expected and any(self.model.is_mtp(e.block)

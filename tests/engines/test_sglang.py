@@ -18,8 +18,10 @@ import pytest
 
 from requant import synth
 from requant.convert import convert
+from requant.errors import UnsupportedError
 from requant.model import ModelSpec
 from requant.targets import Options
+from requant.verify import verify
 from tests.engines import wheels
 
 if not wheels.available("sglang"):
@@ -45,7 +47,8 @@ def ckpts(tmp_path_factory):
                                      ("w4a16_g32", "w4a16", "sglang", {"group_size": 32}),
                                      ("w4a16_asym", "w4a16", "sglang", {"group_size": 32, "scheme": "asym"})]:
         out[name] = str(root / name)
-        convert(src, out[name], fmt, Options(engine=engine, extra=extra), progress=False)
+        # asym for SGLang is refused by requant's rules; --force writes it to show the engine fails
+        convert(src, out[name], fmt, Options(engine=engine, extra=extra, force="scheme" in extra), progress=False)
     return out
 
 
@@ -136,10 +139,15 @@ def test_w4a16_group_sizes_load(ckpts, rules, name, group):
 def test_asymmetric_w4a16_zero_points_do_not_load(ckpts):
     """SGLang 0.5.23 registers zero points as [groups, out/8] per expert and its FusedMoE loader
     copies them without the transpose it gives every other compressed-tensors tensor, so the
-    compressed-tensors layout [out/8, groups] that requant writes fails the copy: an engine limit
-    (requant's rules for SGLang do not refuse --scheme asym yet)."""
+    compressed-tensors layout [out/8, groups] that requant writes fails the copy: an engine limit,
+    which requant's rules for SGLang refuse (convert) and flag (verify)."""
     report = sglang_load_report(ckpts["w4a16_asym"], "sm_90", "marlin")
     assert main_methods(report) == {"CompressedTensorsWNA16MoE"}
+    with pytest.raises(UnsupportedError, match="--scheme asym"):
+        convert(ckpts["src"], ckpts["w4a16_asym"] + "-refused", "w4a16",
+                Options(engine="sglang", extra={"group_size": 32, "scheme": "asym"}), progress=False)
+    assert "w4a16-scheme" in {f["code"] for f in verify(ckpts["w4a16_asym"], progress=False)["findings"]
+                              if f["severity"] == "error"}
     assert any(p.startswith("model.layers.0.mlp.experts.w13_weight_zero_point: SGLang's weight loader fails on (16, 8)")
                for p in report.problems)
     assert {p.split(":")[0] for p in report.problems} <= {
