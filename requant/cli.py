@@ -39,6 +39,12 @@ def reports_errors(fn):
             _fail("interrupted; no finished output was left behind", 130)
         except OSError as e:
             _fail(describe_os_error(e), 1)
+        except Exception as e:   # a bug: still one line, with the way to the traceback
+            if os.environ.get("REQUANT_DEBUG"):
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            _fail(f"internal error ({type(e).__name__}: {first}); please report it, with the traceback that "
+                  "REQUANT_DEBUG=1 prints", 70)
     return wrapper
 
 
