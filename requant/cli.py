@@ -202,8 +202,8 @@ def inspect(path, as_json):
 
 @cli.command()
 @click.argument("path", type=click.Path())
-@click.option("--deep", is_flag=True, help="Also decode every block (reads all expert bytes).")
-@click.option("--source", type=click.Path(), help="With --deep: count exact vs re-quantized blocks against this checkpoint.")
+@click.option("--deep", is_flag=True, help="Also decode every scale block (reads all expert bytes).")
+@click.option("--source", type=click.Path(), help="With --deep: count exact vs re-quantized scale blocks against this checkpoint.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
@@ -221,29 +221,36 @@ def verify(path, deep, source, as_json, quiet):
 @cli.command()
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True,
-              help="Directory for report.json, report.md, report.html and the PNG plots.")
-@click.option("--layers", help="Subsample: layer numbers and ranges (0,5,10-12) or block names (mtp.0).")
+@click.option("--out-dir", "out_dir", type=click.Path(file_okay=False),
+              help="Directory for report.json, report.md, report.html and the PNG plots (required).")
+@click.option("--out", "old_out_dir", type=click.Path(file_okay=False), hidden=True,
+              help="The former spelling of --out-dir (convert's --out is a format).")
+@click.option("--layers", help="Subsample: layer numbers and ranges (0,5,10-12) or MTP layer names (mtp.0).")
 @click.option("--workers", type=click.IntRange(1, 64), help="Threads comparing experts (default: up to 4).")
 @click.option("--no-forward", is_flag=True, help="Skip the MoE-forward comparison (requant validate; every "
               "selected layer on a GPU, the first one only on a CPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json instead of the summary.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
-def report(src, dst, out_dir, layers, workers, no_forward, as_json, quiet):
+def report(src, dst, out_dir, old_out_dir, layers, workers, no_forward, as_json, quiet):
     """Accuracy difference of DST's routed experts against SRC's (MXFP4, NVFP4 or W4A16):
-    exact blocks, SQNR, relative RMSE, max error, cosine, per projection, layer and overall."""
-    from requant.report import make_report
+    exact scale blocks, SQNR, relative RMSE, max error, cosine, per projection, layer and overall."""
+    from requant.report import html, make_report
     from requant.report.render import terminal
 
+    if out_dir and old_out_dir and out_dir != old_out_dir:
+        raise RequantError("give the report directory once: --out-dir DIR")
+    out_dir = out_dir or old_out_dir
+    if not out_dir:
+        raise RequantError("give the report directory: --out-dir DIR")
     result = make_report(src, dst, out_dir, layers, workers, progress=not quiet, forward=not no_forward)
-    click.echo(json.dumps(result, indent=2) if as_json else terminal(result, out_dir))
+    click.echo(json.dumps(result, indent=2) if as_json else terminal(result, out_dir, html.plots_missing()))
 
 
 @cli.command()
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
-@click.option("--layers", help="Layer numbers and ranges (0,5,10-12) or block names (mtp.0); default all.")
+@click.option("--layers", help="Layer numbers and ranges (0,5,10-12) or MTP layer names (mtp.0); default all.")
 @click.option("--tokens", type=click.IntRange(1), default=64, show_default=True, help="Random hidden states per layer.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), help="Default: cuda when available (cpu: Triton interpreter).")
 @click.option("--activations", type=click.Path(dir_okay=False), help="Real MoE inputs (.safetensors or .pt).")

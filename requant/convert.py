@@ -459,7 +459,7 @@ def format_plan(d: dict) -> str:
     ok = d["free_bytes_available"] >= d["free_bytes_needed"]
     return "\n".join([
         f"plan: {d['source_format']} -> {d['target']}, {d['shards']} shards, "
-        f"{len(d['converted_blocks'])} MoE blocks converted",
+        f"{len(d['converted_blocks'])} MoE layers converted",
         f"  tensors   {counts}; {d['output_tensors']:,} written",
         f"  bytes     in {d['input_bytes']:,}, out {d['output_bytes']:,}",
         f"  disk      needs {d['free_bytes_needed']:,} free, {d['free_bytes_available']:,} available"
