@@ -22,6 +22,9 @@ INPUT_SCALE_HELP = (
 )
 
 
+DRY_RUN_SHORT_OF_SPACE = 3   # convert --dry-run: the plan is fine, the disk is too small for it
+
+
 def _fail(message: str, code: int) -> None:
     click.echo(f"requant: error: {message}", err=True)
     sys.exit(code)
@@ -136,7 +139,8 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
 @click.option("--revision", help="SRC as a Hub repository (owner/name): branch, tag or commit to convert.")
 @click.option("--stream-source", is_flag=True, help="SRC as a Hub repository: fetch one shard at a time and delete "
               "it once converted, so the disk never holds the whole source.")
-@click.option("--dry-run", is_flag=True, help="Read headers only and print the plan; write nothing.")
+@click.option("--dry-run", is_flag=True, help="Read headers only and print the plan; write nothing. Exits 3 when the "
+              "target's disk lacks the free space the plan needs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary (or plan) as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
@@ -167,6 +171,9 @@ def convert(src, dst, in_format, out_format, mtp, input_scale, scale_headroom, g
         plan = convert_lib.plan_conversion(src, out_format, options, in_format)
         summary = convert_lib.describe_plan(plan, dst, in_place)
         click.echo(json.dumps(summary, indent=2) if as_json else convert_lib.format_plan(summary))
+        if summary["free_bytes_available"] < summary["free_bytes_needed"]:
+            _fail(f"not enough free space for this conversion: need {summary['free_bytes_needed']:,} bytes, "
+                  f"{summary['free_bytes_available']:,} available", DRY_RUN_SHORT_OF_SPACE)
         return
     result = convert_lib.convert(src, dst, out_format, options, in_format, workers, progress=not quiet, resume=resume,
                                  resume_hint=_resume_command(click.get_current_context()), revision=revision,

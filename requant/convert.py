@@ -165,12 +165,13 @@ def _open_source(src: str, target: str, in_place: bool, resume: bool, request: d
         record, snapshot = journal.load(target)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
-    for key, what in (("requant", "requant version"), ("mode", "mode"), ("options", "options"),
-                      ("source", "Hub source")):
-        if record.get(key) != request.get(key):
-            raise RequantError(f"cannot resume: the conversion in {target} was started with {what} {record.get(key)}, "
-                               f"this run asks for {request.get(key)}; rerun with the original settings, or delete "
-                               f"{journal.path_of(target)} and its shards to start over")
+    differences = [f"{what}{d}" for key, what in (("requant", "requant version "), ("mode", "mode "),
+                                                    ("options", ""), ("source", "Hub source "))
+                   for d in _differences(record.get(key), request.get(key))]
+    if differences:
+        raise RequantError(f"cannot resume: the conversion in {target} was started differently ({'; '.join(differences)}); "
+                           f"rerun with the original settings ({record.get('resume') or 'see the journal'}), or delete "
+                           f"{journal.path_of(target)} and its shards to start over")
     if hub:
         source = Checkpoint.from_snapshot(staging, snapshot)
         source.reads.clear()
@@ -182,6 +183,26 @@ def _open_source(src: str, target: str, in_place: bool, resume: bool, request: d
             raise CheckpointError(f"cannot resume: the source changed since the conversion began ({'; '.join(changes)})",
                                   file=src)
     return Checkpoint.from_snapshot(src, snapshot), snapshot
+
+
+# Journaled option -> the command-line flag that sets it, and how its value is spelled there.
+_OPTION_FLAGS = {"in": ("--in", str), "out": ("--out", str), "mtp": ("--mtp", str),
+                 "input_scale": ("--input-scale", str), "extra.group_size": ("--group-size", str),
+                 "extra.scheme": ("--scheme", str), "extra.top_exponent": ("--scale-headroom", lambda v: str(8 - v))}
+
+
+def _differences(then, now, path: str = "") -> list[str]:
+    """Readable differences between what a journal recorded and what this run asks for:
+    `--flag X then, Y now`, one per differing leaf (nested option dicts by dotted name)."""
+    if isinstance(then, dict) and isinstance(now, dict):
+        return [d for key in sorted(set(then) | set(now), key=str)
+                for d in _differences(then.get(key), now.get(key), f"{path}.{key}" if path else str(key))]
+    if then == now:
+        return []
+    name, spell = _OPTION_FLAGS.get(path, (path, str))
+    def shown(v):
+        return "default" if v is None else spell(v)
+    return [f"{name + ' ' if name else ''}{shown(then)} then, {shown(now)} now"]
 
 
 def _source_changes(old: dict, new: dict) -> list[str]:

@@ -115,8 +115,9 @@ def test_full_scale_sparse_dry_run_takes_seconds(tmp_path):
     start = time.monotonic()
     result = run_cli("convert", src, str(tmp_path / "out"), "--out", "nvfp4", "--dry-run", "--json")
     elapsed = time.monotonic() - start
-    assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
+    short = plan["free_bytes_available"] < plan["free_bytes_needed"]   # ~168 GB: depends on this machine
+    assert result.returncode == (3 if short else 0), result.stderr
     assert plan["tensors"]["converted tensors"] == 43 * 256 * 6
     src_total = sum(os.path.getsize(os.path.join(src, n)) for n in os.listdir(src) if n.endswith(".safetensors"))
     assert plan["input_bytes"] == src_total
