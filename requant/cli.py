@@ -137,6 +137,9 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
 @click.option("--resume", is_flag=True, help="Continue the unfinished conversion journaled in DST (or SRC with "
               "--in-place), or start one if there is none; the options must be the ones it started with.")
 @click.option("--revision", help="SRC as a Hub repository (owner/name): branch, tag or commit to convert.")
+@click.option("--cache-dir", type=click.Path(file_okay=False), help="SRC as a Hub repository: the Hugging Face cache to "
+              "download into and read from (default: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub).")
+@click.option("--token", help="SRC as a Hub repository: access token (default: HF_TOKEN, else the saved login).")
 @click.option("--stream-source", is_flag=True, help="SRC as a Hub repository: fetch one shard at a time and delete "
               "it once converted, so the disk never holds the whole source.")
 @click.option("--dry-run", is_flag=True, help="Read headers only and print the plan; write nothing. Exits 3 when the "
@@ -145,9 +148,14 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
 def convert(src, dst, in_format, out_format, mtp, input_scale, scale_headroom, group_size, scheme, workers, in_place,
-            resume, revision, stream_source, dry_run, as_json, quiet):
+            resume, revision, cache_dir, token, stream_source, dry_run, as_json, quiet):
     """Convert checkpoint SRC (a directory or a Hub repository id) into a new directory DST, or in
     place with --in-place.
+
+    SRC is a local directory when one exists; otherwise `owner/name` is a Hub repository (unless
+    `owner/` is a local directory: then a mistyped path), and `hf://owner/name` always is. A Hub
+    source is downloaded into the Hugging Face cache, or read from it offline (HF_HUB_OFFLINE=1, or
+    the Hub unreachable). Honoured: HF_ENDPOINT, HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE, HF_TOKEN.
 
     Routed experts are re-encoded; every other tensor is copied byte for byte; the index,
     config.json (quantization_config) and format side files are rewritten; tokenizer, generation
@@ -177,7 +185,7 @@ def convert(src, dst, in_format, out_format, mtp, input_scale, scale_headroom, g
         return
     result = convert_lib.convert(src, dst, out_format, options, in_format, workers, progress=not quiet, resume=resume,
                                  resume_hint=_resume_command(click.get_current_context()), revision=revision,
-                                 stream=stream_source)
+                                 stream=stream_source, token=token, cache_dir=cache_dir)
     summary = convert_lib.describe_result(result)
     click.echo(json.dumps(summary, indent=2) if as_json else convert_lib.format_result(summary))
 
@@ -188,7 +196,7 @@ def _resume_command(ctx: click.Context) -> str:
     args = ["requant", "convert", ctx.params["src"]] + ([ctx.params["dst"]] if ctx.params["dst"] else [])
     for param in ctx.command.params:
         value = ctx.params.get(param.name)
-        if (not isinstance(param, click.Option) or param.name in ("resume", "dry_run", "as_json", "quiet")
+        if (not isinstance(param, click.Option) or param.name in ("resume", "dry_run", "as_json", "quiet", "token")
                 or value in (None, False) or value == param.default):
             continue
         args += [param.opts[0]] if param.is_flag else [param.opts[0], str(value)]

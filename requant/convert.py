@@ -56,13 +56,15 @@ def plan_conversion(src: str, out_format: str, options: Options, in_format: str 
 
 def convert(src: str, dst: str | None, out_format: str, options: Options, in_format: str = "mxfp4",
             workers: int = 1, progress: bool = True, resume: bool = False, resume_hint: str | None = None,
-            revision: str | None = None, stream: bool = False) -> Result:
+            revision: str | None = None, stream: bool = False, token: str | None = None,
+            cache_dir: str | None = None) -> Result:
     """Convert checkpoint `src` (a directory, or a Hub repository id) into directory `dst`, or in
     place when `dst` is None.
 
     `resume` continues the unfinished conversion journaled in the target; without it, a target
     holding a journal is refused. `resume_hint` is the command that resumes (for messages).
-    `stream` fetches a Hub source one shard at a time, deleting each once converted.
+    `stream` fetches a Hub source one shard at a time, deleting each once converted. `token` and
+    `cache_dir` are the Hub's (None: huggingface_hub's own defaults and environment).
     """
     started = time.monotonic()
     in_place = dst is None
@@ -73,15 +75,24 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
                                      "input_scale": options.input_scale, "extra": options.extra}),
                "resume": hint}
     hub = None
-    if hub_lib.is_repo_id(src):
+    repo = hub_lib.hub_repo(src)
+    if repo:
         if in_place:
-            raise RequantError("--in-place converts a local directory, not a Hub repository")
-        hub = hub_lib.HubSource(src, revision, progress)
-        request["source"] = f"{src}@{hub.commit}"
+            raise RequantError(f"--in-place converts a directory of your own; {repo} would be converted inside the "
+                               "Hugging Face cache, whose files every revision shares: convert it into a new "
+                               f"directory (requant convert {src} DST ...), or download it with `hf download {repo} "
+                               "--local-dir DIR` and convert DIR in place")
+        hub = hub_lib.HubSource(repo, revision, progress, token=token, cache_dir=cache_dir,
+                                explicit=src.startswith(hub_lib.HUB_PREFIX))
+        request["source"] = f"{repo}@{hub.commit}"
         if not stream:
             src, hub = hub.snapshot(), None
-    elif stream or revision:
-        raise RequantError(f"--stream-source and --revision apply to Hub repositories; {src} is not one")
+    elif stream or revision or cache_dir:
+        raise RequantError(f"--stream-source, --revision and --cache-dir apply to Hub repositories; {src} is not one")
+    elif in_place and hub_lib.cache_snapshot(src):
+        raise RequantError(f"cannot convert {src} in place: it is a Hugging Face cache snapshot, whose files are links "
+                           "into blobs the cache shares between revisions; convert it into a new directory instead "
+                           f"(requant convert {src} DST ...)")
     if not in_place and hub is None:
         _check_overlap(src, dst)
     created = not in_place and not os.path.exists(dst)
