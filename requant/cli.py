@@ -263,6 +263,30 @@ def report(src, dst, out_dir, old_out_dir, layers, workers, no_forward, as_json,
 
 
 @cli.command()
+@click.argument("dst", type=click.Path(file_okay=False))
+@click.argument("repo_id")
+@click.option("--private", is_flag=True, help="Create the repository private (when it does not exist yet).")
+@click.option("--revision", help="Branch to upload to (default: main).")
+@click.option("--message", help="Commit message.")
+@click.option("--token", help="Access token with write permission (default: HF_TOKEN, else the saved login).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@reports_errors
+def upload(dst, repo_id, private, revision, message, token, quiet):
+    """Upload finished conversion DST (shards, index, configs and every other file the conversion
+    wrote, the model card included) to Hub repository REPO_ID, creating it if needed.
+
+    Resumable: after a failure, run the same command again; files the Hub already holds are not sent
+    again. Refuses a directory that is not a finished checkpoint (an unfinished conversion, no index).
+    Honoured: HF_ENDPOINT, HF_TOKEN.
+    """
+    from requant.io.hub import upload as upload_folder
+
+    url = upload_folder(dst, repo_id, token=token, private=private, revision=revision, message=message,
+                        progress=not quiet)
+    click.echo(f"uploaded {dst} to {repo_id}: {url}")
+
+
+@cli.command()
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
 @click.option("--layers", help="Layer numbers and ranges (0,5,10-12) or MTP layer names (mtp.0); default all.")

@@ -84,9 +84,10 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
                                "--local-dir DIR` and convert DIR in place")
         hub = hub_lib.HubSource(repo, revision, progress, token=token, cache_dir=cache_dir,
                                 explicit=src.startswith(hub_lib.HUB_PREFIX))
-        request["source"] = f"{repo}@{hub.commit}"
         if not stream:
-            src, hub = hub.snapshot(), None
+            src = hub.snapshot()
+        request["source"] = f"{repo}@{hub.commit}"
+        hub = hub if stream else None
     elif stream or revision or cache_dir:
         raise RequantError(f"--stream-source, --revision and --cache-dir apply to Hub repositories; {src} is not one")
     elif in_place and hub_lib.cache_snapshot(src):

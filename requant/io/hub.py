@@ -123,7 +123,7 @@ class HubSource:
 
         if not progress:
             disable_progress_bars()
-        self.repo, self.token, self.cache_dir = repo, token, hub_cache_dir(cache_dir)
+        self.repo, self.revision, self.token, self.cache_dir = repo, revision, token, hub_cache_dir(cache_dir)
         # A bare owner/name was a guess between a path and the Hub: when the Hub says no, say both.
         self.not_local = "" if explicit else f"{repo} is no local directory; "
         self.cached = None   # the snapshot folder, when the source comes from the cache without the Hub
@@ -156,13 +156,17 @@ class HubSource:
         print(f"requant: {why}; converting {self.repo} from the cache: {self.cached}", file=sys.stderr)
 
     def snapshot(self) -> str:
-        """The whole repository in the Hugging Face cache; returns the snapshot folder."""
+        """The whole repository in the Hugging Face cache; returns the snapshot folder (its name is
+        the commit)."""
         from huggingface_hub import snapshot_download
 
         if self.cached:
             return self.cached
-        return call(f"downloading {self.repo}", lambda: snapshot_download(
-            self.repo, revision=self.commit, cache_dir=self.cache_dir, token=self.token, **_endpoint()))
+        # By the name asked for, so the cache records it (refs/main -> commit) for a later offline run.
+        path = call(f"downloading {self.repo}", lambda: snapshot_download(
+            self.repo, revision=self.revision, cache_dir=self.cache_dir, token=self.token, **_endpoint()))
+        self.commit = os.path.basename(path)
+        return path
 
     def open_streamed(self, staging: str) -> Checkpoint:
         """Metadata only: small files into `staging`, shard headers by range requests. No shard
@@ -242,3 +246,38 @@ class HubSource:
                 os.remove(path)
                 raise CheckpointError(f"downloaded bytes do not match the Hub's sha256 {etag}", file=f"{self.repo}/{name}")
         return path
+
+
+def upload(folder: str, repo: str, token: str | None = None, private: bool = False, revision: str | None = None,
+           message: str | None = None, progress: bool = True) -> str:
+    """Upload a finished conversion (every file in `folder` but hidden ones) to Hub repository
+    `repo`, creating it if needed; returns the commit URL (or the repository's, where the client
+    does not say). Resumable: run again after a failure and files the Hub already holds are not
+    sent again (huggingface_hub's large-folder upload where this client has it, else its folder
+    upload, which resumes the same way)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import disable_progress_bars
+
+    if not _is_repo_id(repo):
+        raise RequantError(f"{repo}: not a Hub repository id (owner/name)")
+    with Checkpoint.open(folder):   # a finished conversion: config, index, every shard's header
+        pass
+    if not progress:
+        disable_progress_bars()
+    api = HfApi(token=token, **_endpoint())
+    call(f"creating {repo}", lambda: api.create_repo(repo, private=private, exist_ok=True))
+    ignore = [".*", "**/.*"]   # journals, caches, editor files
+    large = getattr(api, "upload_large_folder", None)
+    what = f"uploading {folder} to {repo} (run the same command again to resume)"
+    try:
+        if large is not None:
+            call(what, lambda: large(repo, folder, repo_type="model", revision=revision, ignore_patterns=ignore,
+                                     private=private))
+            return f"{api.endpoint}/{repo}"
+        info = call(what, lambda: api.upload_folder(
+            repo_id=repo, folder_path=folder, revision=revision, ignore_patterns=ignore,
+            commit_message=message or f"requant: upload {os.path.basename(os.path.abspath(folder))}"))
+    except RuntimeError as e:   # huggingface_hub wraps a failed file upload, with the HTTP error as cause
+        cause = f" ({_first_line(e.__cause__)})" if e.__cause__ else ""
+        raise RequantError(f"{what} failed: {_first_line(e)}{cause}") from None
+    return getattr(info, "commit_url", None) or f"{api.endpoint}/{repo}"
