@@ -16,18 +16,6 @@ import pytest  # noqa: E402
 
 from requant import synth  # noqa: E402
 
-SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared")
-FIXTURES = os.path.join(SHARED, "fixtures", "deepseek-v4-flash")
-
-
-def fixture_path(name: str) -> str:
-    """Path of a file from ../shared, or skip (saying so) where this checkout has none."""
-    path = os.path.join(FIXTURES, name)
-    if not os.path.exists(path):
-        pytest.skip(f"../shared fixtures not present ({path}); comparison with the real release skipped")
-    return path
-
-
 @pytest.fixture(scope="session")
 def small_source(tmp_path_factory) -> str:
     """A default-size synthetic checkpoint with every hard case planted."""
