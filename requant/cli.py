@@ -176,8 +176,8 @@ def convert(src, dst, in_format, out_format, mtp, input_scale, scale_headroom, g
     extra.update({k: v for k, v in (("group_size", group_size and int(group_size)), ("scheme", scheme)) if v})
     options = Options(mtp=mtp, input_scale=input_scale, extra=extra)
     if dry_run:
-        plan = convert_lib.plan_conversion(src, out_format, options, in_format)
-        summary = convert_lib.describe_plan(plan, dst, in_place)
+        plan = convert_lib.plan_conversion(src, out_format, options, in_format, in_place, revision, token, cache_dir)
+        summary = convert_lib.describe_plan(plan, dst, in_place, source=src)
         click.echo(json.dumps(summary, indent=2) if as_json else convert_lib.format_plan(summary))
         if summary["free_bytes_available"] < summary["free_bytes_needed"]:
             _fail(f"not enough free space for this conversion: need {summary['free_bytes_needed']:,} bytes, "

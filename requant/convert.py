@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import shutil
+import tempfile
 import time
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -50,8 +51,34 @@ class Stopped(RequantError):
         self.exit_code = exit_code
 
 
-def plan_conversion(src: str, out_format: str, options: Options, in_format: str = "mxfp4") -> Plan:
-    return make_plan(Checkpoint.open(src), out_format, options, in_format)
+def refuse_in_place_on_cache(src: str, repo: str | None) -> None:
+    """In place is for a directory of one's own, never for the Hugging Face cache."""
+    if repo:
+        raise RequantError(f"--in-place converts a directory of your own; {repo} would be converted inside the "
+                           "Hugging Face cache, whose files every revision shares: convert it into a new "
+                           f"directory (requant convert {src} DST ...), or download it with `hf download {repo} "
+                           "--local-dir DIR` and convert DIR in place")
+    if hub_lib.cache_snapshot(src):
+        raise RequantError(f"cannot convert {src} in place: it is a Hugging Face cache snapshot, whose files are links "
+                           "into blobs the cache shares between revisions; convert it into a new directory instead "
+                           f"(requant convert {src} DST ...)")
+
+
+def plan_conversion(src: str, out_format: str, options: Options, in_format: str = "mxfp4", in_place: bool = False,
+                    revision: str | None = None, token: str | None = None, cache_dir: str | None = None) -> Plan:
+    """The plan, from headers alone; a Hub source's shard headers come by range requests (or from
+    the cache offline), so nothing large is downloaded."""
+    repo = hub_lib.hub_repo(src)
+    if in_place:
+        refuse_in_place_on_cache(src, repo)
+    if not repo:
+        return make_plan(Checkpoint.open(src), out_format, options, in_format)
+    hub = hub_lib.HubSource(repo, revision, progress=False, token=token, cache_dir=cache_dir,
+                            explicit=src.startswith(hub_lib.HUB_PREFIX))
+    if hub.cached:
+        return make_plan(Checkpoint.open(hub.cached), out_format, options, in_format)
+    with tempfile.TemporaryDirectory(prefix="requant-plan-") as staging:
+        return make_plan(hub.open_streamed(staging), out_format, options, in_format)
 
 
 def convert(src: str, dst: str | None, out_format: str, options: Options, in_format: str = "mxfp4",
@@ -76,12 +103,9 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
                "resume": hint}
     hub = None
     repo = hub_lib.hub_repo(src)
+    if in_place:
+        refuse_in_place_on_cache(src, repo)
     if repo:
-        if in_place:
-            raise RequantError(f"--in-place converts a directory of your own; {repo} would be converted inside the "
-                               "Hugging Face cache, whose files every revision shares: convert it into a new "
-                               f"directory (requant convert {src} DST ...), or download it with `hf download {repo} "
-                               "--local-dir DIR` and convert DIR in place")
         hub = hub_lib.HubSource(repo, revision, progress, token=token, cache_dir=cache_dir,
                                 explicit=src.startswith(hub_lib.HUB_PREFIX))
         if not stream:
@@ -90,10 +114,6 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
         hub = hub if stream else None
     elif stream or revision or cache_dir:
         raise RequantError(f"--stream-source, --revision and --cache-dir apply to Hub repositories; {src} is not one")
-    elif in_place and hub_lib.cache_snapshot(src):
-        raise RequantError(f"cannot convert {src} in place: it is a Hugging Face cache snapshot, whose files are links "
-                           "into blobs the cache shares between revisions; convert it into a new directory instead "
-                           f"(requant convert {src} DST ...)")
     if not in_place and hub is None:
         _check_overlap(src, dst)
     created = not in_place and not os.path.exists(dst)
@@ -471,9 +491,9 @@ def _dir_tensor_bytes(dst: str, plan: Plan) -> int:
     return sum(os.path.getsize(os.path.join(dst, s.name)) for s in plan.shards)
 
 
-def describe_plan(plan: Plan, dst: str | None, in_place: bool = False) -> dict:
+def describe_plan(plan: Plan, dst: str | None, in_place: bool = False, source: str | None = None) -> dict:
     return {
-        "source": plan.source.path,
+        "source": source or plan.source.path,
         "source_format": plan.source_format,
         "target": plan.target.name,
         "shards": len(plan.shards),

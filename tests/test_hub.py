@@ -374,3 +374,13 @@ def test_upload_refuses_an_unfinished_conversion(hub, tmp_path):
     assert invoke(dst, "--stream-source").exit_code == 1   # stopped: the journal stays
     result = CliRunner().invoke(cli, ["upload", dst, "me/x"])
     assert result.exit_code == 1 and "conversion in progress" in result.stderr and "me/x" not in server.repos
+
+
+def test_dry_run_reads_only_headers_from_the_hub(hub, tmp_path):
+    server, _ = hub
+    result = invoke(str(tmp_path / "dst"), "--dry-run", "--json")
+    assert result.exit_code == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["source"] == REPO and plan["shards"] == len(shard_names(server))
+    assert not [n for n in server.gets if n.endswith(".safetensors")], "a dry run downloaded a shard"
+    assert not os.path.exists(tmp_path / "dst") and not os.path.exists(tmp_path / "cache")
