@@ -74,10 +74,10 @@ def cli():
 @click.option("--full-scale", is_flag=True, help="The real release's dimensions: 46 shards, 69,187 tensors, ~160 GB.")
 @click.option("--sparse", is_flag=True, help="Leave tensor data as holes (zeros): the layout costs almost no disk.")
 @click.option("--out-of-window", type=int, default=0, show_default=True,
-              help="Per expert projection, blocks whose exponent lies below NVFP4's lossless window.")
-@click.option("--zero-blocks", type=int, default=0, show_default=True, help="Per projection, all-zero blocks.")
+              help="Per expert projection, scale blocks whose exponent lies below NVFP4's lossless window.")
+@click.option("--zero-blocks", type=int, default=0, show_default=True, help="Per projection, all-zero scale blocks.")
 @click.option("--neg-zero-blocks", type=int, default=0, show_default=True,
-              help="Per projection, blocks made only of -0 codes.")
+              help="Per projection, scale blocks made only of -0 codes.")
 @reports_errors
 def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse, out_of_window, zero_blocks,
           neg_zero_blocks):

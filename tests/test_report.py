@@ -17,8 +17,9 @@ from safetensors import safe_open
 from requant.cli import cli
 from requant.convert import convert
 from requant.report import make_report
-from requant.synth import Dims, HardCases, write_checkpoint
+from requant.synth import Dims, HardCases
 from requant.targets import Options
+from tests.conftest import converted_pair
 
 DIMS = Dims(layers=2, experts=6, hidden=256, intermediate=128, hash_layers=1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,10 +28,7 @@ E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6],
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("report")
-    src, dst = str(root / "src"), str(root / "nvfp4")
-    write_checkpoint(src, DIMS, seed=11, hard=HardCases(out_of_window=3, zero_blocks=1))
-    convert(src, dst, "nvfp4", Options(), progress=False)
+    src, dst = converted_pair(tmp_path_factory.mktemp("report"), DIMS, 11, HardCases(out_of_window=3, zero_blocks=1))
     return src, dst, convert
 
 
@@ -198,11 +196,7 @@ def _md_tables(md: str) -> list[list[str]]:
 @pytest.fixture(scope="module")
 def exact_pair(tmp_path_factory):
     """A source without out-of-window blocks: its NVFP4 conversion is exact everywhere."""
-    root = tmp_path_factory.mktemp("exact")
-    src, dst = str(root / "src"), str(root / "nvfp4")
-    write_checkpoint(src, DIMS, seed=12)
-    convert(src, dst, "nvfp4", Options(), progress=False)
-    return src, dst
+    return converted_pair(tmp_path_factory.mktemp("exact"), DIMS, 12)
 
 
 def test_markdown_tables_have_one_cell_per_column(pair, tmp_path):
