@@ -16,14 +16,15 @@ import pytest  # noqa: E402
 
 from requant import synth  # noqa: E402
 
-def converted_pair(root, dims: synth.Dims, seed: int, hard: synth.HardCases | None = None) -> tuple[str, str]:
-    """A synthetic source in root/src and its NVFP4 conversion in root/nvfp4."""
+def converted_pair(root, dims: synth.Dims, seed: int, hard: synth.HardCases | None = None,
+                   options=None) -> tuple[str, str]:
+    """A synthetic source in root/src and its NVFP4 conversion (default options) in root/nvfp4."""
     from requant.convert import convert
     from requant.targets import Options
 
     src, dst = str(root / "src"), str(root / "nvfp4")
     synth.write_checkpoint(src, dims, seed=seed, hard=hard)
-    convert(src, dst, "nvfp4", Options(), progress=False)
+    convert(src, dst, "nvfp4", options or Options(), progress=False)
     return src, dst
 
 

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -348,8 +349,16 @@ def test_upload_round_trips_and_resumes(hub, tmp_path, monkeypatch):
 
     server, clean = hub
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)   # the plain LFS protocol
-    folder = server.clean_path
+    folder = str(tmp_path / "out")
+    shutil.copytree(server.clean_path, folder)
+    with open(os.path.join(folder, "README.md"), "w") as f:   # a model card, which the Hub checks first
+        f.write("---\nlicense: mit\nbase_model: deepseek-ai/Tiny-V4\n---\n# Tiny-V4 NVFP4\n")
+    os.makedirs(os.path.join(folder, ".requant-scratch"))   # hidden: never uploaded
+    with open(os.path.join(folder, ".requant-scratch", "x"), "w") as f:
+        f.write("x")
     for name in tree(folder):
+        if name.startswith("."):
+            continue
         with open(os.path.join(folder, name), "rb") as f:
             server.files_to_upload[name] = f.read()
     shards = sorted(n for n in server.files_to_upload if n.endswith(".safetensors"))
@@ -364,7 +373,9 @@ def test_upload_round_trips_and_resumes(hub, tmp_path, monkeypatch):
     assert not set(sent_first) & set(server.puts[len(sent_first):]), "a re-run sent a stored object again"
     assert sorted(server.puts) == shards and "hf_write" in server.tokens
     back = snapshot_download(target, local_dir=str(tmp_path / "down"), endpoint=os.environ["HF_ENDPOINT"])
-    assert {n: h for n, h in tree(back).items() if not n.startswith(".cache")} == tree(folder) == clean
+    downloaded = {n: h for n, h in tree(back).items() if not n.startswith(".cache")}
+    assert downloaded == {n: h for n, h in tree(folder).items() if not n.startswith(".requant")}
+    assert set(downloaded) == set(clean) | {"README.md"} and "validate-yaml" in " ".join(server.requests)
 
 
 def test_upload_refuses_an_unfinished_conversion(hub, tmp_path):

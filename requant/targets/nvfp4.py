@@ -97,5 +97,5 @@ class NVFP4Target(Target):
         }}
 
     def summary(self, stats: Stats) -> str:
-        return (f"exact scale blocks {stats.exact_blocks:,} / {stats.blocks:,}, "
-                f"re-quantized scale blocks {stats.requantized_blocks:,}")
+        return (f"exact blocks {stats.exact_blocks:,} / {stats.blocks:,}, "
+                f"re-quantized blocks {stats.requantized_blocks:,}")
