@@ -23,7 +23,7 @@ def converted_pair(root, dims: synth.Dims, seed: int, hard: synth.HardCases | No
     from requant.targets import Options
 
     src, dst = str(root / "src"), str(root / "nvfp4")
-    synth.write_checkpoint(src, dims, seed=seed, hard=hard)
+    synth.write_checkpoint(src, dims, seed=seed, hard=hard or synth.HardCases())
     convert(src, dst, "nvfp4", options or Options(), progress=False)
     return src, dst
 
