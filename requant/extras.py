@@ -11,7 +11,7 @@ from requant.errors import UnsupportedError
 # importable module -> (pip extra that installs it, what needs it)
 EXTRAS = {
     "triton": ("gpu", "requant's fused-MoE kernel (validate, report's forward comparison)"),
-    "matplotlib": ("plots", "report's plots"),
+    "matplotlib": ("plots", "report plotting"),
 }
 
 

@@ -59,7 +59,7 @@ def test_core_commands_work_without_the_extras_and_validate_names_it(tmp_path):
     assert json.loads(inspect_nv["stdout"])["expert_format"] == "nvfp4"
     assert json.loads(inspect_w4["stdout"])["expert_format"] == "w4a16"
     assert "OK:" in verify_nv["stdout"] and "OK:" in verify_w4["stdout"]
-    assert "no plots: report's plots needs matplotlib, which is not installed: pip install 'requant[plots]'" \
+    assert "no plots: report plotting needs matplotlib, which is not installed: pip install 'requant[plots]'" \
         in report["stdout"]
     assert "MoE forward: not run (validate failed: requant's fused-MoE kernel" in report["stdout"]
     assert sorted(os.listdir(r)) == ["report.html", "report.json", "report.md"]
