@@ -266,12 +266,11 @@ def report(src, dst, out_dir, old_out_dir, layers, workers, no_forward, as_json,
 @click.argument("dst", type=click.Path(file_okay=False))
 @click.argument("repo_id")
 @click.option("--private", is_flag=True, help="Create the repository private (when it does not exist yet).")
-@click.option("--revision", help="Branch to upload to (default: main).")
 @click.option("--message", help="Commit message.")
 @click.option("--token", help="Access token with write permission (default: HF_TOKEN, else the saved login).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
-def upload(dst, repo_id, private, revision, message, token, quiet):
+def upload(dst, repo_id, private, message, token, quiet):
     """Upload finished conversion DST (shards, index, configs and every other file the conversion
     wrote, the model card included) to Hub repository REPO_ID, creating it if needed.
 
@@ -281,8 +280,7 @@ def upload(dst, repo_id, private, revision, message, token, quiet):
     """
     from requant.io.hub import upload as upload_folder
 
-    url = upload_folder(dst, repo_id, token=token, private=private, revision=revision, message=message,
-                        progress=not quiet)
+    url = upload_folder(dst, repo_id, token=token, private=private, message=message, progress=not quiet)
     click.echo(f"uploaded {dst} to {repo_id}: {url}")
 
 

@@ -248,8 +248,8 @@ class HubSource:
         return path
 
 
-def upload(folder: str, repo: str, token: str | None = None, private: bool = False, revision: str | None = None,
-           message: str | None = None, progress: bool = True) -> str:
+def upload(folder: str, repo: str, token: str | None = None, private: bool = False, message: str | None = None,
+           progress: bool = True) -> str:
     """Upload a finished conversion (every file in `folder` but hidden ones) to Hub repository
     `repo`, creating it if needed; returns the commit URL (or the repository's, where the client
     does not say). Resumable: run again after a failure and files the Hub already holds are not
@@ -271,11 +271,10 @@ def upload(folder: str, repo: str, token: str | None = None, private: bool = Fal
     what = f"uploading {folder} to {repo} (run the same command again to resume)"
     try:
         if large is not None:
-            call(what, lambda: large(repo, folder, repo_type="model", revision=revision, ignore_patterns=ignore,
-                                     private=private))
+            call(what, lambda: large(repo, folder, repo_type="model", ignore_patterns=ignore, private=private))
             return f"{api.endpoint}/{repo}"
         info = call(what, lambda: api.upload_folder(
-            repo_id=repo, folder_path=folder, revision=revision, ignore_patterns=ignore,
+            repo_id=repo, folder_path=folder, ignore_patterns=ignore,
             commit_message=message or f"requant: upload {os.path.basename(os.path.abspath(folder))}"))
     except RuntimeError as e:   # huggingface_hub wraps a failed file upload, with the HTTP error as cause
         cause = f" ({_first_line(e.__cause__)})" if e.__cause__ else ""
