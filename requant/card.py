@@ -48,9 +48,11 @@ def model_card(record: dict, rules: EngineRules) -> str:
     """README.md for the output directory: markdown a person reads on the Hub or in a terminal."""
     src = record["source"]
     opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in record["options"].items() if v is not None)
+    front = ["---", "tags: [requant, " + record["target_format"] + ", moe]"]
+    if "@" in src:   # a Hub source, repo@commit: the Hub links the card to it
+        front += [f"base_model: {src.split('@')[0]}", "base_model_relation: quantized"]
     lines = [
-        "---",
-        "tags: [requant, " + record["target_format"] + ", moe]",
+        *front,
         "---",
         CARD_MARK,
         "",

@@ -37,6 +37,9 @@ def _engine_names() -> list[str]:
     return sorted({name for recipe in load_recipes() for name in recipe.get("engines", {})})
 
 
+DRY_RUN_SHORT_OF_SPACE = 3   # convert --dry-run: the plan is fine, the disk is too small for it
+
+
 def _fail(message: str, code: int) -> None:
     click.echo(f"requant: error: {message}", err=True)
     sys.exit(code)
@@ -54,6 +57,12 @@ def reports_errors(fn):
             _fail("interrupted; no finished output was left behind", 130)
         except OSError as e:
             _fail(describe_os_error(e), 1)
+        except Exception as e:   # a bug: still one line, with the way to the traceback
+            if os.environ.get("REQUANT_DEBUG"):
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            _fail(f"internal error ({type(e).__name__}: {first}); please report it, with the traceback that "
+                  "REQUANT_DEBUG=1 prints", 70)
     return wrapper
 
 
@@ -80,10 +89,10 @@ def cli():
 @click.option("--full-scale", is_flag=True, help="The real release's dimensions: 46 shards, 69,187 tensors, ~160 GB.")
 @click.option("--sparse", is_flag=True, help="Leave tensor data as holes (zeros): the layout costs almost no disk.")
 @click.option("--out-of-window", type=int, default=0, show_default=True,
-              help="Per expert projection, blocks whose exponent lies below NVFP4's lossless window.")
-@click.option("--zero-blocks", type=int, default=0, show_default=True, help="Per projection, all-zero blocks.")
+              help="Per expert projection, scale blocks whose exponent lies below NVFP4's lossless window.")
+@click.option("--zero-blocks", type=int, default=0, show_default=True, help="Per projection, all-zero scale blocks.")
 @click.option("--neg-zero-blocks", type=int, default=0, show_default=True,
-              help="Per projection, blocks made only of -0 codes.")
+              help="Per projection, scale blocks made only of -0 codes.")
 @reports_errors
 def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse, out_of_window, zero_blocks,
           neg_zero_blocks):
@@ -148,16 +157,25 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
 @click.option("--resume", is_flag=True, help="Continue the unfinished conversion journaled in DST (or SRC with "
               "--in-place), or start one if there is none; the options must be the ones it started with.")
 @click.option("--revision", help="SRC as a Hub repository (owner/name): branch, tag or commit to convert.")
+@click.option("--cache-dir", type=click.Path(file_okay=False), help="SRC as a Hub repository: the Hugging Face cache to "
+              "download into and read from (default: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub).")
+@click.option("--token", help="SRC as a Hub repository: access token (default: HF_TOKEN, else the saved login).")
 @click.option("--stream-source", is_flag=True, help="SRC as a Hub repository: fetch one shard at a time and delete "
               "it once converted, so the disk never holds the whole source.")
-@click.option("--dry-run", is_flag=True, help="Read headers only and print the plan; write nothing.")
+@click.option("--dry-run", is_flag=True, help="Read headers only and print the plan; write nothing. Exits 3 when the "
+              "target's disk lacks the free space the plan needs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary (or plan) as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
-def convert(src, dst, in_format, out_format, engine, mtp, force, input_scale, scale_headroom, group_size, scheme, workers, in_place,
-            resume, revision, stream_source, dry_run, as_json, quiet):
+def convert(src, dst, in_format, out_format, engine, mtp, force, input_scale, scale_headroom, group_size, scheme,
+            workers, in_place, resume, revision, cache_dir, token, stream_source, dry_run, as_json, quiet):
     """Convert checkpoint SRC (a directory or a Hub repository id) into a new directory DST, or in
     place with --in-place.
+
+    SRC is a local directory when one exists; otherwise `owner/name` is a Hub repository (unless
+    `owner/` is a local directory: then a mistyped path), and `hf://owner/name` always is. A Hub
+    source is downloaded into the Hugging Face cache, or read from it offline (HF_HUB_OFFLINE=1, or
+    the Hub unreachable). Honoured: HF_ENDPOINT, HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE, HF_TOKEN.
 
     Routed experts are re-encoded; every other tensor is copied byte for byte; the index,
     config.json (quantization_config) and format side files are rewritten; tokenizer, generation
@@ -178,13 +196,16 @@ def convert(src, dst, in_format, out_format, engine, mtp, force, input_scale, sc
     extra.update({k: v for k, v in (("group_size", group_size and int(group_size)), ("scheme", scheme)) if v})
     options = Options(mtp=mtp, input_scale=input_scale, extra=extra, engine=engine, force=force)
     if dry_run:
-        plan = convert_lib.plan_conversion(src, out_format, options, in_format)
-        summary = convert_lib.describe_plan(plan, dst, in_place)
+        plan = convert_lib.plan_conversion(src, out_format, options, in_format, in_place, revision, token, cache_dir)
+        summary = convert_lib.describe_plan(plan, dst, in_place, source=src)
         click.echo(json.dumps(summary, indent=2) if as_json else convert_lib.format_plan(summary))
+        if summary["free_bytes_available"] < summary["free_bytes_needed"]:
+            _fail(f"not enough free space for this conversion: need {summary['free_bytes_needed']:,} bytes, "
+                  f"{summary['free_bytes_available']:,} available", DRY_RUN_SHORT_OF_SPACE)
         return
     result = convert_lib.convert(src, dst, out_format, options, in_format, workers, progress=not quiet, resume=resume,
                                  resume_hint=_resume_command(click.get_current_context()), revision=revision,
-                                 stream=stream_source)
+                                 stream=stream_source, token=token, cache_dir=cache_dir)
     summary = convert_lib.describe_result(result)
     click.echo(json.dumps(summary, indent=2) if as_json else convert_lib.format_result(summary))
 
@@ -195,7 +216,7 @@ def _resume_command(ctx: click.Context) -> str:
     args = ["requant", "convert", ctx.params["src"]] + ([ctx.params["dst"]] if ctx.params["dst"] else [])
     for param in ctx.command.params:
         value = ctx.params.get(param.name)
-        if (not isinstance(param, click.Option) or param.name in ("resume", "dry_run", "as_json", "quiet")
+        if (not isinstance(param, click.Option) or param.name in ("resume", "dry_run", "as_json", "quiet", "token")
                 or value in (None, False) or value == param.default):
             continue
         args += [param.opts[0]] if param.is_flag else [param.opts[0], str(value)]
@@ -216,8 +237,8 @@ def inspect(path, as_json):
 
 @cli.command()
 @click.argument("path", type=click.Path())
-@click.option("--deep", is_flag=True, help="Also decode every block (reads all expert bytes).")
-@click.option("--source", type=click.Path(), help="With --deep: count exact vs re-quantized blocks against this checkpoint.")
+@click.option("--deep", is_flag=True, help="Also decode every scale block (reads all expert bytes).")
+@click.option("--source", type=click.Path(), help="With --deep: count exact vs re-quantized scale blocks against this checkpoint.")
 @click.option("--engine", type=click.Choice(_engine_names()), default=None,
               help="Judge loading by this engine's rules (each names the release it was checked against); its "
                    "problems are errors. Default: the engine requant.json names, else every engine (then only "
@@ -244,29 +265,58 @@ def verify(path, deep, source, engine, gpu, as_json, quiet):
 @cli.command()
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True,
-              help="Directory for report.json, report.md, report.html and the PNG plots.")
-@click.option("--layers", help="Subsample: layer numbers and ranges (0,5,10-12) or block names (mtp.0).")
+@click.option("--out-dir", "out_dir", type=click.Path(file_okay=False),
+              help="Directory for report.json, report.md, report.html and the PNG plots (required).")
+@click.option("--out", "old_out_dir", type=click.Path(file_okay=False), hidden=True,
+              help="The former spelling of --out-dir (convert's --out is a format).")
+@click.option("--layers", help="Subsample: layer numbers and ranges (0,5,10-12) or MTP layer names (mtp.0).")
 @click.option("--workers", type=click.IntRange(1, 64), help="Threads comparing experts (default: up to 4).")
 @click.option("--no-forward", is_flag=True, help="Skip the MoE-forward comparison (requant validate; every "
               "selected layer on a GPU, the first one only on a CPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json instead of the summary.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
-def report(src, dst, out_dir, layers, workers, no_forward, as_json, quiet):
+def report(src, dst, out_dir, old_out_dir, layers, workers, no_forward, as_json, quiet):
     """Accuracy difference of DST's routed experts against SRC's (MXFP4, NVFP4 or W4A16):
-    exact blocks, SQNR, relative RMSE, max error, cosine, per projection, layer and overall."""
-    from requant.report import make_report
+    exact scale blocks, SQNR, relative RMSE, max error, cosine, per projection, layer and overall."""
+    from requant.report import html, make_report
     from requant.report.render import terminal
 
+    if out_dir and old_out_dir and out_dir != old_out_dir:
+        raise RequantError("give the report directory once: --out-dir DIR")
+    out_dir = out_dir or old_out_dir
+    if not out_dir:
+        raise RequantError("give the report directory: --out-dir DIR")
     result = make_report(src, dst, out_dir, layers, workers, progress=not quiet, forward=not no_forward)
-    click.echo(json.dumps(result, indent=2) if as_json else terminal(result, out_dir))
+    click.echo(json.dumps(result, indent=2) if as_json else terminal(result, out_dir, html.plots_missing()))
+
+
+@cli.command()
+@click.argument("dst", type=click.Path(file_okay=False))
+@click.argument("repo_id")
+@click.option("--private", is_flag=True, help="Create the repository private (when it does not exist yet).")
+@click.option("--message", help="Commit message.")
+@click.option("--token", help="Access token with write permission (default: HF_TOKEN, else the saved login).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@reports_errors
+def upload(dst, repo_id, private, message, token, quiet):
+    """Upload finished conversion DST (shards, index, configs and every other file the conversion
+    wrote, the model card included) to Hub repository REPO_ID, creating it if needed.
+
+    Resumable: after a failure, run the same command again; files the Hub already holds are not sent
+    again. Refuses a directory that is not a finished checkpoint (an unfinished conversion, no index).
+    Honoured: HF_ENDPOINT, HF_TOKEN.
+    """
+    from requant.io.hub import upload as upload_folder
+
+    url = upload_folder(dst, repo_id, token=token, private=private, message=message, progress=not quiet)
+    click.echo(f"uploaded {dst} to {repo_id}: {url}")
 
 
 @cli.command()
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
-@click.option("--layers", help="Layer numbers and ranges (0,5,10-12) or block names (mtp.0); default all.")
+@click.option("--layers", help="Layer numbers and ranges (0,5,10-12) or MTP layer names (mtp.0); default all.")
 @click.option("--tokens", type=click.IntRange(1), default=64, show_default=True, help="Random hidden states per layer.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), help="Default: cuda when available (cpu: Triton interpreter).")
 @click.option("--activations", type=click.Path(dir_okay=False), help="Real MoE inputs (.safetensors or .pt).")

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import shutil
+import tempfile
 import time
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -51,19 +52,47 @@ class Stopped(RequantError):
         self.exit_code = exit_code
 
 
-def plan_conversion(src: str, out_format: str, options: Options, in_format: str = "mxfp4") -> Plan:
-    return make_plan(Checkpoint.open(src), out_format, options, in_format)
+def refuse_in_place_on_cache(src: str, repo: str | None) -> None:
+    """In place is for a directory of one's own, never for the Hugging Face cache."""
+    if repo:
+        raise RequantError(f"--in-place converts a directory of your own; {repo} would be converted inside the "
+                           "Hugging Face cache, whose files every revision shares: convert it into a new "
+                           f"directory (requant convert {src} DST ...), or download it with `hf download {repo} "
+                           "--local-dir DIR` and convert DIR in place")
+    if hub_lib.cache_snapshot(src):
+        raise RequantError(f"cannot convert {src} in place: it is a Hugging Face cache snapshot, whose files are links "
+                           "into blobs the cache shares between revisions; convert it into a new directory instead "
+                           f"(requant convert {src} DST ...)")
+
+
+def plan_conversion(src: str, out_format: str, options: Options, in_format: str = "mxfp4", in_place: bool = False,
+                    revision: str | None = None, token: str | None = None, cache_dir: str | None = None) -> Plan:
+    """The plan, from headers alone; a Hub source's shard headers come by range requests (or from
+    the cache offline), so nothing large is downloaded."""
+    repo = hub_lib.hub_repo(src)
+    if in_place:
+        refuse_in_place_on_cache(src, repo)
+    if not repo:
+        return make_plan(Checkpoint.open(src), out_format, options, in_format)
+    hub = hub_lib.HubSource(repo, revision, progress=False, token=token, cache_dir=cache_dir,
+                            explicit=src.startswith(hub_lib.HUB_PREFIX))
+    if hub.cached:
+        return make_plan(Checkpoint.open(hub.cached), out_format, options, in_format)
+    with tempfile.TemporaryDirectory(prefix="requant-plan-") as staging:
+        return make_plan(hub.open_streamed(staging), out_format, options, in_format)
 
 
 def convert(src: str, dst: str | None, out_format: str, options: Options, in_format: str = "mxfp4",
             workers: int = 1, progress: bool = True, resume: bool = False, resume_hint: str | None = None,
-            revision: str | None = None, stream: bool = False) -> Result:
+            revision: str | None = None, stream: bool = False, token: str | None = None,
+            cache_dir: str | None = None) -> Result:
     """Convert checkpoint `src` (a directory, or a Hub repository id) into directory `dst`, or in
     place when `dst` is None.
 
     `resume` continues the unfinished conversion journaled in the target; without it, a target
     holding a journal is refused. `resume_hint` is the command that resumes (for messages).
-    `stream` fetches a Hub source one shard at a time, deleting each once converted.
+    `stream` fetches a Hub source one shard at a time, deleting each once converted. `token` and
+    `cache_dir` are the Hub's (None: huggingface_hub's own defaults and environment).
     """
     started = time.monotonic()
     in_place = dst is None
@@ -75,15 +104,18 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
                                      "engine": options.engine, "force": options.force}),
                "resume": hint}
     hub = None
-    if hub_lib.is_repo_id(src):
-        if in_place:
-            raise RequantError("--in-place converts a local directory, not a Hub repository")
-        hub = hub_lib.HubSource(src, revision, progress)
-        request["source"] = f"{src}@{hub.commit}"
+    repo = hub_lib.hub_repo(src)
+    if in_place:
+        refuse_in_place_on_cache(src, repo)
+    if repo:
+        hub = hub_lib.HubSource(repo, revision, progress, token=token, cache_dir=cache_dir,
+                                explicit=src.startswith(hub_lib.HUB_PREFIX))
         if not stream:
-            src, hub = hub.snapshot(), None
-    elif stream or revision:
-        raise RequantError(f"--stream-source and --revision apply to Hub repositories; {src} is not one")
+            src = hub.snapshot()
+        request["source"] = f"{repo}@{hub.commit}"
+        hub = hub if stream else None
+    elif stream or revision or cache_dir:
+        raise RequantError(f"--stream-source, --revision and --cache-dir apply to Hub repositories; {src} is not one")
     if not in_place and hub is None:
         _check_overlap(src, dst)
     created = not in_place and not os.path.exists(dst)
@@ -168,12 +200,13 @@ def _open_source(src: str, target: str, in_place: bool, resume: bool, request: d
         record, snapshot = journal.load(target)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
-    for key, what in (("requant", "requant version"), ("mode", "mode"), ("options", "options"),
-                      ("source", "Hub source")):
-        if record.get(key) != request.get(key):
-            raise RequantError(f"cannot resume: the conversion in {target} was started with {what} {record.get(key)}, "
-                               f"this run asks for {request.get(key)}; rerun with the original settings, or delete "
-                               f"{journal.path_of(target)} and its shards to start over")
+    differences = [f"{what}{d}" for key, what in (("requant", "requant version "), ("mode", "mode "),
+                                                    ("options", ""), ("source", "Hub source "))
+                   for d in _differences(record.get(key), request.get(key))]
+    if differences:
+        raise RequantError(f"cannot resume: the conversion in {target} was started differently ({'; '.join(differences)}); "
+                           f"rerun with the original settings ({record.get('resume') or 'see the journal'}), or delete "
+                           f"{journal.path_of(target)} and its shards to start over")
     if hub:
         source = Checkpoint.from_snapshot(staging, snapshot)
         source.reads.clear()
@@ -185,6 +218,26 @@ def _open_source(src: str, target: str, in_place: bool, resume: bool, request: d
             raise CheckpointError(f"cannot resume: the source changed since the conversion began ({'; '.join(changes)})",
                                   file=src)
     return Checkpoint.from_snapshot(src, snapshot), snapshot
+
+
+# Journaled option -> the command-line flag that sets it, and how its value is spelled there.
+_OPTION_FLAGS = {"in": ("--in", str), "out": ("--out", str), "mtp": ("--mtp", str),
+                 "input_scale": ("--input-scale", str), "extra.group_size": ("--group-size", str),
+                 "extra.scheme": ("--scheme", str), "extra.top_exponent": ("--scale-headroom", lambda v: str(8 - v))}
+
+
+def _differences(then, now, path: str = "") -> list[str]:
+    """Readable differences between what a journal recorded and what this run asks for:
+    `--flag X then, Y now`, one per differing leaf (nested option dicts by dotted name)."""
+    if isinstance(then, dict) and isinstance(now, dict):
+        return [d for key in sorted(set(then) | set(now), key=str)
+                for d in _differences(then.get(key), now.get(key), f"{path}.{key}" if path else str(key))]
+    if then == now:
+        return []
+    name, spell = _OPTION_FLAGS.get(path, (path, str))
+    def shown(v):
+        return "default" if v is None else spell(v)
+    return [f"{name + ' ' if name else ''}{shown(then)} then, {shown(now)} now"]
 
 
 def _source_changes(old: dict, new: dict) -> list[str]:
@@ -474,9 +527,9 @@ def _dir_tensor_bytes(dst: str, plan: Plan) -> int:
     return sum(os.path.getsize(os.path.join(dst, s.name)) for s in plan.shards)
 
 
-def describe_plan(plan: Plan, dst: str | None, in_place: bool = False) -> dict:
+def describe_plan(plan: Plan, dst: str | None, in_place: bool = False, source: str | None = None) -> dict:
     return {
-        "source": plan.source.path,
+        "source": source or plan.source.path,
         "source_format": plan.source_format,
         "target": plan.target.name,
         "engine": plan.target.engine.label,
@@ -497,7 +550,7 @@ def format_plan(d: dict) -> str:
     ok = d["free_bytes_available"] >= d["free_bytes_needed"]
     return "\n".join([
         f"plan: {d['source_format']} -> {d['target']} for {d['engine']}, {d['shards']} shards, "
-        f"{len(d['converted_blocks'])} MoE blocks converted (MTP experts: {d['mtp']})",
+        f"{len(d['converted_blocks'])} MoE layers converted (MTP experts: {d['mtp']})",
         f"  tensors   {counts}; {d['output_tensors']:,} written",
         f"  bytes     in {d['input_bytes']:,}, out {d['output_bytes']:,}",
         f"  disk      needs {d['free_bytes_needed']:,} free, {d['free_bytes_available']:,} available"

@@ -62,7 +62,7 @@ def format_report(info: dict) -> str:
         f"checkpoint     {info['path']}",
         f"model          {info['model_type']} (recipe: {info['recipe'] or 'none'})",
         f"experts        {info['routed_experts']:,} routed experts, format {info['expert_format'] or 'unknown'}"
-        + "".join(f"; {n} blocks {fmt}" for fmt, n in info["expert_blocks_by_format"].items()),
+        + "".join(f"; {n} layers {fmt}" for fmt, n in info["expert_blocks_by_format"].items()),
         f"shards         {info['shards']}  tensors {info['tensors']:,}  bytes {info['tensor_bytes']:,}",
     ]
     if info["index_total_size"] is not None and info["index_total_size"] != info["tensor_bytes"]:

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from requant import formats
 from requant.errors import FormatError, RequantError, UnsupportedError
+from requant.extras import require
 from requant.formats import fp8_block, int4, mxfp4, nvfp4
 from requant.io.checkpoint import Checkpoint
 from requant.moe import MoEConfig, MoELayer, route, routed_experts, swiglu_expert
@@ -181,6 +182,7 @@ def _kernel_module(device: str):
     if device == "cpu":
         # The kernel runs on the CPU only through Triton's interpreter, chosen when it is imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    require("triton")
     from requant.kernels import fused_moe
     if device == "cpu" and not fused_moe.interpreting():
         raise UnsupportedError("--device cpu needs TRITON_INTERPRET=1 set before the kernel is imported")

@@ -16,16 +16,16 @@ import pytest  # noqa: E402
 
 from requant import synth  # noqa: E402
 
-SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared")
-FIXTURES = os.path.join(SHARED, "fixtures", "deepseek-v4-flash")
+def converted_pair(root, dims: synth.Dims, seed: int, hard: synth.HardCases | None = None,
+                   options=None) -> tuple[str, str]:
+    """A synthetic source in root/src and its NVFP4 conversion (default options) in root/nvfp4."""
+    from requant.convert import convert
+    from requant.targets import Options
 
-
-def fixture_path(name: str) -> str:
-    """Path of a file from ../shared, or skip (saying so) where this checkout has none."""
-    path = os.path.join(FIXTURES, name)
-    if not os.path.exists(path):
-        pytest.skip(f"../shared fixtures not present ({path}); comparison with the real release skipped")
-    return path
+    src, dst = str(root / "src"), str(root / "nvfp4")
+    synth.write_checkpoint(src, dims, seed=seed, hard=hard or synth.HardCases())
+    convert(src, dst, "nvfp4", options or Options(), progress=False)
+    return src, dst
 
 
 @pytest.fixture(scope="session")

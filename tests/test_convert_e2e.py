@@ -157,6 +157,19 @@ def test_dry_run_writes_nothing(small_source, tmp_path):
     assert not os.path.exists(tmp_path / "o") and tree(small_source) == before
 
 
+def test_dry_run_short_of_space_exits_3(small_source, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from requant import convert as convert_lib
+    from requant.cli import cli
+
+    monkeypatch.setattr(convert_lib, "free_bytes", lambda path: 1000)
+    result = CliRunner().invoke(cli, ["convert", small_source, str(tmp_path / "o"), "--out", "nvfp4", "--dry-run"])
+    assert result.exit_code == 3 and "(NOT ENOUGH)" in result.stdout
+    assert result.stderr.startswith("requant: error: not enough free space") and result.stderr.count("\n") == 1
+    assert not os.path.exists(tmp_path / "o")
+
+
 def test_inspect_source_and_output(small_source, converted):
     dst, _ = converted
     info = json.loads(run_cli("inspect", dst, "--json").stdout)

@@ -210,7 +210,8 @@ def test_refusals_that_protect_the_journal(tiny, tmp_path, monkeypatch):
     assert invoke(src, dst).exit_code == 1
     monkeypatch.delenv("REQUANT_TEST_FAULT")
     assert "unfinished conversion" in one_line(invoke(src, dst))            # no --resume
-    assert "options" in one_line(invoke(src, dst, "--resume", "--mtp", "convert"))
+    line = one_line(invoke(src, dst, "--resume", "--mtp", "convert"))
+    assert "(--mtp default then, convert now)" in line and "{" not in line, line
     assert "mode" in one_line(invoke(dst, None, "--resume"))                # not an in-place journal
     assert journal.exists(dst)
     assert invoke(src, dst, "--resume").exit_code == 0 and output_tree(dst) == tiny[1]

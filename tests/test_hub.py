@@ -4,10 +4,12 @@ answers the way the Hub does: /api/models/{repo}/revision/{rev} for the file lis
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -34,10 +36,17 @@ class FakeHub(ThreadingHTTPServer):
                 path = os.path.join(dirpath, name)
                 with open(path, "rb") as f:
                     self.files[os.path.relpath(path, root)] = f.read()
+        self.repos = {REPO: self.files}     # repository -> path -> bytes; uploads add repositories
         self.break_once: set[str] = set()   # the next full GET of these stops halfway
         self.fail: set[str] = set()         # whole-file GETs of these answer 500
         self.corrupt: set[str] = set()      # whole-file GETs of these flip a byte
         self.gets: list[str] = []           # whole-file GETs (not header range requests)
+        self.requests: list[str] = []       # every request line, for "no network lookup" checks
+        self.tokens: set[str] = set()       # bearer tokens seen
+        self.lfs: dict[str, bytes] = {}     # uploaded large-file objects by sha256
+        self.refuse_put: set[str] = set()   # LFS uploads of these paths' objects answer 403 once
+        self.puts: list[str] = []           # LFS objects received, by path
+        self.files_to_upload: dict[str, bytes] = {}   # what a test uploads, to name objects by path
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -49,25 +58,34 @@ class Handler(BaseHTTPRequestHandler):
     def do_HEAD(self):
         self.do_GET(head=True)
 
+    def _seen(self):
+        hub: FakeHub = self.server
+        hub.requests.append(f"{self.command} {self.path}")
+        if auth := self.headers.get("Authorization"):
+            hub.tokens.add(auth.removeprefix("Bearer "))
+
     def do_GET(self, head=False):
+        self._seen()
         hub: FakeHub = self.server
         path = self.path.split("?")[0]
-        if re.match(r"/api/models/", path) and not path.startswith(f"/api/models/{REPO}"):
+        repo = re.match(r"/(?:api/models/)?([^/]+/[^/]+)", path)
+        files = hub.repos.get(repo[1]) if repo else None
+        if re.match(r"/api/models/", path) and files is None:
             return self._send(404, b"no such repository", {"X-Error-Code": "RepoNotFound"}, head)
         if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/[^/]+)?", path):
             body = json.dumps({"id": m[1], "modelId": m[1], "sha": COMMIT, "private": False,
-                               "siblings": [{"rfilename": n} for n in sorted(hub.files)]}).encode()
+                               "siblings": [{"rfilename": n} for n in sorted(files)]}).encode()
             return self._send(200, body, {"Content-Type": "application/json"}, head)
         if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)", path):   # one page, recursive
             body = json.dumps([{"type": "file", "path": n, "size": len(d), "oid": hashlib.sha1(d).hexdigest(),
                                 **({"lfs": {"oid": hashlib.sha256(d).hexdigest(), "size": len(d), "pointerSize": 134}}
                                    if n.endswith(".safetensors") else {})}
-                               for n, d in sorted(hub.files.items())]).encode()
+                               for n, d in sorted(files.items())]).encode()
             return self._send(200, body, {"Content-Type": "application/json"}, head)
         m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
-        if not m or m[1] != REPO or m[3] not in hub.files:
+        if not m or files is None or m[3] not in files:
             return self._send(404, b"not found", {"X-Error-Code": "EntryNotFound"}, head)
-        name, data = m[3], hub.files[m[3]]
+        name, data = m[3], files[m[3]]
         headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"', "Accept-Ranges": "bytes"}
         if head:
             return self._send(200, data, headers, head=True)
@@ -96,6 +114,62 @@ class Handler(BaseHTTPRequestHandler):
             return
         self._send(status, data, headers, head)
 
+    def _json(self, status, obj):
+        return self._send(status, json.dumps(obj).encode(), {"Content-Type": "application/json"}, False)
+
+    def do_POST(self):
+        """The Hub's upload protocol as huggingface_hub speaks it without Xet: create the repository,
+        ask which files go through LFS, the LFS batch (no upload action for objects already held:
+        what makes a re-run resume), then the NDJSON commit."""
+        self._seen()
+        hub: FakeHub = self.server
+        path = self.path.split("?")[0]
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        endpoint = f"http://127.0.0.1:{hub.server_address[1]}"
+        if path == "/api/repos/create":
+            request = json.loads(body)
+            repo = f"{request['organization']}/{request['name']}" if request.get("organization") else request["name"]
+            if repo in hub.repos:
+                return self._json(409, {"error": "You already created this model repo", "url": f"{endpoint}/{repo}"})
+            hub.repos[repo] = {}
+            return self._json(200, {"url": f"{endpoint}/{repo}", "name": repo})
+        if path == "/api/validate-yaml":
+            return self._json(200, {})
+        if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/preupload/([^/]+)", path):
+            return self._json(200, {"files": [{"path": f["path"], "shouldIgnore": False,
+                                               "uploadMode": "lfs" if f["path"].endswith(".safetensors") else "regular"}
+                                              for f in json.loads(body)["files"]]})
+        if m := re.fullmatch(r"/([^/]+/[^/]+)\.git/info/lfs/objects/batch", path):
+            objects = [{"oid": o["oid"], "size": o["size"],
+                        **({} if o["oid"] in hub.lfs else
+                           {"actions": {"upload": {"href": f"{endpoint}/lfs-upload/{o['oid']}"}}})}
+                       for o in json.loads(body)["objects"]]
+            return self._json(200, {"transfer": "basic", "objects": objects})
+        if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/commit/([^/]+)", path):
+            files = hub.repos[m[1]]
+            for line in body.splitlines():
+                item = json.loads(line)
+                if item["key"] == "file":
+                    files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                elif item["key"] == "lfsFile":
+                    files[item["value"]["path"]] = hub.lfs[item["value"]["oid"]]
+            return self._json(200, {"commitUrl": f"{endpoint}/{m[1]}/commit/{COMMIT}", "commitOid": COMMIT})
+        return self._json(404, {"error": f"no route {path}"})
+
+    def do_PUT(self):
+        self._seen()
+        hub: FakeHub = self.server
+        oid = self.path.rsplit("/", 1)[-1]
+        data = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        name = next((n for n, d in hub.files_to_upload.items() if hashlib.sha256(d).hexdigest() == oid), oid)
+        if name in hub.refuse_put:
+            hub.refuse_put.discard(name)
+            return self._json(403, {"error": "storage refused the object"})
+        assert hashlib.sha256(data).hexdigest() == oid
+        hub.lfs[oid] = data
+        hub.puts.append(name)
+        return self._json(200, {})
+
     def _send(self, status, body, headers, head):
         self.send_response(status)
         for k, v in {**headers, "Content-Length": str(len(body))}.items():
@@ -112,6 +186,7 @@ def hub_repo(tmp_path_factory):
     synth.write_checkpoint(src, DIMS, seed=6)
     assert CliRunner().invoke(cli, ["convert", src, str(base / "clean"), "--out", "nvfp4", "--quiet"]).exit_code == 0
     server = FakeHub(src)
+    server.clean_path = str(base / "clean")
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server, output_tree(str(base / "clean"))
     server.shutdown()
@@ -123,7 +198,11 @@ def hub(hub_repo, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
-    server.break_once.clear(), server.fail.clear(), server.corrupt.clear(), server.gets.clear()
+    for record in (server.break_once, server.fail, server.corrupt, server.gets, server.requests, server.tokens,
+                   server.lfs, server.refuse_put, server.puts, server.files_to_upload):
+        record.clear()
+    for repo in set(server.repos) - {REPO}:
+        del server.repos[repo]
     return server, clean
 
 
@@ -194,3 +273,125 @@ def test_unknown_repository_is_one_line(hub, tmp_path):
     result = CliRunner().invoke(cli, ["convert", "nobody/nothing", str(tmp_path / "d"), "--out", "nvfp4"])
     assert result.exit_code == 1 and result.stderr.count("\n") == 1 and "nobody/nothing" in result.stderr
     assert not os.path.exists(tmp_path / "d")
+
+
+def snapshot_dir(tmp_path, cache="cache"):
+    return tmp_path / cache / "models--deepseek-ai--Tiny-V4" / "snapshots" / COMMIT
+
+
+@pytest.mark.parametrize("how", ["HF_HUB_OFFLINE", "unreachable"])
+def test_offline_conversion_from_the_cache(hub, tmp_path, monkeypatch, how):
+    server, clean = hub
+    assert invoke(str(tmp_path / "first")).exit_code == 0   # fills the cache
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))   # a port nothing listens on: the network is gone
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{dead.getsockname()[1]}")
+    if how == "HF_HUB_OFFLINE":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    server.requests.clear()
+    dst = str(tmp_path / "offline")
+    result = invoke(dst)
+    dead.close()
+    assert result.exit_code == 0, result.stderr
+    assert output_tree(dst) == clean and server.requests == []
+    assert "from the cache" in result.stderr and (how == "HF_HUB_OFFLINE") == ("HF_HUB_OFFLINE is set" in result.stderr)
+    # a revision the cache does not hold: one line that says where it looked
+    result = invoke(str(tmp_path / "other"), "--revision", "v2")
+    assert result.exit_code == 1 and "holds no snapshot of it at v2" in result.stderr.splitlines()[-1]
+    assert not os.path.exists(tmp_path / "other")
+
+
+def test_cache_location_and_token(hub, tmp_path, monkeypatch):
+    server, clean = hub
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    assert invoke(str(tmp_path / "a"), "--token", "hf_secret_1").exit_code == 0
+    assert os.path.isdir(snapshot_dir(tmp_path, "home/hub")) and "hf_secret_1" in server.tokens
+    assert invoke(str(tmp_path / "b"), "--cache-dir", str(tmp_path / "mine")).exit_code == 0
+    assert os.path.isdir(snapshot_dir(tmp_path, "mine")) and output_tree(str(tmp_path / "b")) == clean
+    # the token never lands in the resume command a failure prints (and the journal keeps)
+    server.fail.add(shard_names(server)[1])
+    result = invoke(str(tmp_path / "c"), "--stream-source", "--token", "hf_secret_2", "--cache-dir", str(tmp_path / "e"))
+    assert result.exit_code == 1 and "resume with" in result.stderr and "hf_secret_2" not in result.stderr
+
+
+def test_local_path_or_hub(hub, tmp_path, monkeypatch):
+    server, clean = hub
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("deepseek-ai/Tiny-V3")
+    result = CliRunner().invoke(cli, ["convert", REPO, "out", "--out", "nvfp4"])   # owner/ is a local folder
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert "no such directory (deepseek-ai/ exists here; did you mean deepseek-ai/Tiny-V3?)" in result.stderr
+    assert f"write hf://{REPO}" in result.stderr and server.requests == [] and not os.path.exists("out")
+    assert invoke("out", "--quiet").exit_code == 1   # the same bare id, still no lookup
+    assert CliRunner().invoke(cli, ["convert", f"hf://{REPO}", "out", "--out", "nvfp4", "--quiet"]).exit_code == 0
+    assert output_tree("out") == clean
+    result = CliRunner().invoke(cli, ["convert", "nobody/nothing", "d", "--out", "nvfp4"])
+    assert result.exit_code == 1 and result.stderr.startswith("requant: error: nobody/nothing is no local directory; ")
+
+
+def test_in_place_refused_on_the_cache(hub, tmp_path):
+    server, clean = hub
+    assert invoke(str(tmp_path / "dst")).exit_code == 0
+    snapshot = str(snapshot_dir(tmp_path))
+    before = tree(snapshot)
+    result = CliRunner().invoke(cli, ["convert", snapshot, "--in-place", "--out", "nvfp4"])
+    assert result.exit_code == 1 and "Hugging Face cache snapshot" in result.stderr and "new directory" in result.stderr
+    assert tree(snapshot) == before
+    server.requests.clear()
+    result = CliRunner().invoke(cli, ["convert", REPO, "--in-place", "--out", "nvfp4"])
+    assert result.exit_code == 1 and "--local-dir" in result.stderr and server.requests == []
+
+
+def test_upload_round_trips_and_resumes(hub, tmp_path, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import snapshot_download
+
+    server, clean = hub
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)   # the plain LFS protocol
+    folder = str(tmp_path / "out")
+    shutil.copytree(server.clean_path, folder)
+    with open(os.path.join(folder, "README.md"), "w") as f:   # a model card, which the Hub checks first
+        f.write("---\nlicense: mit\nbase_model: deepseek-ai/Tiny-V4\n---\n# Tiny-V4 NVFP4\n")
+    os.makedirs(os.path.join(folder, ".requant-scratch"))   # hidden: never uploaded
+    with open(os.path.join(folder, ".requant-scratch", "x"), "w") as f:
+        f.write("x")
+    for name in tree(folder):
+        if name.startswith("."):
+            continue
+        with open(os.path.join(folder, name), "rb") as f:
+            server.files_to_upload[name] = f.read()
+    shards = sorted(n for n in server.files_to_upload if n.endswith(".safetensors"))
+    server.refuse_put.add(shards[2])
+    target = "me/Tiny-V4-NVFP4"
+    first = CliRunner().invoke(cli, ["upload", folder, target, "--token", "hf_write", "--quiet"])
+    assert first.exit_code == 1 and first.stderr.count("\n") == 1 and "uploading" in first.stderr, first.stderr
+    assert server.repos[target] == {}, "a failed upload must not commit"
+    sent_first = list(server.puts)
+    again = CliRunner().invoke(cli, ["upload", folder, target, "--token", "hf_write", "--quiet"])
+    assert again.exit_code == 0, again.stderr
+    assert not set(sent_first) & set(server.puts[len(sent_first):]), "a re-run sent a stored object again"
+    assert sorted(server.puts) == shards and "hf_write" in server.tokens
+    back = snapshot_download(target, local_dir=str(tmp_path / "down"), endpoint=os.environ["HF_ENDPOINT"])
+    downloaded = {n: h for n, h in tree(back).items() if not n.startswith(".cache")}
+    assert downloaded == {n: h for n, h in tree(folder).items() if not n.startswith(".requant")}
+    assert set(downloaded) == set(clean) | {"README.md", "requant.json"} and "validate-yaml" in " ".join(server.requests)
+
+
+def test_upload_refuses_an_unfinished_conversion(hub, tmp_path):
+    server, _ = hub
+    dst = str(tmp_path / "dst")
+    server.fail.add(shard_names(server)[1])
+    assert invoke(dst, "--stream-source").exit_code == 1   # stopped: the journal stays
+    result = CliRunner().invoke(cli, ["upload", dst, "me/x"])
+    assert result.exit_code == 1 and "conversion in progress" in result.stderr and "me/x" not in server.repos
+
+
+def test_dry_run_reads_only_headers_from_the_hub(hub, tmp_path):
+    server, _ = hub
+    result = invoke(str(tmp_path / "dst"), "--dry-run", "--json")
+    assert result.exit_code == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["source"] == REPO and plan["shards"] == len(shard_names(server))
+    assert not [n for n in server.gets if n.endswith(".safetensors")], "a dry run downloaded a shard"
+    assert not os.path.exists(tmp_path / "dst") and not os.path.exists(tmp_path / "cache")

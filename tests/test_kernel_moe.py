@@ -14,6 +14,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+pytest.importorskip("triton", reason="requant's kernel needs triton (Linux wheels only): pip install 'requant[gpu]'")
 from moe_fixtures import make_layer, nvfp4_dense  # noqa: E402
 from requant.errors import FormatError  # noqa: E402
 from requant.kernels.fused_moe import ExpertWeights, fused_moe, moe_align  # noqa: E402

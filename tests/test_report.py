@@ -17,8 +17,9 @@ from safetensors import safe_open
 from requant.cli import cli
 from requant.convert import convert
 from requant.report import make_report
-from requant.synth import Dims, HardCases, write_checkpoint
+from requant.synth import Dims, HardCases
 from requant.targets import Options
+from tests.conftest import converted_pair
 
 DIMS = Dims(layers=2, experts=6, hidden=256, intermediate=128, hash_layers=1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,10 +28,8 @@ E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6],
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("report")
-    src, dst = str(root / "src"), str(root / "nvfp4")
-    write_checkpoint(src, DIMS, seed=11, hard=HardCases(out_of_window=3, zero_blocks=1))
-    convert(src, dst, "nvfp4", Options(engine="sglang"), progress=False)   # MTP experts kept MXFP4
+    src, dst = converted_pair(tmp_path_factory.mktemp("report"), DIMS, 11, HardCases(out_of_window=3, zero_blocks=1),
+                              Options(engine="sglang"))   # MTP experts kept MXFP4
     return src, dst, convert
 
 
@@ -96,7 +95,7 @@ def test_numbers_match_an_independent_computation(pair, tmp_path):
 def test_outputs_and_schema(pair, tmp_path):
     src, dst, _ = pair
     out = tmp_path / "r"
-    run = CliRunner().invoke(cli, ["report", src, dst, "--out", str(out), "--layers", "1,mtp.0", "--quiet", "--no-forward"])
+    run = CliRunner().invoke(cli, ["report", src, dst, "--out-dir", str(out), "--layers", "1,mtp.0", "--quiet", "--no-forward"])
     assert run.exit_code == 0, run.output
     assert "lowest SQNR: layers.1" in run.output and "forward" in run.output
     report = json.loads((out / "report.json").read_text())
@@ -114,7 +113,7 @@ def test_outputs_and_schema(pair, tmp_path):
     documented = set(re.findall(r"^\| `([a-z_0-9]+)`", (ROOT / "docs" / "report-schema.md").read_text(), re.M))
     assert set(report) <= documented and set(report["overall"]) <= documented
     md = (out / "report.md").read_text()
-    assert "## Per layer" in md and "| layers.1 |" in md and ("not run" in md or "run on" in md)
+    assert "## Per layer" in md and "| layers.1 |" in md and "MoE forward: not run" in md
     for png in ("sqnr_per_layer.png", "error_histogram.png", "exact_block_map.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (out / "report.html").read_text()
@@ -133,6 +132,7 @@ def test_nvfp4_against_another_nvfp4_build(pair, tmp_path):
 
 
 def test_forward_comparison_says_what_ran_where(pair, tmp_path):
+    pytest.importorskip("triton", reason="the forward comparison runs requant's kernel: pip install 'requant[gpu]'")
     out = tmp_path / "r"
     report = make_report(pair[0], pair[1], str(out), layers="1", progress=False)
     forward = report["forward"]
@@ -141,7 +141,9 @@ def test_forward_comparison_says_what_ran_where(pair, tmp_path):
     assert [r["block"] for r in forward["by_layer"]] == ["layers.1"]
     # the lossless cast with a few re-rounded tiny blocks: the layer output barely moves
     assert forward["passed"] and forward["by_layer"][0]["rel_error"] < 1e-3
-    assert "run on" in (out / "report.md").read_text() and (out / "forward_error_per_layer.png").exists()
+    assert "MoE forward on cpu" in (out / "report.md").read_text() or torch.cuda.is_available()
+    # drawn only when some layer's output differs: a log axis has no place for identical outputs
+    assert (out / "forward_error_per_layer.png").exists() == any(r["rel_error"] > 0 for r in forward["by_layer"])
 
 
 def test_unknown_layers_are_refused(pair, tmp_path):
@@ -171,6 +173,53 @@ def test_html_renders_offline_in_chromium(pair, tmp_path):
     # the plots drew: saturated colours (lines, heat map) cover a real area, not a blank page
     saturation = image.max(axis=-1) - image.min(axis=-1)
     assert (saturation > 80).mean() > 0.02
-    # and the heat map's viridis band is where the page put it: well below the header
+    # the verdict box (orange: not exact) comes first, the plots and heat map well below it
     rows = np.nonzero((saturation > 80).any(axis=1))[0]
-    assert rows.min() > 150 and rows.max() > 1000
+    assert rows.min() < 150 and rows.max() > 1000
+    orange = (image[..., 0] > 200) & (image[..., 2] < 140) & (image[..., 1] > 150)
+    assert orange[:150].any(), "no verdict box at the top of the page"
+
+
+CELL_BORDER = re.compile(r"(?<!\\)\|")
+
+
+def _md_tables(md: str) -> list[list[str]]:
+    tables, current = [], []
+    for line in md.splitlines() + [""]:
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            tables.append(current)
+            current = []
+    return tables
+
+
+@pytest.fixture(scope="module")
+def exact_pair(tmp_path_factory):
+    """A source without out-of-window blocks: its NVFP4 conversion is exact everywhere."""
+    return converted_pair(tmp_path_factory.mktemp("exact"), DIMS, 12)
+
+
+def test_markdown_tables_have_one_cell_per_column(pair, tmp_path):
+    make_report(pair[0], pair[1], str(tmp_path / "r"), layers="1", progress=False)
+    tables = _md_tables((tmp_path / "r" / "report.md").read_text())
+    assert len(tables) == 3   # overall, per layer, forward
+    for table in tables:
+        widths = {len(CELL_BORDER.findall(row)) for row in table}
+        assert widths == {len(CELL_BORDER.findall(table[0]))}, table
+        assert set(table[1]) <= set("|-")
+
+
+def test_exact_conversion_says_exact_and_rerun_drops_stale_plots(pair, exact_pair, tmp_path):
+    out = tmp_path / "r"
+    make_report(pair[0], pair[1], str(out), progress=False, forward=False)   # lossy: every error plot
+    assert (out / "sqnr_per_layer.png").exists() and (out / "error_histogram.png").exists()
+    run = CliRunner().invoke(cli, ["report", *exact_pair, "--out-dir", str(out), "--quiet", "--no-forward"])
+    assert run.exit_code == 0, run.output
+    assert run.output.startswith("Exact: every weight of the 18 experts in 3 layers decodes identically")
+    assert sorted(p.name for p in out.glob("*.png")) == ["exact_block_map.png"], "stale plots of the first run"
+    md = (out / "report.md").read_text()
+    assert md.splitlines()[2].startswith("**Exact: every weight") and "sqnr_per_layer.png" not in md
+    page = (out / "report.html").read_text()
+    assert page.count('src="data:image/png;base64,') == 1
+    assert page.index("Exact: every weight") < page.index("<h2>Overall</h2>")

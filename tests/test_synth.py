@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import time
@@ -13,25 +12,23 @@ import torch
 from requant import synth
 from requant.formats import mxfp4
 from requant.io.checkpoint import Checkpoint
-from tests.conftest import fixture_path, run_cli
+from tests import release_fixture
+from tests.conftest import run_cli
 
 
 def test_full_scale_layout_is_the_release_tensor_for_tensor():
-    with gzip.open(fixture_path("tensors.json.gz")) as f:
-        release = json.load(f)
+    release = release_fixture.load()
+    theirs = release_fixture.expand(release)
     shards = synth.layout(synth.FULL_SCALE)
     ours = [(s.name, s.dtype, list(s.shape), i + 1) for i, specs in enumerate(shards) for s in specs]
-    theirs = [(name, t["dtype"], t["shape"], t["shard"]) for name, t in release["tensors"].items()]
     assert len(shards) == release["num_shards"] == 46
-    assert len(ours) == release["num_tensors"] == 69187
-    assert sorted(ours) == sorted(theirs)
-    assert [o[0] for o in ours] == [t[0] for t in theirs], "tensor order within shards"
+    assert len(ours) == len(theirs) == release["num_tensors"] == 69187
+    assert ours == theirs, "names, dtypes, shapes, shard placement and order within shards"
     assert sum(s.nbytes for specs in shards for s in specs) == release["total_size"] == 159_609_485_896
 
 
 def test_config_matches_the_release_but_for_dimensions():
-    with open(fixture_path("config.json")) as f:
-        release = json.load(f)
+    release = release_fixture.load()["config.json"]
     assert synth.make_config(synth.FULL_SCALE) == release
     small = synth.make_config(synth.Dims())
     assert small.keys() == release.keys()
@@ -42,10 +39,9 @@ def test_config_matches_the_release_but_for_dimensions():
 
 
 def test_inference_and_generation_config_match_the_release():
-    with open(fixture_path("inference-config.json")) as f:
-        assert synth._inference_config(synth.FULL_SCALE) == json.load(f)
-    with open(fixture_path("generation_config.json")) as f:
-        assert synth.GENERATION_CONFIG == json.load(f)
+    release = release_fixture.load()
+    assert synth._inference_config(synth.FULL_SCALE) == release["inference/config.json"]
+    assert synth.GENERATION_CONFIG == release["generation_config.json"]
 
 
 def test_small_checkpoint_has_every_tensor_family(small_source):
@@ -115,8 +111,9 @@ def test_full_scale_sparse_dry_run_takes_seconds(tmp_path):
     start = time.monotonic()
     result = run_cli("convert", src, str(tmp_path / "out"), "--out", "nvfp4", "--dry-run", "--json")
     elapsed = time.monotonic() - start
-    assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
+    short = plan["free_bytes_available"] < plan["free_bytes_needed"]   # ~168 GB: depends on this machine
+    assert result.returncode == (3 if short else 0), result.stderr
     assert plan["tensors"]["converted tensors"] == (43 + 1) * 256 * 6   # vLLM's layout: the MTP block too
     src_total = sum(os.path.getsize(os.path.join(src, n)) for n in os.listdir(src) if n.endswith(".safetensors"))
     assert plan["input_bytes"] == src_total

@@ -12,6 +12,7 @@ import torch  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+pytest.importorskip("triton", reason="requant's kernel needs triton (Linux wheels only): pip install 'requant[gpu]'")
 from requant.cli import cli  # noqa: E402
 from requant.io.checkpoint import Checkpoint  # noqa: E402
 from requant.validate import validate  # noqa: E402

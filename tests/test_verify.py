@@ -19,17 +19,14 @@ from requant.synth import Dims, HardCases, write_checkpoint
 from requant.targets import TARGETS, Options
 from requant.engine_check import marlin_flush_threshold, marlin_headroom, marlin_overflows
 from requant.verify import verify
+from tests.conftest import converted_pair
 
 DIMS = Dims(layers=2, experts=6, hidden=256, intermediate=128, hash_layers=1)
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("verify")
-    src, dst = str(root / "src"), str(root / "nvfp4")
-    write_checkpoint(src, DIMS, seed=3)
-    convert(src, dst, "nvfp4", Options(), progress=False)
-    return src, dst
+    return converted_pair(tmp_path_factory.mktemp("verify"), DIMS, 3)
 
 
 @pytest.fixture

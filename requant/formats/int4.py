@@ -56,7 +56,9 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     nibbles = (q.to(torch.int16) + 8).to(torch.uint8)
     byte = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
     # Little-endian: byte b of a word holds bits 8b..8b+7, so elements 2b and 2b+1 land in place.
-    return byte.contiguous().view(torch.int32)
+    # Through a flat copy: .contiguous() keeps odd strides on size-1 dimensions (one group: K equal
+    # to the group size), which view() refuses.
+    return byte.reshape(-1).view(torch.int32).reshape(*byte.shape[:-1], -1)
 
 
 def unpack(packed: torch.Tensor, n: int | None = None) -> torch.Tensor:

@@ -10,10 +10,12 @@ one at a time into the journal folder; each is checked against the header fetche
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import re
 import struct
+import sys
 
 from requant.errors import CheckpointError, RequantError
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, read_json, resolve_inside, shard_names_of
@@ -21,51 +23,157 @@ from requant.io.safetensors import MAX_HEADER_BYTES, Header, parse_header
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+HUB_PREFIX = "hf://"   # names a Hub repository explicitly, even where a local folder shares its owner's name
+_TRUE = ("1", "ON", "YES", "TRUE")
 
 
-def is_repo_id(src: str) -> bool:
-    """A SRC that names no local path but reads as `owner/name`."""
-    return not os.path.exists(src) and bool(_REPO_ID.match(src)) and ".." not in src
+def _is_repo_id(name: str) -> bool:
+    return bool(_REPO_ID.match(name)) and ".." not in name
+
+
+def hub_repo(src: str) -> str | None:
+    """The Hub repository SRC names, or None when SRC is a local path.
+
+    `hf://owner/name` is always the Hub. A bare `owner/name` that does not exist locally is the Hub
+    only when it cannot be a local path the user meant: if `owner/` is a local directory, SRC is
+    taken for a mistyped path and refused here, without a network lookup."""
+    if src.startswith(HUB_PREFIX):
+        repo = src[len(HUB_PREFIX):].strip("/")
+        if not _is_repo_id(repo):
+            raise RequantError(f"{src}: not a Hub repository id (hf://owner/name)")
+        return repo
+    if os.path.exists(src) or not _is_repo_id(src):
+        return None
+    owner, name = src.split("/")
+    if os.path.isdir(owner):
+        close = difflib.get_close_matches(name, os.listdir(owner), n=1)
+        guess = f"; did you mean {owner}/{close[0]}?" if close else ""
+        raise RequantError(f"{src}: no such directory ({owner}/ exists here{guess}); "
+                           f"for the Hub repository {src}, write {HUB_PREFIX}{src}")
+    return src
+
+
+def cache_snapshot(path: str) -> bool:
+    """Whether `path` is a snapshot folder of a Hugging Face cache (models--O--N/snapshots/REV)."""
+    real = os.path.realpath(path)
+    parent = os.path.dirname(real)
+    return os.path.basename(parent) == "snapshots" and os.path.basename(os.path.dirname(parent)).startswith("models--")
+
+
+def hub_cache_dir(cache_dir: str | None = None) -> str:
+    """--cache-dir, else HF_HUB_CACHE, else HF_HOME/hub, else huggingface_hub's default. Read at call
+    time: huggingface_hub reads its environment once, at import."""
+    if cache_dir:
+        return cache_dir
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")
+    from huggingface_hub import constants
+    return constants.HF_HUB_CACHE
+
+
+def offline() -> bool:
+    from huggingface_hub import constants
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in _TRUE or constants.HF_HUB_OFFLINE
 
 
 def _endpoint() -> dict:
-    # Read at call time (as is HF_HUB_CACHE below): huggingface_hub reads them once, at import.
+    # Read at call time (as is the cache above): huggingface_hub reads them once, at import.
     return {"endpoint": os.environ["HF_ENDPOINT"]} if os.environ.get("HF_ENDPOINT") else {}
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _hub_error(what: str, e: BaseException) -> RequantError:
+    return RequantError(f"{what} failed: {_first_line(e)}")
+
+
+def call(what: str, fn):
+    """Run a huggingface_hub call; its failures become one-line RequantErrors."""
+    import httpx2
+
+    try:
+        return fn()
+    except RequantError:
+        raise
+    except (OSError, ValueError, httpx2.HTTPError) as e:   # HfHubHTTPError is an OSError
+        raise _hub_error(what, e) from None
+
+
+def _unreachable(e: BaseException) -> bool:
+    """A failure to reach the Hub at all (no network, DNS, refused), as opposed to its answer."""
+    import httpx2
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    return isinstance(e, (httpx2.TransportError, OfflineModeIsEnabled, ConnectionError))
+
+
 class HubSource:
-    def __init__(self, repo: str, revision: str | None, progress: bool = True):
+    """A Hub repository at one commit. Online, the Hub names the commit and its files; offline
+    (HF_HUB_OFFLINE, or the Hub unreachable) the Hugging Face cache must hold the snapshot."""
+
+    def __init__(self, repo: str, revision: str | None, progress: bool = True, token: str | None = None,
+                 cache_dir: str | None = None, explicit: bool = True):
         from huggingface_hub import HfApi
         from huggingface_hub.utils import disable_progress_bars
 
         if not progress:
             disable_progress_bars()
-        self.repo = repo
-        info = self._call(f"looking up {repo}", lambda: HfApi(**_endpoint()).model_info(repo, revision=revision))
-        self.commit = info.sha
-        self.files = [s.rfilename for s in info.siblings or []]
-
-    def _call(self, what: str, fn):
-        """Run a huggingface_hub call; its failures become one-line RequantErrors."""
+        self.repo, self.revision, self.token, self.cache_dir = repo, revision, token, hub_cache_dir(cache_dir)
+        # A bare owner/name was a guess between a path and the Hub: when the Hub says no, say both.
+        self.not_local = "" if explicit else f"{repo} is no local directory; "
+        self.cached = None   # the snapshot folder, when the source comes from the cache without the Hub
+        if offline():
+            self._from_cache(revision, "HF_HUB_OFFLINE is set")
+            return
         import httpx2
 
         try:
-            return fn()
-        except RequantError:
-            raise
-        except (OSError, ValueError, httpx2.HTTPError) as e:   # HfHubHTTPError is an OSError
-            raise RequantError(f"{what} failed: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+            info = HfApi(**_endpoint()).model_info(repo, revision=revision, token=token)
+        except (OSError, ValueError, httpx2.HTTPError) as e:
+            if not _unreachable(e):
+                raise _hub_error(f"{self.not_local}looking up {repo} on the Hub", e) from None
+            self._from_cache(revision, f"the Hub is unreachable ({_first_line(e)})")
+            return
+        self.commit = info.sha
+        self.files = [s.rfilename for s in info.siblings or []]
 
-    def snapshot(self) -> str:
-        """The whole repository in the Hugging Face cache; returns the snapshot folder."""
+    def _from_cache(self, revision: str | None, why: str) -> None:
         from huggingface_hub import snapshot_download
 
-        return self._call(f"downloading {self.repo}", lambda: snapshot_download(
-            self.repo, revision=self.commit, cache_dir=os.environ.get("HF_HUB_CACHE"), **_endpoint()))
+        try:
+            self.cached = snapshot_download(self.repo, revision=revision, cache_dir=self.cache_dir,
+                                            local_files_only=True)
+        except Exception:   # noqa: BLE001 - whatever the reason, the cache cannot serve it
+            raise RequantError(f"{self.not_local}{self.repo}: {why}, and the Hugging Face cache {self.cache_dir} "
+                               f"holds no snapshot of it{f' at {revision}' if revision else ''}") from None
+        self.commit = os.path.basename(self.cached)
+        self.files = None
+        print(f"requant: {why}; converting {self.repo} from the cache: {self.cached}", file=sys.stderr)
+
+    def snapshot(self) -> str:
+        """The whole repository in the Hugging Face cache; returns the snapshot folder (its name is
+        the commit)."""
+        from huggingface_hub import snapshot_download
+
+        if self.cached:
+            return self.cached
+        # By the name asked for, so the cache records it (refs/main -> commit) for a later offline run.
+        path = call(f"downloading {self.repo}", lambda: snapshot_download(
+            self.repo, revision=self.revision, cache_dir=self.cache_dir, token=self.token, **_endpoint()))
+        self.commit = os.path.basename(path)
+        return path
 
     def open_streamed(self, staging: str) -> Checkpoint:
         """Metadata only: small files into `staging`, shard headers by range requests. No shard
         is readable until `fetch` brings it."""
+        if self.files is None:
+            raise RequantError(f"--stream-source fetches {self.repo} from the Hub, which is offline or unreachable; "
+                               "without it, requant converts the cached snapshot")
         os.makedirs(staging, exist_ok=True)
         for name in self.files:
             if not name.endswith(".safetensors"):
@@ -94,10 +202,11 @@ class HubSource:
 
         def fetch_range(start: int, end: int) -> bytes:
             def get():
-                response = get_session().get(url, headers={**build_hf_headers(), "Range": f"bytes={start}-{end - 1}"})
+                response = get_session().get(url, headers={**build_hf_headers(token=self.token),
+                                                          "Range": f"bytes={start}-{end - 1}"})
                 hf_raise_for_status(response)
                 return response.content
-            data = self._call(f"reading the header of {where}", get)
+            data = call(f"reading the header of {where}", get)
             if len(data) != end - start:
                 raise CheckpointError(f"range request for bytes {start}-{end - 1} returned {len(data)} bytes", file=where)
             return data
@@ -114,7 +223,7 @@ class HubSource:
         from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
         url = hf_hub_url(self.repo, name, revision=self.commit, **_endpoint())
-        return self._call(f"reading the size of {self.repo}/{name}", lambda: get_hf_file_metadata(url))
+        return call(f"reading the size of {self.repo}/{name}", lambda: get_hf_file_metadata(url, token=self.token))
 
     def fetch(self, name: str, staging: str) -> str:
         """Download one file into `staging` (resuming a partial download); check a shard's bytes
@@ -122,8 +231,8 @@ class HubSource:
         from huggingface_hub import hf_hub_download
 
         target = resolve_inside(staging, name)
-        path = self._call(f"downloading {self.repo}/{name}", lambda: hf_hub_download(
-            self.repo, name, revision=self.commit, local_dir=staging, cache_dir=os.environ.get("HF_HUB_CACHE"),
+        path = call(f"downloading {self.repo}/{name}", lambda: hf_hub_download(
+            self.repo, name, revision=self.commit, local_dir=staging, cache_dir=self.cache_dir, token=self.token,
             **_endpoint()))
         if os.path.realpath(path) != os.path.realpath(target):
             raise CheckpointError("download landed outside the staging folder", file=path)
@@ -137,3 +246,37 @@ class HubSource:
                 os.remove(path)
                 raise CheckpointError(f"downloaded bytes do not match the Hub's sha256 {etag}", file=f"{self.repo}/{name}")
         return path
+
+
+def upload(folder: str, repo: str, token: str | None = None, private: bool = False, message: str | None = None,
+           progress: bool = True) -> str:
+    """Upload a finished conversion (every file in `folder` but hidden ones) to Hub repository
+    `repo`, creating it if needed; returns the commit URL (or the repository's, where the client
+    does not say). Resumable: run again after a failure and files the Hub already holds are not
+    sent again (huggingface_hub's large-folder upload where this client has it, else its folder
+    upload, which resumes the same way)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import disable_progress_bars
+
+    if not _is_repo_id(repo):
+        raise RequantError(f"{repo}: not a Hub repository id (owner/name)")
+    with Checkpoint.open(folder):   # a finished conversion: config, index, every shard's header
+        pass
+    if not progress:
+        disable_progress_bars()
+    api = HfApi(token=token, **_endpoint())
+    call(f"creating {repo}", lambda: api.create_repo(repo, private=private, exist_ok=True))
+    ignore = [".*", "**/.*"]   # journals, caches, editor files
+    large = getattr(api, "upload_large_folder", None)
+    what = f"uploading {folder} to {repo} (run the same command again to resume)"
+    try:
+        if large is not None:
+            call(what, lambda: large(repo, folder, repo_type="model", ignore_patterns=ignore, private=private))
+            return f"{api.endpoint}/{repo}"
+        info = call(what, lambda: api.upload_folder(
+            repo_id=repo, folder_path=folder, ignore_patterns=ignore,
+            commit_message=message or f"requant: upload {os.path.basename(os.path.abspath(folder))}"))
+    except RuntimeError as e:   # huggingface_hub wraps a failed file upload, with the HTTP error as cause
+        cause = f" ({_first_line(e.__cause__)})" if e.__cause__ else ""
+        raise RequantError(f"{what} failed: {_first_line(e)}{cause}") from None
+    return getattr(info, "commit_url", None) or f"{api.endpoint}/{repo}"

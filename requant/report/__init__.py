@@ -53,5 +53,5 @@ def make_report(src: str, dst: str, out_dir: str, layers: str | None = None, wor
         json.dump(report, f, indent=2)
     images = html.write(report, out_dir)
     with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as f:
-        f.write(render.markdown(report, images))
+        f.write(render.markdown(report, images, html.plots_missing()))
     return report

@@ -1,9 +1,14 @@
-"""report.md and the one-screen terminal summary, from report.json's dict."""
+"""report.md and the one-screen terminal summary, from report.json's dict.
+
+Words: a *layer* is a transformer block with routed experts (`layers.N`, or the MTP layer `mtp.N`;
+report.json's schema calls these keys `block`); a *scale block* is the run of weights sharing one scale
+in the source format (32 for MXFP4, 16 for NVFP4, the group for W4A16).
+"""
 
 from __future__ import annotations
 
-METRIC_COLUMNS = (("exact_block_fraction", "exact blocks"), ("sqnr_db", "SQNR dB"), ("rel_rmse", "rel RMSE"),
-                  ("max_abs_error", "max |err|"), ("cosine", "cosine"))
+METRIC_COLUMNS = (("exact_block_fraction", "exact scale blocks"), ("sqnr_db", "SQNR dB"), ("rel_rmse", "rel RMSE"),
+                  ("max_abs_error", "max abs error"), ("cosine", "cosine"))
 
 
 def fmt(key: str, value) -> str:
@@ -20,72 +25,120 @@ def fmt(key: str, value) -> str:
     return str(value)
 
 
-def _row(label: str, metrics: dict) -> str:
-    return "| " + " | ".join([label] + [fmt(k, metrics[k]) for k, _ in METRIC_COLUMNS]) + " |"
+def is_exact(metrics: dict) -> bool:
+    """Every compared weight decodes identically (no error at all)."""
+    return bool(metrics["blocks"]) and metrics["exact_blocks"] == metrics["blocks"] and not metrics["nonfinite"]
 
 
-def _header(first: str) -> list[str]:
-    return ["| " + " | ".join([first] + [t for _, t in METRIC_COLUMNS]) + " |",
-            "|" + "---|" * (len(METRIC_COLUMNS) + 1)]
+def verdict(report: dict) -> str:
+    """One sentence up front: exact, or how far from it and where."""
+    o, layers = report["overall"], report["by_layer"]
+    scope = f"{report['selection']['experts_compared']:,} experts in {len(layers)} layers"
+    if is_exact(o):
+        return (f"Exact: every weight of the {scope} decodes identically to the source "
+                f"({o['blocks']:,} scale blocks, error 0).")
+    differ = o["blocks"] - o["exact_blocks"]
+    inexact = [layer for layer in layers if not is_exact(layer["metrics"])]
+    finite = [layer for layer in inexact if layer["metrics"]["sqnr_db"] is not None]
+    worst = min(finite, key=lambda layer: layer["metrics"]["sqnr_db"], default=None)
+    text = (f"Not exact: {differ:,} of {o['blocks']:,} scale blocks differ from the source "
+            f"({100 * differ / o['blocks']:.4g}%), in {len(inexact)} of {len(layers)} layers; "
+            f"SQNR {fmt('sqnr_db', o['sqnr_db'])} dB overall"
+            + (f" (lowest: {worst['block']} {worst['metrics']['sqnr_db']:.2f} dB)" if worst else "")
+            + f", max abs error {fmt('max_abs_error', o['max_abs_error'])}.")
+    if o["nonfinite"]:
+        text += f" {o['nonfinite']:,} candidate values decode to NaN or inf."
+    return text
+
+
+def forward_verdict(forward: dict | None) -> str:
+    if not forward or forward.get("status") != "run":
+        return f"MoE forward: not run ({(forward or {}).get('reason', 'not requested')})."
+    rows = forward["by_layer"]
+    identical = all(r["rel_error"] == 0 for r in rows)
+    worst = max(rows, key=lambda r: r["rel_error"])
+    return (f"MoE forward on {forward['device']}: {'passed' if forward['passed'] else 'FAILED'}, "
+            + ("identical outputs in every layer run." if identical else
+               f"largest relative output error {worst['rel_error']:.3g} ({worst['block']})."))
+
+
+def _cell(text: str) -> str:
+    # A bare | would end the cell in every Markdown table dialect.
+    return str(text).replace("|", "\\|")
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return (["| " + " | ".join(_cell(h) for h in header) + " |", "|" + "---|" * len(header)]
+            + ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows])
+
+
+def metric_rows(rows: list[tuple[str, dict]]) -> list[list[str]]:
+    return [[label] + [fmt(k, m[k]) for k, _ in METRIC_COLUMNS] for label, m in rows]
+
+
+def forward_table(forward: dict) -> tuple[list[str], list[list[str]]]:
+    header = ["layer", "rel. error", "max abs error", "cosine", "passed"]
+    rows = [[r["block"], f"{r['rel_error']:.3g}", f"{r['max_abs_error']:.3g}", fmt("cosine", r["cosine"]),
+             "yes" if r["passed"] else "NO"] for r in forward["by_layer"]]
+    return header, rows
 
 
 def forward_lines(forward: dict | None) -> list[str]:
     if not forward or forward.get("status") != "run":
-        reason = (forward or {}).get("reason", "not requested")
-        return [f"Forward comparison: **not run** ({reason})."]
-    lines = [f"Forward comparison run on **{forward['device']}** ({forward['what']}).", ""]
-    lines += ["| block | rel. error | max |err| | cosine |", "|---|---|---|---|"]
-    lines += [f"| {r['block']} | {r['rel_error']:.3g} | {r['max_abs_error']:.3g} | {r['cosine']:.8f} |"
-              for r in forward["by_layer"]]
-    return lines
+        return [forward_verdict(forward)]
+    return [forward_verdict(forward), "", f"What ran: {forward['what']}.", "", *_md_table(*forward_table(forward))]
 
 
-def markdown(report: dict, images: dict[str, str]) -> str:
+NOTE = ("Weights are decoded to float32 and the candidate compared with the source. A scale block is the run of "
+        "weights sharing one scale in the source format; it is exact when every value in it decodes identically. "
+        "SQNR is infinite (∞) when there is no error.")
+
+
+def markdown(report: dict, images: dict[str, str], missing_plots: str | None = None) -> str:
     src, dst, sel = report["source"], report["candidate"], report["selection"]
+    layers = [(layer["block"], layer["metrics"]) for layer in report["by_layer"]]
     lines = [
         "# requant accuracy report", "",
+        f"**{verdict(report)}**", "",
+        forward_verdict(report["forward"]), "",
         f"- source: `{src['path']}` ({src['format']})",
         f"- candidate: `{dst['path']}` ({dst['format']})",
-        f"- compared: {sel['experts_compared']:,} experts in {len(sel['blocks'])} blocks"
+        f"- compared: {sel['experts_compared']:,} experts in {len(sel['blocks'])} layers"
         + (f" (--layers {sel['layers']})" if sel["layers"] else ""),
         f"- unmatched experts (in one checkpoint only): {len(sel['unmatched_experts'])}",
-        "", "Weights are decoded to float32 and the candidate compared with the source. A block is one scale "
-        "block of the source format along K; it is exact when every value in it decodes identically. "
-        "SQNR is infinite (∞) when there is no error.", "",
-        "## Overall", "", *_header("scope"), _row("all experts", report["overall"]),
-        *[_row(p, m) for p, m in report["by_projection"].items()], "",
-        "## Per layer", "", *_header("block"),
-        *[_row(layer["block"], layer["metrics"]) for layer in report["by_layer"]], "",
+        "", NOTE, "",
+        "## Overall", "",
+        *_md_table(["scope"] + [t for _, t in METRIC_COLUMNS],
+                   metric_rows([("all experts", report["overall"])] + list(report["by_projection"].items()))), "",
+        "## Per layer", "",
+        *_md_table(["layer"] + [t for _, t in METRIC_COLUMNS], metric_rows(layers)), "",
         "## MoE forward", "", *forward_lines(report["forward"]), "",
     ]
     if images:
         lines += ["## Plots", ""] + [f"![{title}]({name})" for name, title in images.items()] + [""]
+    if missing_plots:
+        lines += [f"No plots: {missing_plots}.", ""]
     t = report["timing"]
     lines += [f"Weights compared in {t['weights_seconds']:.1f} s ({t['expert_bytes_read'] / 2**20:,.0f} MiB of "
               "expert tensors read).", ""]
     return "\n".join(lines)
 
 
-def terminal(report: dict, out_dir: str) -> str:
-    o = report["overall"]
-    lines = [f"source    {report['source']['path']} ({report['source']['format']})",
+def terminal(report: dict, out_dir: str, missing_plots: str | None = None) -> str:
+    lines = [verdict(report), forward_verdict(report["forward"]), "",
+             f"source    {report['source']['path']} ({report['source']['format']})",
              f"candidate {report['candidate']['path']} ({report['candidate']['format']})",
-             f"compared  {report['selection']['experts_compared']:,} experts, {len(report['by_layer'])} blocks",
+             f"compared  {report['selection']['experts_compared']:,} experts, {len(report['by_layer'])} layers",
              "",
-             f"{'':<10}" + "".join(f"{t:>14}" for _, t in METRIC_COLUMNS)]
-    for label, m in [("overall", o)] + list(report["by_projection"].items()):
-        lines.append(f"{label:<10}" + "".join(f"{fmt(k, m[k]):>14}" for k, _ in METRIC_COLUMNS))
+             f"{'':<10}" + "".join(f"{t:>20}" for _, t in METRIC_COLUMNS)]
+    for label, m in [("overall", report["overall"])] + list(report["by_projection"].items()):
+        lines.append(f"{label:<10}" + "".join(f"{fmt(k, m[k]):>20}" for k, _ in METRIC_COLUMNS))
     finite = [layer for layer in report["by_layer"] if layer["metrics"]["sqnr_db"] is not None]
     worst = sorted(finite, key=lambda layer: layer["metrics"]["sqnr_db"])[:5]
     if worst:
         lines += ["", "lowest SQNR: " + ", ".join(f"{w['block']} {w['metrics']['sqnr_db']:.1f} dB" for w in worst)]
-    elif report["by_layer"]:
-        lines += ["", "every compared weight decodes identically (SQNR ∞)"]
-    forward = report["forward"]
-    lines.append("forward   " + (f"run on {forward['device']}" if forward and forward.get("status") == "run"
-                                 else f"not run ({(forward or {}).get('reason', 'not requested')})"))
     t = report["timing"]
     lines.append(f"time      {t['weights_seconds']:.1f} s for weights")
-    lines.append(f"written   {out_dir}/report.json, report.md, report.html")
+    lines.append(f"written   {out_dir}/report.json, report.md, report.html"
+                 + (f" (no plots: {missing_plots})" if missing_plots else ", PNG plots"))
     return "\n".join(lines)
-

@@ -201,7 +201,7 @@ class W4A16Target(Target):
         worst = min(((sqnr_db(s, e), b) for b, (s, e) in stats.per_layer.items() if e > 0), default=None)
         text = f"INT4 g{self.group} {self.scheme}: SQNR {db:.2f} dB vs the MXFP4 source" if db is not None \
             else f"INT4 g{self.group} {self.scheme}: no expert data"
-        return text + (f", worst block {worst[1]} {worst[0]:.2f} dB" if worst else "")
+        return text + (f", worst layer {worst[1]} {worst[0]:.2f} dB" if worst else "")
 
 
 def _rounded(x: float | None) -> float | None:

@@ -1,0 +1,68 @@
+"""The core install: with triton, ModelOpt, matplotlib, compressed-tensors and pytest impossible to
+import (a child process whose import system refuses them, as a venv without the extras would), synth,
+convert to both targets, inspect, verify and report work; validate and report's plots name the extra
+to install, in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+BLOCKED = ("triton", "modelopt", "matplotlib", "compressed_tensors", "pytest")
+# Runs each command line given as JSON through the CLI in this one process (one torch import), and
+# prints every exit status and output as JSON, then the blocked modules that got imported anyway.
+LAUNCHER = f"""
+import importlib.abc, json, sys
+
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {BLOCKED!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+sys.meta_path.insert(0, Refuse())
+from click.testing import CliRunner
+from requant.cli import cli
+
+results = []
+for argv in json.loads(sys.argv[1]):
+    r = CliRunner().invoke(cli, argv)
+    results.append({{"argv": argv, "code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr,
+                     "exception": None if r.exception is None or isinstance(r.exception, SystemExit)
+                     else repr(r.exception)}})
+leaked = sorted(m for m in sys.modules if m.split(".")[0] in {BLOCKED!r})
+print(json.dumps({{"results": results, "leaked": leaked}}))
+"""
+
+
+def test_core_commands_work_without_the_extras_and_validate_names_it(tmp_path):
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([checkout] + [p for p in [env.get("PYTHONPATH")] if p])  # this requant
+    src, nv, w4, r = (str(tmp_path / n) for n in ("src", "nvfp4", "w4a16", "r"))
+    commands = [["synth", src, "--layers", "2", "--experts", "6", "--hidden", "128", "--intermediate", "128"],
+                ["convert", src, nv, "--out", "nvfp4", "--quiet"], ["convert", src, w4, "--out", "w4a16", "--quiet"],
+                ["inspect", nv, "--json"], ["inspect", w4, "--json"], ["verify", nv, "--quiet"], ["verify", w4, "--quiet"],
+                ["report", src, nv, "--out-dir", r, "--quiet"], ["validate", src, nv, "--device", "cpu"]]
+    launcher = tmp_path / "lean_requant.py"
+    launcher.write_text(LAUNCHER)
+    child = subprocess.run([sys.executable, str(launcher), json.dumps(commands)], capture_output=True, text=True,
+                           timeout=300, env=env)
+    assert child.returncode == 0, child.stderr
+    out = json.loads(child.stdout)
+    assert out["leaked"] == []
+    synth, *conversions, inspect_nv, inspect_w4, verify_nv, verify_w4, report, validate = out["results"]
+    for step in [synth, *conversions, inspect_nv, inspect_w4, verify_nv, verify_w4, report]:
+        assert step["code"] == 0 and step["exception"] is None, step
+    assert json.loads(inspect_nv["stdout"])["expert_format"] == "nvfp4"
+    assert json.loads(inspect_w4["stdout"])["expert_format"] == "w4a16"
+    assert "OK:" in verify_nv["stdout"] and "OK:" in verify_w4["stdout"]
+    assert "no plots: report plotting needs matplotlib, which is not installed: pip install 'requant[plots]'" \
+        in report["stdout"]
+    assert "MoE forward: not run (validate failed: requant's fused-MoE kernel" in report["stdout"]
+    assert sorted(os.listdir(r)) == ["report.html", "report.json", "report.md"]
+    assert validate["code"] == 2 and validate["exception"] is None
+    assert validate["stderr"] == ("requant: error: requant's fused-MoE kernel (validate, report's forward comparison) "
+                                  "needs triton, which is not installed: pip install 'requant[gpu]'\n")
