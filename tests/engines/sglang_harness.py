@@ -460,6 +460,13 @@ def engine() -> Engine:
     return Engine()
 
 
+def reset() -> None:
+    """Forget the extracted engine and take its stand-in modules out of sys.modules
+    (wheels.remove_fakes): left there, `import sglang` / find_spec would find a fake."""
+    engine.cache_clear()
+    wheels.remove_fakes()
+
+
 # ---------------------------------------------------------------------------------------------
 # one report: what SGLang does with a checkpoint on one GPU family with one --moe-runner-backend
 # ---------------------------------------------------------------------------------------------

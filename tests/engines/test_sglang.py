@@ -28,10 +28,17 @@ if not wheels.available("sglang"):
     pytest.skip(f"sglang=={wheels.ENGINES['sglang']} wheel not available in {wheels.CACHE} (pip download failed "
                 "or REQUANT_NO_WHEEL_FETCH set): SGLang conformance tier skipped", allow_module_level=True)
 
-from tests.engines.sglang_harness import GPU_CAPABILITY, loaded_format, sglang_load_report  # noqa: E402
+from tests.engines.sglang_harness import GPU_CAPABILITY, loaded_format, reset, sglang_load_report  # noqa: E402
 
 GPUS = list(GPU_CAPABILITY)
 OLD_W4A16_TARGET = r"re:.*\.ffn\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"   # requant's target before issue 9
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engine_stand_ins():
+    """The stand-in sglang.* (and einops) modules the harness places leave with this module's tests."""
+    yield
+    reset()
 
 
 @pytest.fixture(scope="module")
