@@ -185,6 +185,14 @@ def test_old_target_on_the_sglang_layout_finds_no_scheme(ckpts, tmp_path):
             "model.layers.0.mlp.experts.0.gate_proj in the compressed-tensors config.") in report.problems
 
 
+def test_sglang_w4a16_without_linear_fp8_config_has_no_scheme_for_attention(ckpts, tmp_path):
+    """linear_fp8_config is what gives the FP8-block linears a method in the SGLang layout."""
+    path = variant(ckpts, tmp_path, "w4a16", lambda qc: qc.pop("linear_fp8_config"))
+    report = sglang_load_report(path, "sm_90", "marlin")
+    assert ("model.layers.0.self_attn.wqkv_a: refuses to start: ValueError: Unable to find matching target for "
+            "model.layers.0.self_attn.wqkv_a in the compressed-tensors config.") in report.problems
+
+
 def test_top_level_mixed_precision_format_is_refused(ckpts):
     """The vLLM layout's top-level format: CompressedTensorsWNA16MoE reads the TOP-LEVEL format."""
     report = sglang_load_report(ckpts["w4a16_vllm"], "sm_90", "marlin")
