@@ -11,9 +11,10 @@ What is NOT the engine's, and why (each stand-in is named where it is made):
 - the module tree: the routed experts are SGLang's own FusedMoE class with a stand-in __init__
   that sets what the real one would for one GPU at TP=EP=1 (the real constructor needs CUDA,
   distributed groups and kernels); LinearBase is an empty class (only isinstance looks at it);
-- the parameters of non-expert modules (model_params): modelled from the checkpoint (see there),
-  because building DeepseekV4ForCausalLM needs CUDA; routed-expert parameters are exactly what the
-  chosen method's create_weights registered;
+- the parameters of non-expert modules (_model_params): modelled from the checkpoint's names,
+  because building DeepseekV4ForCausalLM needs CUDA; which parameters an FP8 linear has follows
+  the linear method the quant config's own get_quant_method picks for it; routed-expert
+  parameters are exactly what the chosen MoE method's create_weights registered;
 - non-expert weight loaders check the kind of data (raw FP8 into a BF16 parameter, integers into
   floats) instead of running the linear layers' loaders (CUDA-bound classes); their shapes are
   not checked;
@@ -220,6 +221,16 @@ def _base_ns(**extra):
     return ns
 
 
+class _TorchOnGpu:
+    """torch, except that torch.cuda.get_device_capability() answers for the GPU family of the
+    report (compressed_tensors.py _check_scheme_supported asks torch directly)."""
+
+    cuda = NS(get_device_capability=lambda *a: GPU_CAPABILITY[Ctx.gpu], is_available=lambda: True)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
 def _set_weight_attrs(weight, attrs):
     for k, v in (attrs or {}).items():
         setattr(weight, k, v)
@@ -369,7 +380,8 @@ class Engine:
                                CompressedTensorsMoEScheme=sch["CompressedTensorsMoEScheme"],
                                get_moe_weight_sizes=self.moe_utils["get_moe_weight_sizes"]))
         ct = ext("layers/quantization/compressed_tensors/compressed_tensors.py",
-                 ["CompressedTensorsConfig", "CompressedTensorsLinearMethod", "CompressedTensorsFusedMoEMethod"],
+                 ["DeviceCapability", "CompressedTensorsConfig", "CompressedTensorsLinearMethod",
+                  "CompressedTensorsFusedMoEMethod"],
                  _base_ns(**{k: u[k] for k in ("should_ignore_layer", "check_equal_or_regex_match",
                                                "find_matched_target", "is_activation_quantization_format")},
                           **not_built, BaseModel=BaseModel, suppress=contextlib.suppress,
@@ -381,7 +393,7 @@ class Engine:
                           CompressedTensorsW8A8Fp8MoE=fp8_moe["CompressedTensorsW8A8Fp8MoE"],
                           CompressedTensorsWNA16TritonMoE=wna16["CompressedTensorsWNA16TritonMoE"],
                           Fp8LinearMethod=_not_built("Fp8LinearMethod"), UnquantizedLinearMethod=unq_linear,
-                          UnquantizedFusedMoEMethod=unq_moe, DeviceCapability=NS))
+                          UnquantizedFusedMoEMethod=unq_moe, NamedTuple=typing.NamedTuple, torch=_TorchOnGpu()))
         self.ct = ct
         self.modules["sglang.srt.layers.quantization.compressed_tensors.compressed_tensors"] = {
             "CompressedTensorsConfig": ct["CompressedTensorsConfig"]}
@@ -458,6 +470,13 @@ def _rearrange(t, pattern, **k):
 @lru_cache(maxsize=1)
 def engine() -> Engine:
     return Engine()
+
+
+def reset() -> None:
+    """Forget the extracted engine and take its stand-in modules out of sys.modules
+    (wheels.remove_fakes): left there, `import sglang` / find_spec would find a fake."""
+    engine.cache_clear()
+    wheels.remove_fakes()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -575,19 +594,17 @@ class _Stream:
             yield name, t
 
 
-def _model_params(eng, qc, tensors, nextn, num_layers):
-    """name -> (dtype, shape or None) of the parameters DeepseekV4ForCausalLM(NextN) would have
-    outside the routed experts. Modelled from the checkpoint, because building the model needs
-    CUDA: each tensor under its remapped name (NextN: under model.decoder / model, as
-    load_weights moves them), with the model's fusions (wq_a+wkv -> wqkv_a when
-    SGLANG_OPT_FUSE_WQA_WKV, shared experts' gate/up -> gate_up_proj), each FP8 linear with the
-    scale parameter its linear method registers (Fp8LinearMethod: weight_scale_inv, fp8.py;
-    compressed-tensors W8A8Fp8 block: weight_scale, schemes/compressed_tensors_w8a8_fp8.py) and
-    wo_a a BF16 weight without scale unless wo_a_fp8_gemm_enabled (models/deepseek_v4.py MQALayer).
-    Shapes are not modelled (they would be the checkpoint's own); dtypes are."""
+def _model_params(eng, qc, tensors, nextn, num_layers, problems):
+    """name -> dtype of the parameters DeepseekV4ForCausalLM(NextN) would have outside the routed
+    experts. Modelled from the checkpoint, because building the model needs CUDA: each tensor
+    under its remapped name (NextN: under model.decoder / model, as load_weights moves them), with
+    the model's fusions (wq_a+wkv -> wqkv_a when SGLANG_OPT_FUSE_WQA_WKV, shared experts' gate/up
+    -> gate_up_proj). Each FP8 linear gets the parameters of the linear method the quant config's
+    own get_quant_method gives it (Fp8LinearMethod: FP8 weight + weight_scale_inv, fp8.py;
+    compressed-tensors W8A8Fp8 block: weight_scale, schemes/compressed_tensors_w8a8_fp8.py;
+    unquantized: a BF16 weight); wo_a is built without quant_config, a BF16 weight, unless
+    wo_a_fp8_gemm_enabled (models/deepseek_v4.py MQALayer). Shapes are not modelled."""
     remap = eng.model.remap_weight_name_to_dpsk_hf_format
-    ct_fp8_scheme = type(qc).__name__ == "CompressedTensorsConfig" and qc.linear_fp8_config is None
-    scale_param = "weight_scale" if ct_fp8_scheme else "weight_scale_inv"
     wo_a_fp8 = eng.model_ns["wo_a_fp8_gemm_enabled"](qc)
     fp8_modules = {n.rsplit(".", 1)[0] for n, t in tensors if t.dtype == torch.float8_e4m3fn}
     out = {}
@@ -610,8 +627,20 @@ def _model_params(eng, qc, tensors, nextn, num_layers):
         if mod.endswith(".wo_a") and not wo_a_fp8:
             out[mod + ".weight"] = torch.bfloat16
             continue
-        out[mod + ".weight"] = torch.float8_e4m3fn
-        out[mod + "." + scale_param] = torch.float32
+        layer = LinearBase()
+        try:
+            method = qc.get_quant_method(layer, mod)
+        except Exception as e:  # the engine refusing to build the linear is the finding
+            problems.append(f"{mod}: refuses to start: {type(e).__name__}: {e}")
+            continue
+        kind = type(getattr(layer, "scheme", None) or method).__name__
+        if kind in ("Fp8LinearMethod", "CompressedTensorsW8A8Fp8"):
+            out[mod + ".weight"] = torch.float8_e4m3fn
+            out[mod + (".weight_scale_inv" if kind == "Fp8LinearMethod" else ".weight_scale")] = torch.float32
+        elif method is None or kind == "UnquantizedLinearMethod":
+            out[mod + ".weight"] = torch.bfloat16
+        else:
+            problems.append(f"{mod}: gets {kind}, which the harness does not model for FP8-block weights")
     return out
 
 
@@ -649,7 +678,7 @@ def _load(eng, qc, hf, tensors, experts, nextn, report):
                                     f"{loaded.dtype}: {type(e).__name__}: {e}")
             p.weight_loader = load
             params[f"{prefix}.{pn}"] = p
-    for pname, dtype in _model_params(eng, qc, tensors, nextn, hf.num_hidden_layers).items():
+    for pname, dtype in _model_params(eng, qc, tensors, nextn, hf.num_hidden_layers, problems).items():
         p = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
         def load(param, loaded, *a, _name=pname, **k):

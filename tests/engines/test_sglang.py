@@ -28,10 +28,17 @@ if not wheels.available("sglang"):
     pytest.skip(f"sglang=={wheels.ENGINES['sglang']} wheel not available in {wheels.CACHE} (pip download failed "
                 "or REQUANT_NO_WHEEL_FETCH set): SGLang conformance tier skipped", allow_module_level=True)
 
-from tests.engines.sglang_harness import GPU_CAPABILITY, loaded_format, sglang_load_report  # noqa: E402
+from tests.engines.sglang_harness import GPU_CAPABILITY, loaded_format, reset, sglang_load_report  # noqa: E402
 
 GPUS = list(GPU_CAPABILITY)
 OLD_W4A16_TARGET = r"re:.*\.ffn\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"   # requant's target before issue 9
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engine_stand_ins():
+    """The stand-in sglang.* (and einops) modules the harness places leave with this module's tests."""
+    yield
+    reset()
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +183,14 @@ def test_old_target_on_the_sglang_layout_finds_no_scheme(ckpts, tmp_path):
     report = sglang_load_report(path, "sm_90", "marlin")
     assert ("model.layers.0.mlp.experts: refuses to start: ValueError: Unable to find matching target for "
             "model.layers.0.mlp.experts.0.gate_proj in the compressed-tensors config.") in report.problems
+
+
+def test_sglang_w4a16_without_linear_fp8_config_has_no_scheme_for_attention(ckpts, tmp_path):
+    """linear_fp8_config is what gives the FP8-block linears a method in the SGLang layout."""
+    path = variant(ckpts, tmp_path, "w4a16", lambda qc: qc.pop("linear_fp8_config"))
+    report = sglang_load_report(path, "sm_90", "marlin")
+    assert ("model.layers.0.self_attn.wqkv_a: refuses to start: ValueError: Unable to find matching target for "
+            "model.layers.0.self_attn.wqkv_a in the compressed-tensors config.") in report.problems
 
 
 def test_top_level_mixed_precision_format_is_refused(ckpts):
