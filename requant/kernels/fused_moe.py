@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from requant.errors import FormatError
+from requant.formats.engine_numerics import fake_quantize_activations
 
 NVFP4 = tl.constexpr(0)
 MXFP4 = tl.constexpr(1)
@@ -440,11 +441,14 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
 
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
               w1: ExpertWeights, w3: ExpertWeights, w2: ExpertWeights, *, swiglu_limit: float = 10.0,
-              compute_dtype: torch.dtype | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+              compute_dtype: torch.dtype | None = None, config: KernelConfig | None = None,
+              activation_scales: tuple[float, float] | None = None) -> torch.Tensor:
     """Routed-expert output [T, H] (BF16): sum_k w_k * (silu(min(x W1_e.T, L)) * clamp(x W3_e.T, L)) W2_e.T.
 
     x: [T, H] activations; topk_ids: [T, top_k] expert indices; topk_weights: [T, top_k] routing
     weights. w1 (gate), w3 (up): N = intermediate, K = H; w2 (down): N = H, K = intermediate.
+    activation_scales: (input_scale of w1/w3, of w2) to emulate a W4A4 engine: each GEMM's input
+    (x, then the BF16 intermediate) is quantized to NVFP4 and decoded before the weights meet it.
     """
     compute = compute_dtype or (torch.float32 if interpreting() else torch.bfloat16)
     tokens, hidden = x.shape
@@ -455,9 +459,15 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
                           f"do not fit hidden size {hidden}")
     cfg = config or default_config(pairs, w1.experts)
     sorted_ids, block_expert = moe_align(topk_ids, w1.experts, cfg.block_m)
+    if activation_scales is not None:
+        x = fake_quantize_activations(x.bfloat16(), activation_scales[0])
     a = permute_k(x.to(compute), cfg.block_k)
     h = torch.empty(pairs, w1.n, dtype=compute, device=x.device)
-    _launch(a, top_k, w1, w3, h, sorted_ids, block_expert, None, pairs, compute, cfg, swiglu_limit, perm_out=True)
+    quantize_h = activation_scales is not None  # in the natural column order, then permuted here
+    _launch(a, top_k, w1, w3, h, sorted_ids, block_expert, None, pairs, compute, cfg, swiglu_limit,
+            perm_out=not quantize_h)
+    if quantize_h:
+        h = permute_k(fake_quantize_activations(h.bfloat16(), activation_scales[1]).to(compute), cfg.block_k)
     # Per-pair outputs in the compute dtype (BF16 on the GPU halves this buffer's traffic); the
     # top-k sum below accumulates in FP32.
     y = torch.empty(pairs, hidden, dtype=compute, device=x.device)
