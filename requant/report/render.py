@@ -37,6 +37,18 @@ def forward_lines(forward: dict | None) -> list[str]:
     lines += ["| block | rel. error | max |err| | cosine |", "|---|---|---|---|"]
     lines += [f"| {r['block']} | {r['rel_error']:.3g} | {r['max_abs_error']:.3g} | {r['cosine']:.8f} |"
               for r in forward["by_layer"]]
+    served = [(r["block"], s) for r in forward["by_layer"] for s in r.get("serving", [])]
+    if served:
+        lines += ["", "Served numerics: the candidate layer computed as each engine computes it (nvfp4-w4a4: "
+                  "activations quantized to NVFP4 under each input_scale policy; marlin-w4a16: vLLM 0.33.0's "
+                  "Marlin block-scale rule, which zeroes blocks far below the layer's largest), against the "
+                  "source's reference path. Exact weights above do not make these errors zero.", "",
+                  "| block | mode | input_scale | w1/w3 input | w2 input | rel. error | cosine | flushed blocks |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for block, s in served:
+            a13, a2 = (f"{v:.3g}" for v in s["input_scales"]) if s["input_scales"] else ("", "")
+            lines.append(f"| {block} | {s['mode']} | {s['policy'] or ''} | {a13} | {a2} | {s['rel_err']:.3g} | "
+                         f"{s['cosine']:.6f} | {s['flushed_blocks']} |")
     return lines
 
 
