@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from moe_fixtures import make_layer, nvfp4_dense  # noqa: E402
 from requant.errors import FormatError  # noqa: E402
 from requant.formats.engine_numerics import fake_quantize_activations  # noqa: E402
-from requant.kernels.fused_moe import ExpertWeights, fused_moe, moe_align  # noqa: E402
+from requant.kernels.fused_moe import ExpertWeights, KernelConfig, fused_moe, moe_align  # noqa: E402
 from requant.moe import MoEConfig, MoELayer, route, routed_experts  # noqa: E402
 
 EXPERTS, HIDDEN, INTER, LIMIT = 8, 256, 128, 10.0
@@ -160,3 +160,15 @@ def test_w4a4_emulation_quantizes_both_gemm_inputs():
     # element by one E2M1 step; the norm still agrees to ~1e-3.
     assert rel(y, ref) < 3e-3
     assert rel(y, plain) > 2e-2
+
+
+def test_split_k_matches_reference():
+    """Split-K (decode batches): FP32 partials per K slice, SwiGLU after their sum."""
+    gen = torch.Generator().manual_seed(8)
+    hidden, inter, experts = 512, 256, 3  # w1/w3: 4 K tiles, split 4; w2: 2 K tiles, split 2
+    (w1, d1), (w3, d3), (w2, d2) = make_layer("nvfp4-any", experts, hidden, inter, gen)
+    ids, weights = torch.tensor([[0, 2], [2, 1]]), torch.rand(2, 2, generator=gen)
+    x = (torch.randn(2, hidden, generator=gen) * 0.05).bfloat16()
+    cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=4)
+    y = fused_moe(x, ids, weights, w1, w3, w2, config=cfg)
+    assert_matches(y, routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), LIMIT))
