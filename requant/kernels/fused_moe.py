@@ -111,9 +111,10 @@ def default_config(pairs: int, experts: int) -> KernelConfig:
     per_expert = pairs / experts
     # From the H200 sweep (scripts/bench_moe_results.md): BLOCK_K 128 beat 256 at decode sizes.
     if per_expert <= 16:
-        # A token touches top_k experts only: at 1-4 tokens the grid is a few hundred programs
-        # for 132 SMs, so K is sliced to give every SM weights to stream.
-        split = 4 if pairs <= 8 else 2 if pairs <= 32 else 1
+        # One token touches top_k experts only: 192 (w1/w3) and 384 (w2) programs for 132 SMs.
+        # Two K slices were 7-10% faster there on the H200, four or more slower; from 4 tokens
+        # on no split was best (scripts/bench_moe_results.md, run 4b).
+        split = 2 if pairs <= 8 else 1
         return KernelConfig(16, 64, 128, num_warps=4, num_stages=4, split_k=split)
     if per_expert <= 32:
         return KernelConfig(32, 64, 128, num_warps=4, num_stages=4)
