@@ -142,6 +142,11 @@ def test_forward_comparison_says_what_ran_where(pair, tmp_path):
     # the lossless cast with a few re-rounded tiny blocks: the layer output barely moves
     assert forward["passed"] and forward["by_layer"][0]["rel_error"] < 1e-3
     assert "run on" in (out / "report.md").read_text() and (out / "forward_error_per_layer.png").exists()
+    # Served numerics: without a GPU the serving GPU is unknown, so both NVFP4 modes are reported.
+    served = [(s["mode"], s["policy"]) for s in forward["by_layer"][0]["serving"]]
+    if not torch.cuda.is_available():
+        assert served == [("nvfp4-w4a4", "written"), ("nvfp4-w4a4", "1.0"), ("marlin-w4a16", None)]
+    assert "Served numerics" in (out / "report.md").read_text()
 
 
 def test_unknown_layers_are_refused(pair, tmp_path):
