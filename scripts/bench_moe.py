@@ -154,8 +154,9 @@ def main():
 
     weights = {f: [random_weights(f, n, k, gen) for n, k in ((I, H), (I, H), (H, I))]
                for f in dict.fromkeys(formats + ["int4-asym"])}
-    cases = [(1, None, None), (64, None, None), (4096, None, None), (300, fm.KernelConfig(64, 128, 128, 4, 4), None),
-             (1, fm.KernelConfig(16, 64, 128, 4, 4, split_k=8), None), (5, fm.KernelConfig(16, 128, 128, 8, 4, 2), None)]
+    cases = [(1, None, None), (64, None, None), (4096, None, None),
+             (300, fm.KernelConfig(64, 128, 128, 4, 4), None), (1, fm.KernelConfig(16, 64, 128, 4, 4, split_k=8), None),
+             (5, fm.KernelConfig(16, 128, 128, 8, 4, 2), None)]
     for f, ws in weights.items():
         for tokens, cfg, scales in cases + ([(64, None, (0.002, 0.004)), (1, None, (1.0, 1.0))] if f == "nvfp4" else []):
             try:

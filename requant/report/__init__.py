@@ -15,7 +15,8 @@ from requant.errors import RequantError
 from requant.report import build, html, render
 
 
-def forward_section(src: str, dst: str, blocks: list[str], tokens: int = 64, serve_modes: list[str] | None = None) -> dict:
+def forward_section(src: str, dst: str, blocks: list[str], tokens: int = 64,
+                    serve_modes: list[str] | None = None) -> dict:
     """requant validate's MoE-layer comparison: every selected layer on a GPU; on a CPU (Triton's
     interpreter, slow) only the first selected layer, with fewer tokens. Says what ran where."""
     import torch
