@@ -6,7 +6,9 @@ source's own reference path (its weights decoded exactly, BF16 activations):
 - `nvfp4-w4a4`: Blackwell's FP4 tensor cores. Weights as stored; each GEMM input quantized to NVFP4
   under the layer's input_scale (formats.engine_numerics), once per input_scale policy:
   `written` (the checkpoint's), `1.0` (NVIDIA's calibration-free constant) and, given real MoE
-  inputs, `calibrated` (their absolute maximum / (6 * 448), ModelOpt's rule).
+  inputs, `calibrated` (their absolute maximum / (6 * 448), ModelOpt's rule; the w2 input's range
+  comes from the source's reference pass). It is calibrated on the very tokens it is then judged
+  on, so it is the best case for calibration.
 - `marlin-w4a16`: vLLM 0.33.0's Marlin kernel (Hopper, Ampere). BF16 activations; NVFP4 block scales
   pass its fp16 rule, which zeroes blocks far below the layer's largest. MXFP4 and INT4 scales
   reach Marlin unchanged, so for them this is `bf16`.

@@ -150,7 +150,9 @@ def test_w4a4_emulation_quantizes_both_gemm_inputs():
     ids, weights = random_routing(6, 2, gen)
     x = torch.randn(6, HIDDEN, generator=gen).bfloat16()
     scales = (0.004, 0.002)
-    y = fused_moe(x, ids, weights, w1, w3, w2, activation_scales=scales)
+    # Split K for w1/w3 too: the intermediate then leaves the split-K SwiGLU in natural column order.
+    cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=2)
+    y = fused_moe(x, ids, weights, w1, w3, w2, activation_scales=scales, config=cfg)
     quantize = lambda t, s: fake_quantize_activations(t.bfloat16(), s).float()  # noqa: E731
     ref = routed_experts(quantize(x, scales[0]), ids, weights, lambda e: (d1[e], d3[e], d2[e]), LIMIT,
                          intermediate=lambda h: quantize(h, scales[1]))

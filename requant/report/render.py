@@ -42,7 +42,7 @@ def forward_lines(forward: dict | None) -> list[str]:
         lines += ["", "Served numerics: the candidate layer computed as each engine computes it (nvfp4-w4a4: "
                   "activations quantized to NVFP4 under each input_scale policy; marlin-w4a16: vLLM 0.33.0's "
                   "Marlin block-scale rule, which zeroes blocks far below the layer's largest), against the "
-                  "source's reference path. Exact weights above do not make these errors zero.", "",
+                  "source's reference path. Exact weights above need not mean exact served numbers.", "",
                   "| block | mode | input_scale | w1/w3 input | w2 input | rel. error | cosine | flushed blocks |",
                   "|---|---|---|---|---|---|---|---|"]
         for block, s in served:
