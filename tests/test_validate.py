@@ -86,11 +86,15 @@ def test_w4a16_output_validates_with_its_quantization_error(checkpoints, tmp_pat
     result = CliRunner().invoke(cli, ["convert", src, dst, "--out", "w4a16", "--group-size", "32", "--scheme", scheme,
                                       "--quiet"])
     assert result.exit_code == 0, result.output
-    report = validate(src, dst, layers="2,mtp.0", tokens=7, device="cpu", progress=False)
+    report = validate(src, dst, layers="2,mtp.0", tokens=7, device="cpu", progress=False,
+                      serve_modes=["nvfp4-w4a4", "marlin-w4a16", "bf16"])
     assert report.passed
     for r in report.layers:
         assert (r.src_format, r.dst_format) == ("mxfp4", "int4")
         assert 0.01 < r.rel_err < 0.15 and r.routing_agreement == 1.0
+        # No NVFP4 activations for INT4 experts; Marlin takes INT4's BF16 scales as they are.
+        assert [(s.mode, s.rel_err, s.flushed_blocks) for s in r.serving] == [("marlin-w4a16", r.rel_err, 0),
+                                                                            ("bf16", r.rel_err, 0)]
 
 
 def test_serving_modes(tmp_path):
