@@ -258,7 +258,8 @@ def report(src, dst, out_dir, layers, workers, no_forward, serve, as_json, quiet
 def validate(src, dst, layers, tokens, device, activations, serve, as_json, quiet):
     """Run the same hidden states through each MoE layer of SRC and DST with requant's fused-MoE
     kernel; report error, cosine, routing agreement and the kernel's error against a torch
-    reference. Exits 1 when a layer is past its threshold."""
+    reference, then DST as each serving mode computes it (--serve). Exits 1 when a layer is past
+    its threshold or a serving mode gives non-finite output."""
     from requant.serve import parse_modes
     from requant.validate import format_table, validate as run_validation
 
