@@ -12,6 +12,7 @@ import click
 
 from requant import __version__
 from requant.errors import RequantError, describe_os_error
+from requant.serve import HELP as SERVE_HELP
 from requant.targets import TARGETS
 
 INPUT_SCALE_HELP = (
@@ -20,12 +21,6 @@ INPUT_SCALE_HELP = (
     "input <= 1.5 * 10 * silu(10)), divided by 6 * 448, so no activation can overflow a W4A4 kernel. "
     "NVIDIA's calibration-free policy is 1.0. Weight-only (W4A16/Marlin) engines ignore it."
 )
-
-
-SERVE_HELP = ("Serving modes to compute the converted layers in, comma-separated or 'all': nvfp4-w4a4 "
-              "(Blackwell: NVFP4 activations under each input_scale policy), marlin-w4a16 (Hopper/Ampere: "
-              "vLLM's Marlin scale rule), bf16 (weight-only). Default: what the GPU present serves the "
-              "converted format with; both NVFP4 modes without a GPU.")
 
 
 def _fail(message: str, code: int) -> None:

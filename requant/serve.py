@@ -23,6 +23,10 @@ from requant.formats import engine_numerics
 
 MODES = ("nvfp4-w4a4", "marlin-w4a16", "bf16")
 POLICIES = ("written", "1.0", "calibrated")
+HELP = ("Serving modes to compute the converted layers in, comma-separated or 'all': nvfp4-w4a4 (Blackwell: "
+        "NVFP4 activations under each input_scale policy), marlin-w4a16 (Hopper/Ampere: vLLM's Marlin scale "
+        "rule), bf16 (weight-only). Default: what the GPU present serves the converted format with; both NVFP4 "
+        "modes without a GPU.")
 
 
 def default_modes(dst_format: str, capability: tuple[int, int] | None) -> list[str]:
