@@ -6,7 +6,7 @@ that layer (64 tokens) once per serving mode and once with all modes and --activ
 calibrated input_scale policy runs too), each on a warm kernel cache (a first untimed run
 compiles the kernels). Prints the served-numerics table of the last run.
 
-    python3 scripts/bench_validate.py [--work DIR] [--small] [--device cuda|cpu]
+    python3 scripts/bench_serving.py [--work DIR] [--small] [--device cuda|cpu]
 
 --small uses the default synthetic dimensions (a CPU smoke test of this script).
 """
@@ -43,7 +43,7 @@ def main():
     from requant.targets import Options
     from requant.validate import format_table, hidden_states, validate
 
-    work = args.work or tempfile.mkdtemp(prefix="bench_validate_")
+    work = args.work or tempfile.mkdtemp(prefix="bench_serving_")
     src, dst = os.path.join(work, "src"), os.path.join(work, "nvfp4")
     dims = synth.Dims(layers=1, hash_layers=0, mtp_layers=0) if args.small else synth.Dims(
         layers=1, experts=256, hidden=4096, intermediate=2048, hash_layers=0, mtp_layers=0)
@@ -75,7 +75,7 @@ def main():
     timings.append({"modes": "all", "activations": True, "seconds": time.perf_counter() - t0})
     print(f"validate --serve all --activations: {timings[-1]['seconds']:.2f} s", flush=True)
     print(format_table(result))
-    with open(os.path.join(args.out, "bench_validate.json"), "w") as f:
+    with open(os.path.join(args.out, "bench_serving.json"), "w") as f:
         json.dump({"dims": str(dims), "synth_s": t_synth, "convert_s": t_convert, "timings": timings,
                    "result": result.to_dict()}, f, indent=1)
 
