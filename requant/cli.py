@@ -13,6 +13,7 @@ import click
 from requant import __version__
 from requant.engines import GPU_FAMILIES
 from requant.errors import RequantError, describe_os_error
+from requant.serve import HELP as SERVE_HELP
 from requant.targets import TARGETS
 
 INPUT_SCALE_HELP = (
@@ -273,21 +274,24 @@ def verify(path, deep, source, engine, gpu, as_json, quiet):
 @click.option("--workers", type=click.IntRange(1, 64), help="Threads comparing experts (default: up to 4).")
 @click.option("--no-forward", is_flag=True, help="Skip the MoE-forward comparison (requant validate; every "
               "selected layer on a GPU, the first one only on a CPU).")
+@click.option("--serve", help=SERVE_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print report.json instead of the summary.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
-def report(src, dst, out_dir, old_out_dir, layers, workers, no_forward, as_json, quiet):
+def report(src, dst, out_dir, old_out_dir, layers, workers, no_forward, serve, as_json, quiet):
     """Accuracy difference of DST's routed experts against SRC's (MXFP4, NVFP4 or W4A16):
     exact scale blocks, SQNR, relative RMSE, max error, cosine, per projection, layer and overall."""
     from requant.report import html, make_report
     from requant.report.render import terminal
+    from requant.serve import parse_modes
 
     if out_dir and old_out_dir and out_dir != old_out_dir:
         raise RequantError("give the report directory once: --out-dir DIR")
     out_dir = out_dir or old_out_dir
     if not out_dir:
         raise RequantError("give the report directory: --out-dir DIR")
-    result = make_report(src, dst, out_dir, layers, workers, progress=not quiet, forward=not no_forward)
+    result = make_report(src, dst, out_dir, layers, workers, progress=not quiet, forward=not no_forward,
+                         serve_modes=parse_modes(serve))
     click.echo(json.dumps(result, indent=2) if as_json else terminal(result, out_dir, html.plots_missing()))
 
 
@@ -319,17 +323,22 @@ def upload(dst, repo_id, private, message, token, quiet):
 @click.option("--layers", help="Layer numbers and ranges (0,5,10-12) or MTP layer names (mtp.0); default all.")
 @click.option("--tokens", type=click.IntRange(1), default=64, show_default=True, help="Random hidden states per layer.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), help="Default: cuda when available (cpu: Triton interpreter).")
-@click.option("--activations", type=click.Path(dir_okay=False), help="Real MoE inputs (.safetensors or .pt).")
+@click.option("--activations", type=click.Path(dir_okay=False), help="Real MoE inputs (.safetensors or .pt); "
+              "also calibrate an input_scale from them for nvfp4-w4a4.")
+@click.option("--serve", help=SERVE_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
-def validate(src, dst, layers, tokens, device, activations, as_json, quiet):
+def validate(src, dst, layers, tokens, device, activations, serve, as_json, quiet):
     """Run the same hidden states through each MoE layer of SRC and DST with requant's fused-MoE
     kernel; report error, cosine, routing agreement and the kernel's error against a torch
-    reference. Exits 1 when a layer is past its threshold."""
+    reference, then DST as each serving mode computes it (--serve). Exits 1 when a layer is past
+    its threshold or a serving mode gives non-finite output."""
+    from requant.serve import parse_modes
     from requant.validate import format_table, validate as run_validation
 
-    result = run_validation(src, dst, layers, tokens, device, activations, progress=not quiet)
+    result = run_validation(src, dst, layers, tokens, device, activations, progress=not quiet,
+                            serve_modes=parse_modes(serve))
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_table(result))
     sys.exit(0 if result.passed else 1)
 

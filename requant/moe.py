@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from requant.errors import FormatError
 
 ExpertFn = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+Intermediate = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -73,21 +74,23 @@ def route(x: torch.Tensor, layer: MoELayer, cfg: MoEConfig,
 
 
 def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                  limit: float) -> torch.Tensor:
+                  limit: float, intermediate: Intermediate | None = None) -> torch.Tensor:
     gate = (x @ w1.T).clamp(max=limit)
     up = (x @ w3.T).clamp(-limit, limit)
-    return (F.silu(gate) * up) @ w2.T
+    h = F.silu(gate) * up
+    return (h if intermediate is None else intermediate(h)) @ w2.T
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertFn,
-                   limit: float) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) in FP32, one expert at a time."""
+                   limit: float, intermediate: Intermediate | None = None) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) in FP32, one expert at a time.
+    `intermediate` sees (and may replace) each expert's input to w2."""
     x = x.float()
     y = torch.zeros_like(x)
     for e in ids.unique().tolist():
         rows, slots = (ids == e).nonzero(as_tuple=True)
         w1, w3, w2 = (w.float() for w in experts(e))
-        y.index_add_(0, rows, swiglu_expert(x[rows], w1, w3, w2, limit) * weights[rows, slots, None])
+        y.index_add_(0, rows, swiglu_expert(x[rows], w1, w3, w2, limit, intermediate) * weights[rows, slots, None])
     return y
 
 

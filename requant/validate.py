@@ -3,7 +3,10 @@
 Both layers' routed experts go through requant's fused-MoE kernel, each in its stored format (no
 full-precision copy of the experts is made); the router and the shared expert run in torch.
 Per layer this reports the converted layer's error against the source layer, the routing
-agreement, and the kernel's own error against the plain torch reference on the source layer.
+agreement, and the kernel's own error against the plain torch reference on the source layer;
+then, for each serving mode (serve.py), the error of the converted layer computed as that engine
+computes it (W4A4 activations under each input_scale policy, Marlin's scale rule) against the same
+source output. The verdict rests on the weight-only comparison and on every mode staying finite.
 One layer's experts are in memory at a time, so a full-size checkpoint fits one GPU.
 """
 
@@ -12,12 +15,12 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm import tqdm
 
-from requant import formats
+from requant import formats, serve
 from requant.errors import FormatError, RequantError, UnsupportedError
 from requant.extras import require
 from requant.formats import fp8_block, int4, mxfp4, nvfp4
@@ -45,6 +48,18 @@ _BLOCK_NAME = re.compile(r"^(?:layers|mtp)\.\d+$")
 
 
 @dataclass
+class ServingResult:
+    mode: str                   # serve.MODES
+    policy: str | None          # input_scale policy (nvfp4-w4a4 only)
+    input_scales: tuple[float, float] | None  # (w1/w3 input, w2 input) the activations were quantized with
+    rel_err: float              # against the source layer output, as LayerResult.rel_err
+    cosine: float
+    max_abs_err: float
+    routed_rel_err: float
+    flushed_blocks: int         # marlin-w4a16: NVFP4 block scales of the layer set to zero
+
+
+@dataclass
 class LayerResult:
     layer: str
     src_format: str
@@ -60,6 +75,7 @@ class LayerResult:
     max_rel_err: float
     min_cosine: float
     passed: bool
+    serving: list[ServingResult] = field(default_factory=list)
 
 
 @dataclass
@@ -190,12 +206,15 @@ def _kernel_module(device: str):
 
 
 def validate(src: str, dst: str, layers: str | None = None, tokens: int = 64, device: str | None = None,
-             activations: str | None = None, seed: int = 0, progress: bool = True) -> ValidationResult:
-    """Compare the MoE layers of `dst` against `src` through requant's kernel (see module doc)."""
+             activations: str | None = None, seed: int = 0, progress: bool = True,
+             serve_modes: list[str] | None = None) -> ValidationResult:
+    """Compare the MoE layers of `dst` against `src` through requant's kernel (see module doc).
+    serve_modes: serve.MODES to report; None picks them from each layer's format and the GPU."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise UnsupportedError("--device cuda: no CUDA device is available")
     fm = _kernel_module(device)
+    capability = torch.cuda.get_device_capability() if device == "cuda" else None
     acts = load_activations(activations) if activations else None
     with Checkpoint.open(src) as a, Checkpoint.open(dst) as b:
         cfg = MoEConfig.from_config(a.config)
@@ -206,11 +225,11 @@ def validate(src: str, dst: str, layers: str | None = None, tokens: int = 64, de
         gen = torch.Generator().manual_seed(seed)
         results = []
         for block in tqdm(blocks, desc="validate", unit="layer", disable=not progress):
-            results.append(_validate_block(fm, a, b, block, cfg, tokens, device, gen, acts))
+            results.append(_validate_block(fm, a, b, block, cfg, tokens, device, gen, acts, serve_modes, capability))
     return ValidationResult(src, dst, device, results)
 
 
-def _validate_block(fm, a, b, block, cfg, tokens, device, gen, acts) -> LayerResult:
+def _validate_block(fm, a, b, block, cfg, tokens, device, gen, acts, serve_modes, capability) -> LayerResult:
     if acts is not None:
         shared_x = [v for k, v in acts.items() if k != "token_ids" and not _BLOCK_NAME.match(k)]
         x = acts.get(block, shared_x[0] if shared_x else None)
@@ -226,19 +245,36 @@ def _validate_block(fm, a, b, block, cfg, tokens, device, gen, acts) -> LayerRes
         token_ids = torch.randint(0, ra.tid2eid.shape[0], (x.shape[0],), generator=gen)
     token_ids = None if token_ids is None else token_ids.to(device)
 
-    outputs, routed, fmts = [], [], []
+    dst_fmt = expert_format(b, block)
+    modes = [m for m in (serve_modes or serve.default_modes(dst_fmt, capability)) if serve.applies(m, dst_fmt)]
+    h_amax = []   # the source's intermediate (w2 input) range, for the calibrated input_scale
+
+    def observe(h):
+        h_amax.append(float(h.abs().max()) if h.numel() else 0.0)
+        return h
+
+    outputs, routed, fmts, serving = [], [], [], []
     for ck, router in ((a, ra), (b, rb)):
         fmt = expert_format(ck, block)
         ws = [load_experts(ck, block, p, fmt, cfg.n_routed_experts, device) for p in ("w1", "w3", "w2")]
         ids, weights = route(x, router, cfg, token_ids)
         y = fm.fused_moe(x, ids, weights, *ws, swiglu_limit=cfg.swiglu_limit).float()
         if ck is a:
-            ref = routed_experts(x, ids, weights, lambda e: tuple(dense_expert(w, e) for w in ws), cfg.swiglu_limit)
+            ref = routed_experts(x, ids, weights, lambda e: tuple(dense_expert(w, e) for w in ws), cfg.swiglu_limit,
+                                 intermediate=observe)
             kernel_rel = _metrics(ref, y)[0]
         shared = swiglu_expert(x.float(), *router.shared, cfg.swiglu_limit) if router.shared else 0.0
         outputs.append((y + shared).bfloat16())
         routed.append(y)
         fmts.append((fmt, ids))
+        if ck is b:
+            calibrated = None if acts is None else (float(x.abs().max()), max(h_amax, default=0.0))
+            for mode, policy, scales, flushed, y_mode in _served(fm, b, block, cfg, ws, x, ids, weights, y, modes,
+                                                                 calibrated):
+                out = (y_mode + shared).bfloat16()
+                rel_m, cos_m, max_m = _metrics(outputs[0], out)
+                serving.append(ServingResult(mode, policy, scales, rel_m, cos_m, max_m,
+                                             _metrics(routed[0], y_mode)[0], flushed))
         del ws
     (fa, ids_a), (fb, ids_b) = fmts
     agreement = float((ids_a.sort(-1).values == ids_b.sort(-1).values).all(-1).float().mean())
@@ -247,9 +283,43 @@ def _validate_block(fm, a, b, block, cfg, tokens, device, gen, acts) -> LayerRes
     lossless = {fa, fb} <= {"mxfp4", "nvfp4"} or fa == fb
     max_rel, min_cos = LOSSLESS if lossless else LOSSY
     passed = (rel <= max_rel and cos >= min_cos and agreement == 1.0 and kernel_rel <= KERNEL_VS_REFERENCE
-              and all(math.isfinite(v) for v in (rel, cos, max_abs, kernel_rel)))
+              and all(math.isfinite(v) for v in (rel, cos, max_abs, kernel_rel))
+              and all(math.isfinite(s.rel_err) and math.isfinite(s.max_abs_err) for s in serving))
     return LayerResult(block, fa, fb, x.shape[0], ra.tid2eid is not None, rel, cos, max_abs, routed_rel, agreement,
-                       kernel_rel, max_rel, min_cos, passed)
+                       kernel_rel, max_rel, min_cos, passed, serving)
+
+
+def written_input_scales(ck: Checkpoint, block: str, experts: int) -> tuple[float, float] | None:
+    """(w1/w3 input_scale, w2 input_scale) as engines load them: the largest over the layer's
+    experts (and over w1 and w3); None when the checkpoint writes none."""
+    names = set(ck.names)
+    found = []
+    for projs in (("w1", "w3"), ("w2",)):
+        tensors = [f"{block}.ffn.experts.{e}.{p}.input_scale" for e in range(experts) for p in projs]
+        if not all(n in names for n in tensors):
+            return None
+        found.append(max(float(ck.tensor(n).float().max()) for n in tensors))
+    return found[0], found[1]
+
+
+def _served(fm, ck, block, cfg, ws, x, ids, weights, y_bf16, modes, calibrated):
+    """(mode, policy, input scales, flushed blocks, routed output) for each serving mode of the
+    converted layer; `calibrated` is the (x, intermediate) absolute maxima of real inputs, or None."""
+    run = lambda w, scales=None: fm.fused_moe(x, ids, weights, *w, swiglu_limit=cfg.swiglu_limit,  # noqa: E731
+                                             activation_scales=scales).float()
+    for mode in modes:
+        if mode == "bf16":
+            yield mode, None, None, 0, y_bf16
+        elif mode == "marlin-w4a16":
+            *marlin, flushed = serve.marlin_weights(*ws)
+            yield mode, None, None, flushed, (run(marlin) if flushed else y_bf16)
+        else:
+            policies = {"written": written_input_scales(ck, block, cfg.n_routed_experts), "1.0": (1.0, 1.0)}
+            if calibrated is not None:
+                policies["calibrated"] = tuple(serve.calibrated_input_scale(m) for m in calibrated)
+            for policy, scales in policies.items():
+                if scales is not None:
+                    yield mode, policy, scales, 0, run(ws, scales)
 
 
 def format_table(result: ValidationResult) -> str:
@@ -263,4 +333,17 @@ def format_table(result: ValidationResult) -> str:
                  f"kernel: kernel vs torch reference on the source (limit {KERNEL_VS_REFERENCE:g}). "
                  f"Limits: lossless rel <= {LOSSLESS[0]:g}, cos >= {LOSSLESS[1]}; W4A16 rel <= {LOSSY[0]:g}, "
                  f"cos >= {LOSSY[1]}. {'PASSED' if result.passed else 'FAILED'} on {result.device}.")
+    served = [(r.layer, s) for r in result.layers for s in r.serving]
+    if served:
+        lines += ["", "Served numerics: the converted layer as each engine computes it, against the source's reference "
+                  "path (BF16 activations).",
+                  f"{'layer':10s} {'mode':13s} {'input_scale':11s} {'w1/w3 in':>9s} {'w2 in':>9s} {'rel err':>9s} "
+                  f"{'routed':>9s} {'cosine':>9s} {'flushed':>8s}"]
+        for layer, s in served:
+            a13, a2 = (f"{v:9.3g}" for v in s.input_scales) if s.input_scales else ("", "")
+            lines.append(f"{layer:10s} {s.mode:13s} {s.policy or '':11s} {a13:>9s} {a2:>9s} {s.rel_err:9.2e} "
+                         f"{s.routed_rel_err:9.2e} {s.cosine:9.6f} {s.flushed_blocks:8d}")
+        lines.append("rel err: layer output (routed + shared experts); routed: routed experts alone; flushed: NVFP4 "
+                     "block scales Marlin sets to zero; input_scale: written (the checkpoint's), 1.0, calibrated "
+                     "(amax of --activations / 2688).")
     return "\n".join(lines)

@@ -5,12 +5,13 @@ kernel against the torch reference (every format, the small- and large-batch con
 the device's copy bandwidth and a BF16 grouped-GEMM baseline, then times the kernel over the token
 counts and prints a table. Full results go to $OUT (or --out) as JSON.
 
-    python3 scripts/bench_moe.py [--tokens 1,4,...] [--formats nvfp4,int4,mxfp4] [--sweep]
+    python3 scripts/bench_moe.py [--tokens 1,4,...] [--formats nvfp4,int4,mxfp4] [--sweep F1,F2]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -23,14 +24,25 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from requant.formats import mxfp4, nvfp4  # noqa: E402
+from requant.formats.engine_numerics import fake_quantize_activations  # noqa: E402
 from requant.kernels import fused_moe as fm  # noqa: E402
 from requant.moe import routed_experts  # noqa: E402
 
 E, H, I, TOP_K, LIMIT = 256, 4096, 2048, 6, 10.0
-SWEEP = [
-    fm.KernelConfig(16, 64, 128, 4, 4), fm.KernelConfig(16, 64, 128, 4, 6), fm.KernelConfig(32, 64, 128, 4, 4),
-    fm.KernelConfig(64, 128, 128, 8, 4), fm.KernelConfig(128, 128, 128, 8, 3),
-]
+
+
+def sweep_configs(tokens: int) -> list[fm.KernelConfig]:
+    """Candidates around the default for this batch: split-K depths and wider N tiles at decode
+    sizes, M/N tiles and stages at prefill sizes (configs that ran out of shared memory or lost
+    everywhere in earlier runs are left out)."""
+    if tokens <= 64:
+        return [fm.KernelConfig(16, 64, 128, 4, 4, split_k=s) for s in (1, 2, 4, 8)] + [
+            fm.KernelConfig(16, 128, 128, 4, 4), fm.KernelConfig(16, 128, 128, 4, 4, split_k=2)]
+    if tokens <= 1024:
+        return [fm.KernelConfig(16, 64, 128, 4, 4), fm.KernelConfig(32, 64, 128, 4, 4),
+                fm.KernelConfig(64, 128, 128, 8, 4)]
+    return [fm.KernelConfig(128, 128, 128, 8, 3), fm.KernelConfig(128, 128, 128, 8, 2),
+            fm.KernelConfig(64, 256, 128, 8, 3), fm.KernelConfig(64, 128, 128, 8, 4)]
 
 
 def random_weights(fmt: str, n: int, k: int, gen: torch.Generator) -> fm.ExpertWeights:
@@ -80,12 +92,20 @@ def layer_bytes(ws, ids) -> int:
     return used * per_expert
 
 
-def check(fmt, ws, gen, tokens, cfg=None):
+def check(fmt, ws, gen, tokens, cfg=None, activation_scales=None):
+    """Kernel vs FP32 torch reference; with activation_scales (W4A4) the reference gets the same
+    NVFP4-quantized GEMM inputs."""
     w1, w3, w2 = ws
     ids, weights = routing(tokens, gen)
     x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
-    y = fm.fused_moe(x, ids, weights, w1, w3, w2, config=cfg)
-    ref = routed_experts(x, ids, weights, lambda e: (dense(w1, e), dense(w3, e), dense(w2, e)), LIMIT)
+    y = fm.fused_moe(x, ids, weights, w1, w3, w2, config=cfg, activation_scales=activation_scales)
+    if activation_scales:
+        a13, a2 = activation_scales
+        ref = routed_experts(fake_quantize_activations(x, a13), ids, weights,
+                             lambda e: (dense(w1, e), dense(w3, e), dense(w2, e)), LIMIT,
+                             intermediate=lambda h: fake_quantize_activations(h.bfloat16(), a2).float())
+    else:
+        ref = routed_experts(x, ids, weights, lambda e: (dense(w1, e), dense(w3, e), dense(w2, e)), LIMIT)
     rel = float((y.float() - ref).norm() / ref.norm())
     return rel, bool(torch.isfinite(y).all())
 
@@ -108,7 +128,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,4,16,64,256,1024,4096,16384")
     ap.add_argument("--formats", default="nvfp4,int4,mxfp4")
-    ap.add_argument("--sweep", action="store_true", help="try every config in SWEEP (nvfp4) and keep the best")
+    ap.add_argument("--sweep", default="", help="formats to sweep (sweep_configs) keeping the best; others use "
+                    "the default config")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     tokens_list = [int(t) for t in args.tokens.split(",")]
@@ -118,6 +139,10 @@ def main():
     results = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
                "triton": triton.__version__, "correctness": [], "timings": []}
     print(results, flush=True)
+
+    def save():  # after every row, so a run stopped at its time limit still leaves its numbers
+        with open(os.path.join(args.out, "bench_moe.json"), "w") as f:
+            json.dump(results, f, indent=1)
 
     src = torch.empty(2**31, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
@@ -129,21 +154,26 @@ def main():
 
     weights = {f: [random_weights(f, n, k, gen) for n, k in ((I, H), (I, H), (H, I))]
                for f in dict.fromkeys(formats + ["int4-asym"])}
+    cases = [(1, None, None), (64, None, None), (4096, None, None),
+             (300, fm.KernelConfig(64, 128, 128, 4, 4), None), (1, fm.KernelConfig(16, 64, 128, 4, 4, split_k=8), None),
+             (5, fm.KernelConfig(16, 128, 128, 8, 4, 2), None)]
     for f, ws in weights.items():
-        for tokens, cfg in ((1, None), (64, None), (4096, None), (300, fm.KernelConfig(64, 128, 128, 4, 4))):
+        for tokens, cfg, scales in cases + ([(64, None, (0.002, 0.004)), (1, None, (1.0, 1.0))] if f == "nvfp4" else []):
             try:
-                rel, finite = check(f, ws, gen, tokens, cfg)
+                rel, finite = check(f, ws, gen, tokens, cfg, scales)
             except Exception:  # report and go on: the timings are still worth having
                 traceback.print_exc()
                 continue
-            results["correctness"].append({"format": f, "tokens": tokens, "config": str(cfg), "rel_err": rel})
-            print(f"check {f:9s} tokens {tokens:5d} cfg {cfg}: rel err {rel:.2e} finite {finite}", flush=True)
+            results["correctness"].append({"format": f, "tokens": tokens, "config": str(cfg), "w4a4": scales,
+                                           "rel_err": rel})
+            print(f"check {f:9s} tokens {tokens:5d} cfg {cfg} w4a4 {scales}: rel err {rel:.2e} finite {finite}",
+                  flush=True)
     if "int4-asym" not in formats:
         del weights["int4-asym"]
 
     # Is the GEMM on wgmma? Look at the compiled kernel of the large-batch config.
     w1, w3, w2 = weights[formats[0]]
-    for cfg in (fm.default_config(6, E), fm.default_config(6 * 16384, E)):
+    for cfg in (dataclasses.replace(fm.default_config(6, E), split_k=1), fm.default_config(6 * 16384, E)):
         try:
             ids, _ = routing(64, gen)
             sorted_ids, block_expert = fm.moe_align(ids, E, cfg.block_m)
@@ -161,6 +191,23 @@ def main():
         except Exception:
             traceback.print_exc()
 
+    # BF16 baseline first (same run), dequantized from the first format's weights (the values do not change the time).
+    w1, w3, w2 = weights[formats[0]]
+    w13 = torch.stack([torch.cat([dense(w1, e), dense(w3, e)]).bfloat16() for e in range(E)])
+    w2d = torch.stack([dense(w2, e).bfloat16() for e in range(E)])
+    for tokens in tokens_list:
+        ids, rw = routing(tokens, gen)
+        x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
+        try:
+            t = do_bench(lambda: bf16_baseline(w13, w2d, x, ids, rw), warmup=25, rep=200, return_mode="median")
+        except Exception as e:
+            print(f"bf16 baseline failed at {tokens}: {e}", flush=True)
+            continue
+        results["timings"].append({"format": "bf16-grouped_mm", "tokens": tokens, "ms_full": t, "ms_gemms": t,
+                                   "bytes": ids.unique().numel() * 3 * H * I * 2, "flops": 2 * tokens * TOP_K * 3 * H * I})
+        save()
+    del w13, w2d
+
     for f in formats:
         w1, w3, w2 = weights[f]
         for tokens in tokens_list:
@@ -168,7 +215,7 @@ def main():
             x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
             flops = 2 * tokens * TOP_K * 3 * H * I
             nbytes = layer_bytes((w1, w3, w2), ids)
-            cfgs = SWEEP if (args.sweep and f == "nvfp4") else [fm.default_config(tokens * TOP_K, E)]
+            cfgs = sweep_configs(tokens) if f in args.sweep.split(",") else [fm.default_config(tokens * TOP_K, E)]
             best = None
             for cfg in cfgs:
                 try:
@@ -182,41 +229,24 @@ def main():
                                                             "ms_full": t_full})
                 if best is None or t_full < best[0]:
                     best = (t_full, cfg)
+            if best is None:
+                continue
             t_full, cfg = best
             sorted_ids, block_expert = fm.moe_align(ids, E, cfg.block_m)
-            h = torch.empty(tokens * TOP_K, I, device="cuda", dtype=torch.bfloat16)
-            y = torch.empty(tokens * TOP_K, H, device="cuda", dtype=torch.bfloat16)
             rwf = rw.flatten().contiguous()
+            pairs = tokens * TOP_K
 
-            def gemms():
-                fm._launch(x, TOP_K, w1, w3, h, sorted_ids, block_expert, None, tokens * TOP_K, torch.bfloat16, cfg,
-                           LIMIT, perm_out=True)
-                fm._launch(h, 1, w2, None, y, sorted_ids, block_expert, rwf, tokens * TOP_K, torch.bfloat16, cfg,
-                           LIMIT)
+            def gemms():  # the two GEMMs (with split-K's SwiGLU of the partials), no align, no top-k sum
+                h = fm.gate_up(x, TOP_K, w1, w3, sorted_ids, block_expert, pairs, torch.bfloat16, cfg, LIMIT)
+                fm.down(h, w2, sorted_ids, block_expert, rwf, pairs, torch.bfloat16, cfg)
             t_gemm = do_bench_cudagraph(gemms, rep=200, return_mode="median")
             row = {"format": f, "tokens": tokens, "config": str(cfg), "ms_full": t_full, "ms_gemms": t_gemm,
                    "bytes": nbytes, "flops": flops}
             results["timings"].append(row)
+            save()
             print(f"{f} {tokens} {cfg}: full {t_full * 1e3:.1f} us, gemms {t_gemm * 1e3:.1f} us", flush=True)
 
-    # BF16 baseline, dequantized from the first format's weights (the values do not change the time).
-    w1, w3, w2 = weights[formats[0]]
-    w13 = torch.stack([torch.cat([dense(w1, e), dense(w3, e)]).bfloat16() for e in range(E)])
-    w2d = torch.stack([dense(w2, e).bfloat16() for e in range(E)])
-    del weights
-    for tokens in tokens_list:
-        ids, rw = routing(tokens, gen)
-        x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
-        try:
-            t = do_bench(lambda: bf16_baseline(w13, w2d, x, ids, rw), warmup=25, rep=200, return_mode="median")
-        except Exception as e:
-            print(f"bf16 baseline failed at {tokens}: {e}", flush=True)
-            continue
-        results["timings"].append({"format": "bf16-grouped_mm", "tokens": tokens, "ms_full": t, "ms_gemms": t,
-                                   "bytes": ids.unique().numel() * 3 * H * I * 2, "flops": 2 * tokens * TOP_K * 3 * H * I})
-
-    with open(os.path.join(args.out, "bench_moe.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    save()
     print(f"\ndevice {props.name}, copy {copy_bw / 1e12:.2f} TB/s; time in us (CUDA graph replay, median)")
     print(f"{'format':16s} {'tokens':>6s} {'full us':>9s} {'gemm us':>9s} {'GB/s':>7s} {'%copy':>6s} {'TFLOP/s':>8s}")
     for r in results["timings"]:

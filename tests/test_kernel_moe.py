@@ -17,7 +17,8 @@ import torch  # noqa: E402
 pytest.importorskip("triton", reason="requant's kernel needs triton (Linux wheels only): pip install 'requant[gpu]'")
 from moe_fixtures import make_layer, nvfp4_dense  # noqa: E402
 from requant.errors import FormatError  # noqa: E402
-from requant.kernels.fused_moe import ExpertWeights, fused_moe, moe_align  # noqa: E402
+from requant.formats.engine_numerics import fake_quantize_activations  # noqa: E402
+from requant.kernels.fused_moe import ExpertWeights, KernelConfig, fused_moe, moe_align  # noqa: E402
 from requant.moe import MoEConfig, MoELayer, route, routed_experts  # noqa: E402
 
 EXPERTS, HIDDEN, INTER, LIMIT = 8, 256, 128, 10.0
@@ -139,3 +140,38 @@ def test_rejects_mismatched_scales():
     with pytest.raises(FormatError):
         ExpertWeights("int4", torch.zeros(2, 64, 8, dtype=torch.int32), torch.zeros(2, 64, 2, dtype=torch.bfloat16),
                       torch.ones(2))
+
+
+def test_w4a4_emulation_quantizes_both_gemm_inputs():
+    """With activation scales the kernel multiplies NVFP4-quantized x and intermediate (as W4A4
+    engines do): equal to the torch reference fed the same quantized inputs, and measurably not
+    the BF16-activation result."""
+    gen = torch.Generator().manual_seed(12)
+    (w1, d1), (w3, d3), (w2, d2) = make_layer("nvfp4", EXPERTS, HIDDEN, INTER, gen)
+    ids, weights = random_routing(6, 2, gen)
+    x = torch.randn(6, HIDDEN, generator=gen).bfloat16()
+    scales = (0.004, 0.002)
+    # Split K for w1/w3 too: the intermediate then leaves the split-K SwiGLU in natural column order.
+    cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=2)
+    y = fused_moe(x, ids, weights, w1, w3, w2, activation_scales=scales, config=cfg)
+    quantize = lambda t, s: fake_quantize_activations(t.bfloat16(), s).float()  # noqa: E731
+    ref = routed_experts(quantize(x, scales[0]), ids, weights, lambda e: (d1[e], d3[e], d2[e]), LIMIT,
+                         intermediate=lambda h: quantize(h, scales[1]))
+    plain = routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), LIMIT)
+    rel = lambda a, b: float((a.float() - b).norm() / b.norm())  # noqa: E731
+    # A rounding flip of one element between the kernel's and the reference's FP32 sums moves that
+    # element by one E2M1 step; the norm still agrees to ~1e-3.
+    assert rel(y, ref) < 3e-3
+    assert rel(y, plain) > 2e-2
+
+
+def test_split_k_matches_reference():
+    """Split-K (decode batches): FP32 partials per K slice, SwiGLU after their sum."""
+    gen = torch.Generator().manual_seed(8)
+    hidden, inter, experts = 512, 256, 3  # w1/w3: 4 K tiles, split 4; w2: 2 K tiles, split 2
+    (w1, d1), (w3, d3), (w2, d2) = make_layer("nvfp4-any", experts, hidden, inter, gen)
+    ids, weights = torch.tensor([[0, 2], [2, 1]]), torch.rand(2, 2, generator=gen)
+    x = (torch.randn(2, hidden, generator=gen) * 0.05).bfloat16()
+    cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=4)
+    y = fused_moe(x, ids, weights, w1, w3, w2, config=cfg)
+    assert_matches(y, routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), LIMIT))

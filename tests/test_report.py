@@ -144,6 +144,11 @@ def test_forward_comparison_says_what_ran_where(pair, tmp_path):
     assert "MoE forward on cpu" in (out / "report.md").read_text() or torch.cuda.is_available()
     # drawn only when some layer's output differs: a log axis has no place for identical outputs
     assert (out / "forward_error_per_layer.png").exists() == any(r["rel_error"] > 0 for r in forward["by_layer"])
+    # Served numerics: without a GPU the serving GPU is unknown, so both NVFP4 modes are reported.
+    served = [(s["mode"], s["policy"]) for s in forward["by_layer"][0]["serving"]]
+    if not torch.cuda.is_available():
+        assert served == [("nvfp4-w4a4", "written"), ("nvfp4-w4a4", "1.0"), ("marlin-w4a16", None)]
+    assert "Served numerics" in (out / "report.md").read_text()
 
 
 def test_unknown_layers_are_refused(pair, tmp_path):
@@ -203,7 +208,7 @@ def exact_pair(tmp_path_factory):
 def test_markdown_tables_have_one_cell_per_column(pair, tmp_path):
     make_report(pair[0], pair[1], str(tmp_path / "r"), layers="1", progress=False)
     tables = _md_tables((tmp_path / "r" / "report.md").read_text())
-    assert len(tables) == 3   # overall, per layer, forward
+    assert len(tables) == 4   # overall, per layer, forward, served numerics
     for table in tables:
         widths = {len(CELL_BORDER.findall(row)) for row in table}
         assert widths == {len(CELL_BORDER.findall(table[0]))}, table

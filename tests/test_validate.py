@@ -33,7 +33,7 @@ def checkpoints(tmp_path_factory):
 
 def test_lossless_nvfp4_passes(checkpoints):
     src, dst = checkpoints
-    result = validate(src, dst, layers="0,3,mtp.0", tokens=9, device="cpu", progress=False)
+    result = validate(src, dst, layers="0,3,mtp.0", tokens=9, device="cpu", progress=False, serve_modes=["bf16"])
     by = {r.layer: r for r in result.layers}
     assert result.passed and list(by) == ["layers.0", "layers.3", "mtp.0"]
     assert by["layers.0"].hash_routed and not by["layers.3"].hash_routed
@@ -42,6 +42,8 @@ def test_lossless_nvfp4_passes(checkpoints):
         # Same decoded weights, products scaled by powers of two: identical outputs.
         assert r.rel_err == 0.0 and r.routing_agreement == 1.0 and r.tokens == 9
         assert 0 < r.kernel_rel_err < 4e-3  # FP32 interpreter vs FP32 reference: BF16 output rounding only
+        [served] = r.serving
+        assert (served.mode, served.rel_err, served.flushed_blocks) == ("bf16", r.rel_err, 0)
 
 
 def test_wrong_w3_global_scale_fails(checkpoints, tmp_path):
@@ -57,7 +59,7 @@ def test_wrong_w3_global_scale_fails(checkpoints, tmp_path):
     save_file(tensors, os.path.join(bad, shard), metadata={"format": "pt"})
     runner = CliRunner()
     result = runner.invoke(cli, ["validate", src, bad, "--layers", "3", "--tokens", "16", "--device", "cpu",
-                                 "--json", "--quiet"])
+                                 "--serve", "bf16", "--json", "--quiet"])
     assert result.exit_code == 1, result.output
     report = json.loads(result.output)
     layer = report["layers"][0]
@@ -69,9 +71,11 @@ def test_activations_file_and_cli(checkpoints, tmp_path):
     path = str(tmp_path / "acts.safetensors")
     save_file({"hidden_states": torch.randn(5, 128), "token_ids": torch.arange(5)}, path)
     result = CliRunner().invoke(cli, ["validate", src, dst, "--layers", "1", "--device", "cpu",
-                                      "--activations", path, "--quiet"])
+                                      "--activations", path, "--serve", "nvfp4-w4a4", "--quiet"])
     assert result.exit_code == 0, result.output
     assert "layers.1" in result.output and "PASSED" in result.output
+    served = [line.split() for line in result.output.splitlines() if " nvfp4-w4a4 " in line]
+    assert [row[2] for row in served] == ["written", "1.0", "calibrated"]
 
 
 @pytest.mark.parametrize("scheme", ["sym", "asym"])
@@ -83,8 +87,61 @@ def test_w4a16_output_validates_with_its_quantization_error(checkpoints, tmp_pat
     result = CliRunner().invoke(cli, ["convert", src, dst, "--out", "w4a16", "--group-size", "32", "--scheme", scheme,
                                       "--quiet"])
     assert result.exit_code == 0, result.output
-    report = validate(src, dst, layers="2,mtp.0", tokens=7, device="cpu", progress=False)
+    report = validate(src, dst, layers="2,mtp.0", tokens=7, device="cpu", progress=False,
+                      serve_modes=["nvfp4-w4a4", "marlin-w4a16", "bf16"])
     assert report.passed
     for r in report.layers:
         assert (r.src_format, r.dst_format) == ("mxfp4", "int4")
         assert 0.01 < r.rel_err < 0.15 and r.routing_agreement == 1.0
+        # No NVFP4 activations for INT4 experts; Marlin takes INT4's BF16 scales as they are.
+        assert [(s.mode, s.rel_err, s.flushed_blocks) for s in r.serving] == [("marlin-w4a16", r.rel_err, 0),
+                                                                            ("bf16", r.rel_err, 0)]
+
+
+def test_serving_modes(tmp_path):
+    """Every serving mode on a layer with blocks below E4M3's normal range (re-quantized by the
+    cast to scale 2^-9): Marlin flushes exactly those, W4A4 runs under the checkpoint's largest
+    input_scale and under 1.0, each with an activation-quantization error of its own."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "nvfp4")
+    runner = CliRunner()
+    for args in (["synth", src, "--layers", "4", "--experts", "8", "--hidden", "128", "--intermediate", "128",
+                  "--seed", "5", "--out-of-window", "3"], ["convert", src, dst, "--out", "nvfp4", "--quiet"]):
+        result = runner.invoke(cli, args)
+        assert result.exit_code == 0, result.output
+    report = validate(src, dst, layers="3", tokens=8, device="cpu", progress=False, serve_modes=["nvfp4-w4a4", "marlin-w4a16", "bf16"])
+    [layer] = report.layers
+    served = {(s.mode, s.policy): s for s in layer.serving}
+    assert list(served) == [("nvfp4-w4a4", "written"), ("nvfp4-w4a4", "1.0"), ("marlin-w4a16", None), ("bf16", None)]
+    assert report.passed and 0 < layer.routed_rel_err <= 1e-3   # re-quantized blocks: not exact, within the limit
+
+    ck = Checkpoint.open(dst)
+    experts = [f"layers.3.ffn.experts.{e}" for e in range(8)]
+    scales = torch.stack([ck.tensor(f"{x}.{p}.weight_scale").view(torch.uint8) for x in experts for p in ("w1", "w3", "w2")])
+    written = [max(float(ck.tensor(f"{x}.{p}.input_scale")) for x in experts for p in projs)
+               for projs in (("w1", "w3"), ("w2",))]
+    ck.close()
+    assert int(scales.max()) == 0x78   # 2^8 is the largest: Marlin's factor is 1
+    subnormal = int(((scales & 0x78) == 0).logical_and(scales != 0).sum())
+    marlin = served[("marlin-w4a16", None)]
+    assert marlin.flushed_blocks == subnormal > 0
+    # Flushing changes what the layer computes (here those blocks were the cast's re-quantized ones,
+    # so zero happens to be nearer the source's tiny values).
+    assert marlin.routed_rel_err != layer.routed_rel_err
+    assert served[("nvfp4-w4a4", "written")].input_scales == pytest.approx(tuple(written), rel=1e-7)
+    assert served[("nvfp4-w4a4", "1.0")].input_scales == (1.0, 1.0)
+    for policy in ("written", "1.0"):
+        s = served[("nvfp4-w4a4", policy)]
+        assert 0.01 < s.routed_rel_err < 0.3 and s.rel_err > layer.rel_err
+    assert served[("bf16", None)].rel_err == layer.rel_err
+
+
+def test_serve_defaults_and_names():
+    from requant.errors import RequantError
+    from requant.serve import default_modes, parse_modes
+    assert default_modes("nvfp4", (10, 0)) == ["nvfp4-w4a4"]
+    assert default_modes("nvfp4", (9, 0)) == ["marlin-w4a16"]
+    assert default_modes("nvfp4", None) == ["nvfp4-w4a4", "marlin-w4a16"]
+    assert default_modes("int4", (9, 0)) == default_modes("mxfp4", None) == ["bf16"]
+    assert parse_modes("all") == ["nvfp4-w4a4", "marlin-w4a16", "bf16"] and parse_modes(None) is None
+    with pytest.raises(RequantError):
+        parse_modes("w4a4")

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from requant.errors import FormatError
+from requant.formats.engine_numerics import fake_quantize_activations
 
 NVFP4 = tl.constexpr(0)
 MXFP4 = tl.constexpr(1)
@@ -100,6 +101,7 @@ class KernelConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1  # programs per output tile along K, FP32 partial sums combined afterwards
 
 
 def default_config(pairs: int, experts: int) -> KernelConfig:
@@ -109,7 +111,11 @@ def default_config(pairs: int, experts: int) -> KernelConfig:
     per_expert = pairs / experts
     # From the H200 sweep (scripts/bench_moe_results.md): BLOCK_K 128 beat 256 at decode sizes.
     if per_expert <= 16:
-        return KernelConfig(16, 64, 128, num_warps=4, num_stages=4)
+        # One token touches top_k experts only: 192 (w1/w3) and 384 (w2) programs for 132 SMs.
+        # Two K slices were 7-10% faster there on the H200, four or more slower; from 4 tokens
+        # on no split was best (scripts/bench_moe_results.md, run 4b).
+        split = 2 if pairs <= 8 else 1
+        return KernelConfig(16, 64, 128, num_warps=4, num_stages=4, split_k=split)
     if per_expert <= 32:
         return KernelConfig(32, 64, 128, num_warps=4, num_stages=4)
     if per_expert <= 64:
@@ -304,13 +310,14 @@ def _moe_gemm_kernel(
     w_ptr, s_ptr, gs_ptr, z_ptr,
     w3_ptr, s3_ptr, gs3_ptr, z3_ptr,
     stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn,
-    out_ptr, stride_om,
+    out_ptr, stride_om, stride_os, stride_og,
     sorted_ids_ptr, block_expert_ptr, route_w_ptr,
     num_pairs, N, K,
     A_ROW_DIV: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
     HAS_ZP: tl.constexpr, HAS_GLOBAL: tl.constexpr, GATED: tl.constexpr, ROUTE_WEIGHT: tl.constexpr,
     LIMIT: tl.constexpr, COMPUTE: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PERM_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """out[pair, n] for the pairs of one M block (one expert) and one N tile.
 
@@ -322,9 +329,15 @@ def _moe_gemm_kernel(
     nibble j of every word meets a contiguous run of A, so each of the 8 nibble planes is its own
     dot and the unpacked weights never need an interleaving reshape. With PERM_OUT the output is
     stored in that permuted order for the next GEMM.
+
+    SPLIT_K > 1: program (n, m, s) sums the s-th K slice only and stores FP32 partials at
+    out + s * stride_os (w1's at +0, w3's at + stride_og when GATED, before the SwiGLU, which
+    needs the whole sum: `_swiglu_partials_kernel`). Decode batches touch few experts, and
+    slicing K gives every SM weights to stream.
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -341,17 +354,23 @@ def _moe_gemm_kernel(
     w_ptr += e * stride_we
     s_ptr += e * stride_se
     z_ptr += e * stride_ze
-    s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, 0, BLOCK_N, KW, GROUP, HAS_ZP)
+    # The host splits K on tile boundaries; saying so keeps the weight loads 16 bytes wide (the
+    # compiler cannot see it through the division, and 4-byte copies made split-K 2.5x slower).
+    k_begin = tl.multiple_of(pid_k * (K // SPLIT_K), BLOCK_K)
+    k_end = k_begin + K // SPLIT_K
+    s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, BLOCK_N, KW, GROUP,
+                          HAS_ZP)
     if GATED:
         w3_ptr += e * stride_we
         s3_ptr += e * stride_se
         z3_ptr += e * stride_ze
-        s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, 0, BLOCK_N, KW, GROUP, HAS_ZP)
+        s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, BLOCK_N, KW, GROUP,
+                              HAS_ZP)
         acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         kw = k0 // 8
-        kw_next = tl.minimum(k0 + BLOCK_K, K - BLOCK_K) // 8  # the last tile reloads itself
+        kw_next = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K) // 8  # the last tile reloads itself
         words = tl.load(w_ptr + w_offs + kw, mask=n_mask[:, None], other=0)
         planes = _dequant(words, s1, z1, FMT, HAS_ZP, COMPUTE, ASM)
         s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, BLOCK_N, KW, GROUP,
@@ -369,20 +388,56 @@ def _moe_gemm_kernel(
 
     if HAS_GLOBAL:
         acc *= tl.load(gs_ptr + e)
+    out_ptr += pid_k * stride_os
+    out_mask = row_mask[None, :] & n_mask[:, None]
     if GATED:
         if HAS_GLOBAL:
             acc3 *= tl.load(gs3_ptr + e)  # w3's own global scale, never w1's
-        g = tl.minimum(acc, LIMIT)
-        u = tl.minimum(tl.maximum(acc3, -LIMIT), LIMIT)
-        acc = g * tl.sigmoid(g) * u
+        if SPLIT_K > 1:
+            tl.store(out_ptr + stride_og + pairs.to(tl.int64)[None, :] * stride_om + offs_n[:, None], acc3,
+                     mask=out_mask)
+        else:
+            acc = _swiglu(acc, acc3, LIMIT)
     if ROUTE_WEIGHT:
         acc *= tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[None, :]
+    cols = _out_columns(offs_n, PERM_OUT and SPLIT_K == 1, BLOCK_K)
+    out_ptrs = out_ptr + pairs.to(tl.int64)[None, :] * stride_om + cols[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _swiglu(g, u, LIMIT: tl.constexpr):
+    g = tl.minimum(g, LIMIT)
+    u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
+def _out_columns(offs_n, PERM_OUT: tl.constexpr, BLOCK_K: tl.constexpr):
     if PERM_OUT:  # column n of a BLOCK_K tile goes to plane n % 8, word n // 8
-        cols = (offs_n // BLOCK_K) * BLOCK_K + (offs_n % 8) * KW + (offs_n % BLOCK_K) // 8
+        cols = (offs_n // BLOCK_K) * BLOCK_K + (offs_n % 8) * (BLOCK_K // 8) + (offs_n % BLOCK_K) // 8
     else:
         cols = offs_n
-    out_ptrs = out_ptr + pairs.to(tl.int64)[None, :] * stride_om + cols[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[None, :] & n_mask[:, None])
+    return cols
+
+
+@triton.jit
+def _swiglu_partials_kernel(part_ptr, stride_ps, stride_pg, h_ptr, stride_hm, N, LIMIT: tl.constexpr,
+                            SPLIT_K: tl.constexpr, PERM_OUT: tl.constexpr, BLOCK_K: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """h[pair] = SwiGLU of the summed split-K partials of w1 and w3 (row `pair` of each)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    ptrs = part_ptr + row * N + offs
+    g = tl.zeros((BLOCK,), dtype=tl.float32)
+    u = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        g += tl.load(ptrs + s * stride_ps, mask=mask, other=0.0)
+        u += tl.load(ptrs + s * stride_ps + stride_pg, mask=mask, other=0.0)
+    h = _swiglu(g, u, LIMIT)
+    tl.store(h_ptr + row * stride_hm + _out_columns(offs, PERM_OUT, BLOCK_K), h.to(h_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def permute_k(x: torch.Tensor, block_k: int) -> torch.Tensor:
@@ -406,6 +461,8 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
 
 def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pairs, compute, cfg, limit,
             perm_out=False):
+    """One GEMM launch; `out` is [pairs, N], or when split (`_split`) FP32 partials [S, pairs, N]
+    ([S, 2, pairs, N] for w1/w3)."""
     if w.k % cfg.block_k or cfg.block_k < 128 or w.group % 8:
         raise ValueError(f"K={w.k}, group {w.group} do not fit block_k={cfg.block_k}")
     gated = w3 is not None
@@ -419,32 +476,67 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
     dummy = words
     zp, zp3 = (w.zero_point, w3.zero_point) if w.zero_point is not None else (dummy, dummy)
     gs, gs3 = (w.global_scale, w3.global_scale) if w.global_scale is not None else (dummy, dummy)
-    grid = (triton.cdiv(w.n, cfg.block_n), block_expert.numel())
+    split = _split(cfg, w.k)
+    grid = (triton.cdiv(w.n, cfg.block_n), block_expert.numel(), split)
     return _moe_gemm_kernel[grid](
         a, a.stride(0),
         words, w.scale, gs, zp,
         words3, w3.scale, gs3, zp3,
         words.stride(0), words.stride(1), w.scale.stride(0), w.scale.stride(1),
         zp.stride(0), zp.stride(1),
-        out, out.stride(0),
+        out, out.stride(-2), out.stride(0) if split > 1 else 0, out.stride(1) if gated and split > 1 else 0,
         sorted_ids, block_expert, route_w if route_w is not None else out,
         num_pairs, w.n, w.k,
         A_ROW_DIV=a_row_div, FMT=_FORMAT_CODES[w.format], GROUP=w.group, HAS_ZP=w.zero_point is not None,
         HAS_GLOBAL=w.global_scale is not None, GATED=gated, ROUTE_WEIGHT=route_w is not None,
         LIMIT=float(limit), COMPUTE=_TL_DTYPES[compute], ASM=compute == torch.bfloat16,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", PERM_OUT=perm_out,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
+def _split(cfg: KernelConfig, k: int) -> int:
+    """K slices for a GEMM of depth k: the most, up to cfg.split_k, that divide its K tiles."""
+    return max(s for s in range(1, cfg.split_k + 1) if (k // cfg.block_k) % s == 0)
+
+
+def gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, limit, perm_out=True) -> torch.Tensor:
+    """The intermediate h [pairs, I] (compute dtype) = SwiGLU of a's rows through w1 and w3, its
+    columns permuted for `down` when perm_out."""
+    h = torch.empty(pairs, w1.n, dtype=compute, device=a.device)
+    split = _split(cfg, w1.k)
+    if split == 1:
+        _launch(a, top_k, w1, w3, h, sorted_ids, block_expert, None, pairs, compute, cfg, limit, perm_out=perm_out)
+        return h
+    part = torch.empty(split, 2, pairs, w1.n, dtype=torch.float32, device=a.device)
+    _launch(a, top_k, w1, w3, part, sorted_ids, block_expert, None, pairs, compute, cfg, limit)
+    block = 1024
+    _swiglu_partials_kernel[(pairs, triton.cdiv(w1.n, block))](
+        part, part.stride(0), part.stride(1), h, h.stride(0), w1.n, LIMIT=float(limit), SPLIT_K=split,
+        PERM_OUT=perm_out, BLOCK_K=cfg.block_k, BLOCK=block, num_warps=4)
+    return h
+
+
+def down(h, w2, sorted_ids, block_expert, route_w, pairs, compute, cfg) -> torch.Tensor:
+    """Per-pair outputs h W2.T * routing weight: [S, pairs, H], FP32 partials when split (S slices),
+    else the compute dtype (BF16 on the GPU halves this buffer's traffic)."""
+    split = _split(cfg, w2.k)
+    y = torch.empty(split, pairs, w2.n, dtype=torch.float32 if split > 1 else compute, device=h.device)
+    _launch(h, 1, w2, None, y if split > 1 else y[0], sorted_ids, block_expert, route_w, pairs, compute, cfg, 0.0)
+    return y
+
+
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
               w1: ExpertWeights, w3: ExpertWeights, w2: ExpertWeights, *, swiglu_limit: float = 10.0,
-              compute_dtype: torch.dtype | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+              compute_dtype: torch.dtype | None = None, config: KernelConfig | None = None,
+              activation_scales: tuple[float, float] | None = None) -> torch.Tensor:
     """Routed-expert output [T, H] (BF16): sum_k w_k * (silu(min(x W1_e.T, L)) * clamp(x W3_e.T, L)) W2_e.T.
 
     x: [T, H] activations; topk_ids: [T, top_k] expert indices; topk_weights: [T, top_k] routing
     weights. w1 (gate), w3 (up): N = intermediate, K = H; w2 (down): N = H, K = intermediate.
+    activation_scales: (input_scale of w1/w3, of w2) to emulate a W4A4 engine: each GEMM's input
+    (x, then the BF16 intermediate) is quantized to NVFP4 and decoded before the weights meet it.
     """
     compute = compute_dtype or (torch.float32 if interpreting() else torch.bfloat16)
     tokens, hidden = x.shape
@@ -455,12 +547,14 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
                           f"do not fit hidden size {hidden}")
     cfg = config or default_config(pairs, w1.experts)
     sorted_ids, block_expert = moe_align(topk_ids, w1.experts, cfg.block_m)
+    if activation_scales is not None:
+        x = fake_quantize_activations(x.bfloat16(), activation_scales[0])
     a = permute_k(x.to(compute), cfg.block_k)
-    h = torch.empty(pairs, w1.n, dtype=compute, device=x.device)
-    _launch(a, top_k, w1, w3, h, sorted_ids, block_expert, None, pairs, compute, cfg, swiglu_limit, perm_out=True)
-    # Per-pair outputs in the compute dtype (BF16 on the GPU halves this buffer's traffic); the
-    # top-k sum below accumulates in FP32.
-    y = torch.empty(pairs, hidden, dtype=compute, device=x.device)
+    quantize_h = activation_scales is not None  # in the natural column order, then permuted here
+    h = gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, swiglu_limit, perm_out=not quantize_h)
+    if quantize_h:
+        h = permute_k(fake_quantize_activations(h.bfloat16(), activation_scales[1]).to(compute), cfg.block_k)
     route_w = topk_weights.to(torch.float32).flatten().contiguous()
-    _launch(h, 1, w2, None, y, sorted_ids, block_expert, route_w, pairs, compute, cfg, swiglu_limit)
-    return y.view(tokens, top_k, hidden).sum(1, dtype=torch.float32).to(torch.bfloat16)
+    y = down(h, w2, sorted_ids, block_expert, route_w, pairs, compute, cfg)
+    # The top-k (and split-K) sum accumulates in FP32.
+    return y.view(-1, tokens, top_k, hidden).sum((0, 2), dtype=torch.float32).to(torch.bfloat16)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 
 from requant.errors import RequantError
 from requant.report import build, html, render
 
 
-def forward_section(src: str, dst: str, blocks: list[str], tokens: int = 64) -> dict:
+def forward_section(src: str, dst: str, blocks: list[str], tokens: int = 64,
+                    serve_modes: list[str] | None = None) -> dict:
     """requant validate's MoE-layer comparison: every selected layer on a GPU; on a CPU (Triton's
     interpreter, slow) only the first selected layer, with fewer tokens. Says what ran where."""
     import torch
@@ -28,7 +30,7 @@ def forward_section(src: str, dst: str, blocks: list[str], tokens: int = 64) -> 
     tokens = tokens if gpu else min(tokens, 16)
     try:
         result = validate(src, dst, layers=",".join(chosen), tokens=tokens, device="cuda" if gpu else "cpu",
-                          progress=False)
+                          progress=False, serve_modes=serve_modes)
     except (RequantError, ImportError, RuntimeError) as e:
         return {"status": "not run", "reason": f"validate failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"}
     device = f"cuda ({torch.cuda.get_device_name()})" if gpu else "cpu (Triton interpreter)"
@@ -39,14 +41,15 @@ def forward_section(src: str, dst: str, blocks: list[str], tokens: int = 64) -> 
                 + ("" if gpu else "; CPU subsample, no GPU present"),
         "passed": all(r.passed for r in result.layers),
         "by_layer": [{"block": r.layer, "rel_error": r.rel_err, "max_abs_error": r.max_abs_err, "cosine": r.cosine,
-                      "routing_agreement": r.routing_agreement, "passed": r.passed} for r in result.layers],
+                      "routing_agreement": r.routing_agreement, "passed": r.passed,
+                      "serving": [asdict(s) for s in r.serving]} for r in result.layers],
     }
 
 
 def make_report(src: str, dst: str, out_dir: str, layers: str | None = None, workers: int | None = None,
-                progress: bool = True, forward: bool = True) -> dict:
+                progress: bool = True, forward: bool = True, serve_modes: list[str] | None = None) -> dict:
     report = build.build(src, dst, layers, workers, progress)
-    report["forward"] = (forward_section(src, dst, report["selection"]["blocks"]) if forward
+    report["forward"] = (forward_section(src, dst, report["selection"]["blocks"], serve_modes=serve_modes) if forward
                          else {"status": "not run", "reason": "not requested (--no-forward)"})
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:

@@ -86,7 +86,21 @@ def forward_table(forward: dict) -> tuple[list[str], list[list[str]]]:
 def forward_lines(forward: dict | None) -> list[str]:
     if not forward or forward.get("status") != "run":
         return [forward_verdict(forward)]
-    return [forward_verdict(forward), "", f"What ran: {forward['what']}.", "", *_md_table(*forward_table(forward))]
+    lines = [forward_verdict(forward), "", f"What ran: {forward['what']}.", "", *_md_table(*forward_table(forward))]
+    served = [(r["block"], s) for r in forward["by_layer"] for s in r.get("serving", [])]
+    if served:
+        lines += ["", "Served numerics: the candidate layer computed as each engine computes it (nvfp4-w4a4: "
+                  "activations quantized to NVFP4 under each input_scale policy; marlin-w4a16: vLLM 0.33.0's "
+                  "Marlin block-scale rule, which zeroes blocks far below the layer's largest), against the "
+                  "source's reference path. Exact weights above need not mean exact served numbers.", ""]
+        header = ["layer", "mode", "input_scale", "w1/w3 input", "w2 input", "rel. error", "cosine", "flushed scale blocks"]
+        rows = []
+        for block, s in served:
+            a13, a2 = (f"{v:.3g}" for v in s["input_scales"]) if s["input_scales"] else ("", "")
+            rows.append([block, s["mode"], s["policy"] or "", a13, a2, f"{s['rel_err']:.3g}", f"{s['cosine']:.6f}",
+                         str(s["flushed_blocks"])])
+        lines += _md_table(header, rows)
+    return lines
 
 
 NOTE = ("Weights are decoded to float32 and the candidate compared with the source. A scale block is the run of "

@@ -1,0 +1,98 @@
+"""What serving engines do to NVFP4 numbers at run time, as plain torch (no I/O).
+
+Two rules change the numbers a converted checkpoint computes with, beyond decoding its weights:
+
+- W4A4 (Blackwell's FP4 tensor cores): each activation row is quantized to NVFP4 before the GEMM,
+  one E4M3 scale per 16 values from the block's absolute maximum, under the global scale
+  1 / input_scale (one input_scale per layer and GEMM input: engines keep the largest over the
+  layer's experts, and over w1/w3). `fake_quantize_activations` reproduces vLLM 0.33.0's reference
+  quantizer (`ref_nvfp4_quant` / `ref_nvfp4_quant_dequant` in
+  `layers/quantization/utils/nvfp4_emulation_utils.py`) bit for bit; the order of the float32
+  operations below is theirs, since a different but equivalent order rounds differently.
+- Marlin W4A16 (Hopper): vLLM 0.33.0 (`layers/quantization/utils/marlin_utils_fp4.py`) turns E4M3
+  block scales into an 8-bit format without a sign or subnormals, through fp16. One power-of-two
+  factor per layer and fused GEMM (w1 and w3 together, over all experts) lifts the layer's largest
+  block scale into [224, 448]; a block whose scale times that factor is below 2^-6 is set to zero.
+  Every other scale survives exactly and the global scale is divided by the same factor, so the
+  served weights are the checkpoint's with those blocks flushed (`marlin_flush`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from requant.formats import e2m1
+
+BLOCK = 16
+E4M3_MAX = 448.0
+MARLIN_MIN_SCALE = 2.0**-6          # smaller block scales (after the layer's factor) are flushed to 0
+_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_MAGNITUDES = torch.tensor(e2m1.MAGNITUDES)
+
+
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Float32 values rounded onto the E2M1 grid (round half to even, |x| <= 6 expected), sign kept:
+    a negative value that rounds to zero gives -0."""
+    a = x.abs()
+    index = torch.bucketize(a, _MIDPOINTS.to(a.device))   # midpoints strictly below a
+    on_tie = _MIDPOINTS.to(a.device)[index.clamp(max=len(_MIDPOINTS) - 1)] == a
+    index = index + (on_tie & (index % 2 == 1))
+    mag = _MAGNITUDES.to(a.device)[index]
+    return torch.where(x < 0, -mag, mag)
+
+
+def _reciprocal(t: torch.Tensor) -> torch.Tensor:
+    # vLLM's guard: 1 / (t + 1e8 where t == 0), so a zero scale never divides.
+    return 1.0 / (t + (t == 0) * 1e8)
+
+
+def activation_global_scale(input_scale: float) -> torch.Tensor:
+    """The quantizer's global scale for a layer whose (largest) input_scale is `input_scale`:
+    1 / input_scale in float32, as the engines compute it."""
+    return 1.0 / torch.tensor(input_scale, dtype=torch.float32)
+
+
+def quantize_activations(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E2M1 values [T, K] float32, E4M3 block scales [T, K/16] float32) of activations x [T, K]."""
+    rows, k = x.shape
+    blocks = x.reshape(rows, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True).float()
+    scale = global_scale * (amax * (1 / e2m1.MAX))
+    scale = scale.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    multiplier = _reciprocal(scale * _reciprocal(global_scale))
+    scaled = (blocks.float() * multiplier).clamp(-e2m1.MAX, e2m1.MAX)
+    return round_e2m1(scaled).reshape(rows, k), scale.squeeze(-1)
+
+
+def fake_quantize_activations(x: torch.Tensor, input_scale: float) -> torch.Tensor:
+    """x [T, K] quantized to NVFP4 under `input_scale` and decoded again, in x's dtype: what a W4A4
+    GEMM multiplies the weights with."""
+    rows, k = x.shape
+    if k % BLOCK:
+        raise ValueError(f"activation width {k} is not a multiple of {BLOCK}")
+    gs = activation_global_scale(input_scale).to(x.device)
+    values, scale = quantize_activations(x, gs)
+    decoded = values.reshape(rows, k // BLOCK, BLOCK) * (scale.unsqueeze(-1) / gs)
+    return decoded.reshape(rows, k).to(x.dtype)
+
+
+def marlin_scale_factor(*scales: torch.Tensor) -> float:
+    """vLLM 0.33.0's power-of-two factor for one fused GEMM of a layer (BF16 activations): the
+    largest non-zero E4M3 block scale of all `scales` (uint8 bytes) times the factor lands in
+    (224, 448]; 1 when it is 448 already (or every scale is zero). fp16 activations get no factor."""
+    positive = [v[v > 0] for v in (s.view(torch.float8_e4m3fn).float() for s in scales)]
+    largest = max((float(v.max()) for v in positive if v.numel()), default=0.0)
+    if largest == 0 or largest >= E4M3_MAX:
+        return 1.0
+    # 448 / largest is a power of two only for mantissa 1.75, where floor(log2) is exact anyway.
+    return 2.0 ** math.floor(math.log2(E4M3_MAX / largest))
+
+
+def marlin_flush(scales: torch.Tensor, factor: float) -> tuple[torch.Tensor, int]:
+    """(E4M3 bytes with the blocks Marlin zeroes set to 0, how many were non-zero before). Negative
+    scales, which Marlin's format cannot hold, are zeroed too."""
+    values = scales.view(torch.float8_e4m3fn).float()
+    flushed = (values != 0) & (values * factor < MARLIN_MIN_SCALE)
+    return torch.where(flushed, torch.zeros_like(scales), scales), int(flushed.sum())

@@ -1,0 +1,76 @@
+"""Serving modes: the numbers an engine computes a converted layer's routed experts with.
+
+validate and report run the converted layer once per requested mode and compare it with the
+source's own reference path (its weights decoded exactly, BF16 activations):
+
+- `nvfp4-w4a4`: Blackwell's FP4 tensor cores. Weights as stored; each GEMM input quantized to NVFP4
+  under the layer's input_scale (formats.engine_numerics), once per input_scale policy:
+  `written` (the checkpoint's), `1.0` (NVIDIA's calibration-free constant) and, given real MoE
+  inputs, `calibrated` (their absolute maximum / (6 * 448), ModelOpt's rule; the w2 input's range
+  comes from the source's reference pass). It is calibrated on the very tokens it is then judged
+  on, so it is the best case for calibration.
+- `marlin-w4a16`: vLLM 0.33.0's Marlin kernel (Hopper, Ampere). BF16 activations; NVFP4 block scales
+  pass its fp16 rule, which zeroes blocks far below the layer's largest. MXFP4 and INT4 scales
+  reach Marlin unchanged, so for them this is `bf16`.
+- `bf16`: the weights decoded exactly, BF16 activations: the weight-only comparison validate's
+  verdict rests on.
+"""
+
+from __future__ import annotations
+
+from requant.errors import RequantError
+from requant.formats import engine_numerics
+
+MODES = ("nvfp4-w4a4", "marlin-w4a16", "bf16")
+POLICIES = ("written", "1.0", "calibrated")
+HELP = ("Serving modes to compute the converted layers in, comma-separated or 'all': nvfp4-w4a4 (Blackwell: "
+        "NVFP4 activations under each input_scale policy), marlin-w4a16 (Hopper/Ampere: vLLM's Marlin scale "
+        "rule), bf16 (weight-only). Default: what the GPU present serves the converted format with; both NVFP4 "
+        "modes without a GPU.")
+
+
+def default_modes(dst_format: str, capability: tuple[int, int] | None) -> list[str]:
+    """The modes the GPU present would serve `dst_format` with; both NVFP4 modes without a GPU,
+    since the serving GPU is then unknown."""
+    if dst_format != "nvfp4":
+        return ["bf16"]
+    if capability is None:
+        return ["nvfp4-w4a4", "marlin-w4a16"]
+    return ["nvfp4-w4a4"] if capability[0] >= 10 else ["marlin-w4a16"]
+
+
+def parse_modes(spec: str | None) -> list[str] | None:
+    """--serve: comma-separated modes, or `all`; None (not given) means the defaults."""
+    if spec is None:
+        return None
+    modes = list(MODES) if spec.strip() == "all" else [m.strip() for m in spec.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise RequantError(f"--serve {spec!r}: choose from {', '.join(MODES)} or all")
+    return list(dict.fromkeys(modes))
+
+
+def applies(mode: str, dst_format: str) -> bool:
+    return mode != "nvfp4-w4a4" or dst_format == "nvfp4"
+
+
+def marlin_weights(w1, w3, w2):
+    """(w1, w3, w2, blocks flushed) as vLLM 0.33.0's Marlin serves NVFP4 experts: one factor for
+    w1 and w3 of all experts together (its fused w13), one for w2."""
+    from requant.kernels.fused_moe import ExpertWeights
+
+    if w1.format != "nvfp4":
+        return w1, w3, w2, 0
+    out, flushed = [], 0
+    for group in ((w1, w3), (w2,)):
+        factor = engine_numerics.marlin_scale_factor(*(w.scale for w in group))
+        for w in group:
+            scale, n = engine_numerics.marlin_flush(w.scale, factor)
+            out.append(ExpertWeights(w.format, w.packed, scale, w.global_scale, w.zero_point))
+            flushed += n
+    return (*out, flushed)
+
+
+def calibrated_input_scale(amax: float) -> float:
+    """ModelOpt's calibrated input_scale for activations whose absolute maximum is amax."""
+    return amax / (6.0 * engine_numerics.E4M3_MAX)
