@@ -16,13 +16,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from requant.engines import GPU_FAMILIES, EngineRules
-from requant.formats import nvfp4
+from requant.formats import engine_numerics, nvfp4
 from requant.model import ModelSpec
 
 MARLIN_GPUS = ("sm_80", "sm_90")   # no FP4 tensor cores: NVFP4 experts run through Marlin
-E4M3_MAX = 448.0
 MARLIN_SCALE_SHIFT = 2 ** 7   # Marlin's S0E5M3 scales are the block scale times 2^7, kept only from 2 up
-MARLIN_SCALE_FLOOR = 2.0 / MARLIN_SCALE_SHIFT   # smallest block scale S0E5M3 holds without a rescale
 
 
 @dataclass
@@ -56,13 +54,9 @@ class MarlinSpan:
 
 
 def marlin_flush_threshold(layer_max: float) -> float:
-    """Block scales below this are zero in vLLM 0.33.0's NVFP4 Marlin MoE (bf16 activations).
-
-    marlin_utils_fp4.py: one power-of-two factor per layer and fused group,
-    2^floor(log2(448 / largest scale)) (1 when the largest is 448), multiplies every scale in fp16;
-    times 2^7, values under 2 are set to 0. So a block survives iff scale * factor >= 2^-6."""
-    factor = 2.0 ** math.floor(math.log2(E4M3_MAX / layer_max)) if layer_max < E4M3_MAX else 1.0
-    return 2.0 / MARLIN_SCALE_SHIFT / factor
+    """Block scales below this are zero in vLLM 0.33.0's NVFP4 Marlin MoE (bf16 activations): a
+    block survives iff scale * factor >= 2^-6 (formats/engine_numerics.py has the rule)."""
+    return engine_numerics.MARLIN_MIN_SCALE / engine_numerics.marlin_factor(layer_max)
 
 
 def marlin_overflows(smin: float, smax: float) -> bool:
@@ -200,12 +194,12 @@ def _marlin_findings(rules: EngineRules, model: ModelSpec, spans, verdict: Engin
                               "sm_80, or sm_90 without humming-kernels or with --moe-backend marlin) block scales 15 or "
                               "more octaves below the layer's largest are flushed to zero",
                               where, f"{flushed} blocks, scales {span.min:g} .. {span.max:g}"))
-        elif rule == "unguarded" and span.blocks_below(MARLIN_SCALE_FLOOR):
+        elif rule == "unguarded" and span.blocks_below(engine_numerics.MARLIN_MIN_SCALE):
             found.append(("marlin-unguarded", f"{rules.label}: its Marlin NVFP4 MoE (--moe-runner-backend marlin on "
                           "sm_80/sm_90) passes block scales under 2^-6 to a scale format that cannot hold them (no "
                           "guard in srt/layers/quantization/marlin_utils_fp4.py; vLLM 0.33.0 zeroes these): those "
                           "blocks' weights decode wrongly", where,
-                          f"{span.blocks_below(MARLIN_SCALE_FLOOR)} blocks, scales {span.min:g} .. {span.max:g}"))
+                          f"{span.blocks_below(engine_numerics.MARLIN_MIN_SCALE)} blocks, scales {span.min:g} .. {span.max:g}"))
         elif rule == "smallest" and marlin_overflows(span.min, span.max):
             found.append(("marlin-overflow", f"{rules.label}: block-scale span overflows the fp16 scale conversion "
                           f"of Marlin NVFP4 MoE: inf weights. Fix: requant convert --scale-headroom {marlin_headroom()}",

@@ -83,7 +83,11 @@ def marlin_scale_factor(*scales: torch.Tensor) -> float:
     largest non-zero E4M3 block scale of all `scales` (uint8 bytes) times the factor lands in
     (224, 448]; 1 when it is 448 already (or every scale is zero). fp16 activations get no factor."""
     positive = [v[v > 0] for v in (s.view(torch.float8_e4m3fn).float() for s in scales)]
-    largest = max((float(v.max()) for v in positive if v.numel()), default=0.0)
+    return marlin_factor(max((float(v.max()) for v in positive if v.numel()), default=0.0))
+
+
+def marlin_factor(largest: float) -> float:
+    """The factor for a fused GEMM whose largest block scale is `largest` (0: no non-zero scale)."""
     if largest == 0 or largest >= E4M3_MAX:
         return 1.0
     # 448 / largest is a power of two only for mantissa 1.75, where floor(log2) is exact anyway.
