@@ -73,7 +73,8 @@ def model_card(record: dict, rules: EngineRules) -> str:
     lines += ["", "## Tensor formats", "", "| tensors | stored as |", "|---|---|"]
     lines += [f"| {group} | {fmt} |" for group, fmt in record["tensor_groups"].items()]
     lines += ["", "## Accuracy", ""] + [f"- {line}" for line in _accuracy_lines(record["accuracy"])]
-    lines += ["", "## Serve it", ""]
+    lines += ["", "## Serve it", "", "Set the parallelism (`--tensor-parallel-size`, `--tp`) to your GPUs: the model "
+              "does not fit on one. DIR is this directory, or its Hub repository id once uploaded.", ""]
     for family, how in rules.serve(record["target_format"]).items():
         lines += [f"**{family}**: {how['note']}" if how.get("note") else f"**{family}**", ""]
         if how.get("command"):

@@ -53,7 +53,7 @@ def decode_projection(fmt: str, tensors: dict[str, torch.Tensor]) -> torch.Tenso
 
 
 def block_size(fmt: str, tensors: dict[str, torch.Tensor]) -> int:
-    """K elements per scale of this projection's format (the unit of 'exact blocks')."""
+    """K elements per scale of this projection's format (the unit of 'exact scale blocks')."""
     if fmt == "mxfp4":
         return mxfp4.BLOCK
     if fmt == "nvfp4":

@@ -97,8 +97,8 @@ class NVFP4Target(Target):
         }}
 
     def summary(self, stats: Stats) -> str:
-        return (f"exact blocks {stats.exact_blocks:,} / {stats.blocks:,}, "
-                f"re-quantized blocks {stats.requantized_blocks:,}")
+        return (f"exact scale blocks {stats.exact_blocks:,} / {stats.blocks:,}, "
+                f"re-quantized scale blocks {stats.requantized_blocks:,}")
 
     format_label = "NVFP4: U8 E2M1 codes, E4M3 scale per 16, F32 weight_scale_2 and input_scale"
 
