@@ -39,6 +39,7 @@ OUTPUTS = {
     "w4a16-g32-sym": ("w4a16", Options(engine="vllm", extra={"group_size": 32, "scheme": "sym"})),
     "w4a16-g128-asym": ("w4a16", Options(engine="vllm", extra={"group_size": 128, "scheme": "asym"})),
     "w4a16-g128-sym": ("w4a16", Options(engine="vllm")),
+    "w4a16-g32-asym": ("w4a16", Options(engine="vllm", extra={"group_size": 32, "scheme": "asym"})),
     "sglang-nvfp4": ("nvfp4", Options(engine="sglang")),   # MTP experts kept MXFP4 (M4 for vLLM)
 }
 OLD_W4A16_TARGET = r"re:.*\.ffn\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"
@@ -77,7 +78,8 @@ def with_expert_target(src: str, dst, target: str) -> str:
 
 
 # ------------------------------------------------------------------------------ loading (1, 3)
-@pytest.mark.parametrize("name", ["mxfp4-source", "nvfp4", "w4a16-g32-sym", "w4a16-g128-asym", "w4a16-g128-sym"])
+@pytest.mark.parametrize("name", ["mxfp4-source", "nvfp4", "w4a16-g32-sym", "w4a16-g128-asym", "w4a16-g128-sym",
+                                  "w4a16-g32-asym"])
 def test_vllm_loads_every_tensor(ckpts, name):
     """Every tensor, MTP block included, reaches a parameter of the method vLLM dispatches for its
     layer, that method is the one requant's rules name, attention and shared experts are FP8 block."""
