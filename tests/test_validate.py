@@ -1,4 +1,5 @@
-"""requant validate end to end on a small synthetic checkpoint, on the CPU (Triton interpreter)."""
+"""requant validate end to end on a small synthetic checkpoint, on the CPU: the kernel under Triton's
+interpreter (small shapes) and the torch reference path the CLI takes without a GPU."""
 
 import os
 
@@ -32,7 +33,7 @@ def checkpoints(tmp_path_factory):
 
 def test_lossless_nvfp4_passes(checkpoints):
     src, dst = checkpoints
-    result = validate(src, dst, layers="0,3,mtp.0", tokens=9, device="cpu", progress=False)
+    result = validate(src, dst, layers="0,3,mtp.0", tokens=9, device="cpu", progress=False, kernel=True)
     by = {r.layer: r for r in result.layers}
     assert result.passed and list(by) == ["layers.0", "layers.3", "mtp.0"]
     assert by["layers.0"].hash_routed and not by["layers.3"].hash_routed
@@ -58,7 +59,7 @@ def test_wrong_w3_global_scale_fails(checkpoints, tmp_path):
     result = runner.invoke(cli, ["validate", src, bad, "--layers", "3", "--tokens", "16", "--device", "cpu",
                                  "--json", "--quiet"])
     assert result.exit_code == 1, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
     layer = report["layers"][0]
     assert not report["passed"] and layer["rel_err"] > 1e-3 and layer["routing_agreement"] == 1.0
 
@@ -82,8 +83,21 @@ def test_w4a16_output_validates_with_its_quantization_error(checkpoints, tmp_pat
     result = CliRunner().invoke(cli, ["convert", src, dst, "--out", "w4a16", "--group-size", "32", "--scheme", scheme,
                                       "--quiet"])
     assert result.exit_code == 0, result.output
-    report = validate(src, dst, layers="2,mtp.0", tokens=7, device="cpu", progress=False)
+    report = validate(src, dst, layers="2,mtp.0", tokens=7, device="cpu", progress=False, kernel=True)
     assert report.passed
     for r in report.layers:
         assert (r.src_format, r.dst_format) == ("mxfp4", "int4")
         assert 0.01 < r.rel_err < 0.15 and r.routing_agreement == 1.0
+
+
+def test_cpu_reference_path_and_its_notice(checkpoints):
+    """Without the kernel (a CPU, by default) the torch reference runs alone: the same verdict on a
+    lossless conversion, no kernel error measured, and one line saying so with a time estimate."""
+    src, dst = checkpoints
+    lines = []
+    result = validate(src, dst, layers="3", tokens=9, device="cpu", progress=False, notice=lines.append)
+    layer = result.layers[0]
+    assert result.passed and layer.rel_err == 0.0 and layer.kernel_rel_err is None
+    assert len(lines) == 1 and "torch reference" in lines[0] and "--layers" in lines[0] and "--tokens" in lines[0]
+    cli_run = CliRunner().invoke(cli, ["validate", src, dst, "--layers", "3", "--device", "cpu", "--quiet"])
+    assert cli_run.exit_code == 0 and "about" in cli_run.stderr and "PASSED" in cli_run.stdout

@@ -77,17 +77,24 @@ def unpack_zero_point(packed: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 # decode -------------------------------------------------------------------------------------
+# Both values of each byte (low nibble first), as float32: one lookup per byte decodes two weights.
+_BYTE_VALUES = torch.stack([torch.arange(256) & 15, torch.arange(256) >> 4], 1).float() - 8
+
+
 def decode(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 [out, K] from the stored tensors. Plain torch, independent of the encoder."""
+    """float32 [out, K] from the stored tensors, on their device. Plain torch, independent of the
+    encoder."""
     rows, words = packed.shape
     k = words * PACK
     groups = scale.shape[1]
     if scale.shape[0] != rows or k % groups:
         raise FormatError(f"weight_scale shape {list(scale.shape)} does not match weight_packed {list(packed.shape)}")
-    q = unpack(packed).to(torch.float32).view(rows, groups, k // groups)
+    byte = packed.contiguous().view(torch.uint8).reshape(-1).int()
+    q = _BYTE_VALUES.to(packed.device).index_select(0, byte).view(rows, groups, k // groups)
     if zero_point is not None:
-        q = q - unpack_zero_point(zero_point, rows).to(torch.float32)[..., None]
-    return (q * scale.to(torch.float32)[..., None]).view(rows, k)
+        q -= unpack_zero_point(zero_point, rows).to(torch.float32)[..., None]
+    q *= scale.to(torch.float32)[..., None]
+    return q.view(rows, k)
 
 
 # encode -------------------------------------------------------------------------------------

@@ -76,6 +76,7 @@ class Options:
                                         # None: the target's default_mtp
     input_scale: float | None = None    # None: data-free bound; else this constant everywhere
     extra: dict = field(default_factory=dict)  # target-specific options
+    device: str = "cpu"                 # where encoders run ("cpu", "cuda"): never changes the output
 
 
 class Target:
@@ -84,6 +85,9 @@ class Target:
     name = "?"
     source_format = "mxfp4"
     default_mtp = "keep"      # MTP experts when Options.mtp is None
+    # Whether encoding is CPU work worth worker processes (on a CPU device). Such a target's encode
+    # must depend on its input tensors and on planning state only: it runs in forked workers.
+    cpu_heavy = False
 
     def __init__(self, model: ModelSpec, source: Checkpoint, options: Options):
         self.model, self.source, self.options = model, source, options

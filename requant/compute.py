@@ -1,0 +1,24 @@
+"""Where numeric work runs: the device and the number of workers, chosen the same way by every
+command (convert, report, verify)."""
+
+from __future__ import annotations
+
+import os
+
+from requant.errors import UnsupportedError
+
+
+def compute_device(requested: str | None) -> str:
+    """The device encoders and decoders run on: as requested, else CUDA when present."""
+    import torch
+
+    if requested is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedError("--device cuda: no CUDA device is available")
+    return requested
+
+
+def default_workers() -> int:
+    """One per core this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
