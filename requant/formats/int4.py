@@ -333,11 +333,11 @@ def encode_mxfp4(weight: torch.Tensor, scale: torch.Tensor, group_size: int = 12
     # Error = the searched error per group plus the energy of the levels left out (they decode to
     # 0) = all energy + per group (searched - binned energy).
     block_energy = both.double() @ tables.mag_squared                   # 4x, whole numbers
-    signal = _exact_sum(torch.bincount(exps + mxfp4.E8M0_BIAS, weights=block_energy, minlength=256),
+    signal = _exact_sum(torch.bincount((exps + mxfp4.E8M0_BIAS).long(), weights=block_energy, minlength=256),
                         mxfp4.E8M0_BIAS, 0.25)
     binned = counts[:, :tables.rows] @ tables.level_energy
     r_min = int(r.min())
-    excess = torch.bincount(r - r_min, weights=torch.where(empty, 0.0, best - binned))
+    excess = torch.bincount((r - r_min).long(), weights=torch.where(empty, 0.0, best - binned))
     error = math.fsum([signal, _exact_sum(excess, -r_min, _UNIT)])
     zero_point = pack_zero_point(zero.to(torch.int8).view(rows, k // group_size)) if scheme == "asym" else None
     return Encoded(packed.cpu(), scale_out.view(rows, k // group_size).cpu(),
