@@ -16,7 +16,6 @@ from safetensors import safe_open
 
 from requant.cli import cli
 from requant.formats import int4, mxfp4
-from tests.conftest import run_cli, tree
 
 EXPERT = re.compile(r"^(?P<block>(layers|mtp)\.\d+)\.ffn\.experts\.(?P<e>\d+)\.(?P<proj>w[123])\.(?P<part>\w+)$")
 VLLM_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -120,17 +119,3 @@ def test_refused_combinations(small_source, tmp_path, args, why):
     assert why in result.output and (len(lines) == 1 or "Usage" in result.output), result.output
     assert not os.path.exists(dst) or not os.listdir(dst)
 
-
-def test_worker_counts_and_devices_write_the_same_bytes(small_source, tmp_path):
-    """One worker process, three, and (on a GPU machine) the GPU: byte-identical outputs."""
-    runs = [["--workers", "1", "--device", "cpu"], ["--workers", "3", "--device", "cpu"]]
-    if torch.cuda.is_available():
-        runs.append(["--workers", "2", "--device", "cuda"])
-    trees = []
-    for i, args in enumerate(runs):
-        dst = str(tmp_path / f"out{i}")
-        result = run_cli("convert", small_source, dst, "--out", "w4a16", "--group-size", "32", "--scheme", "asym",
-                         "--quiet", *args)
-        assert result.returncode == 0, result.stderr
-        trees.append(tree(dst))
-    assert all(t == trees[0] for t in trees[1:])
