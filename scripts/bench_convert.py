@@ -3,9 +3,11 @@
 Writes (once) a full-scale synthetic checkpoint whose one layer shard holds real data (the rest are
 holes), then times, alternating on the same disk: `cp` of that shard (+ fsync, as requant fsyncs),
 `requant`'s conversion of it with 1 and 2 workers (in a child process under /usr/bin/time -v, for
-peak RSS), and ModelOpt's reference cast on a few experts, extrapolated to the shard.
+peak RSS), and ModelOpt's reference cast on a few experts, extrapolated to the shard. With
+--cache cold (the default) the shard is dropped from the page cache before every run
+(posix_fadvise DONTNEED on that file: no root needed, other processes' caches untouched).
 
-    python scripts/bench_convert.py --workdir /tmp/requant-bench
+    python scripts/bench_convert.py --workdir /tmp/requant-bench [--cache cold|warm]
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ from requant.io.checkpoint import Checkpoint
 from requant.plan import make_plan
 from requant.convert import write_shard
 from requant.targets import Options
+from requant.workers import Encoders
 src, dst, index, workers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 plan = make_plan(Checkpoint.open(src), "nvfp4", Options())
 start = time.perf_counter()
 shard = plan.shards[index]
 entry = {"size": os.path.getsize(plan.source.shard_path(shard.name)), "mtime_ns": None}  # as the journal records it
-with tqdm(disable=True) as bar:
-    stats = write_shard(plan, shard, dst, workers, bar, entry)
+with tqdm(disable=True) as bar, Encoders.for_plan(plan, workers) as encoders:
+    stats = write_shard(plan, shard, dst, encoders, bar, entry)
 print(f"SECONDS {time.perf_counter() - start:.3f} EXACT {stats.exact_blocks} BLOCKS {stats.blocks}")
 """
 
@@ -77,6 +80,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/requant-bench")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reference-experts", type=int, default=2)
+    ap.add_argument("--cache", choices=["cold", "warm"], default="cold")
     args = ap.parse_args()
 
     from requant import synth
@@ -93,12 +97,19 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     subprocess.run(["cat", shard], stdout=subprocess.DEVNULL, check=True)  # same warm cache for all
 
+    def drop_from_cache(path):
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
     rows = {"cp": [], "requant w=1": [], "requant w=2": []}
     rss = {}
     exact = ""
 
     def run(label):
         nonlocal exact
+        if args.cache == "cold":
+            drop_from_cache(shard)
         if label == "cp":
             rows["cp"].append(copy_with_fsync(shard, os.path.join(out, "copy.safetensors")))
             os.remove(os.path.join(out, "copy.safetensors"))
@@ -122,7 +133,7 @@ def main() -> None:
     ref = reference_seconds_per_expert(src, args.reference_experts)
     experts = synth.FULL_SCALE.experts
     cp_time = statistics.median(rows["cp"])
-    print(f"\nshard {name}: {size / 2**30:.2f} GiB, {experts} experts x 3 projections; "
+    print(f"\nshard {name}: {size / 2**30:.2f} GiB ({args.cache} page cache), {experts} experts x 3 projections; "
           f"exact blocks {int(exact[0]):,} / {int(exact[1]):,}")
     print(f"{'method':<14}{'median s':>10}{'GiB/s':>8}{'x cp':>7}{'peak RSS MiB':>14}")
     for label, times in rows.items():

@@ -221,8 +221,8 @@ class _Tables:
 
     def _best(self, counts, options):
         """Best among the same `options` for every group (one matrix product per chunk)."""
-        table = self.error[:, options]
-        return torch.cat([(table.t() @ counts[g0:g0 + _CHUNK_GROUPS].t()).amin(0)
+        table = self.error[:, options].t()
+        return torch.cat([(table @ _operand(counts[g0:g0 + _CHUNK_GROUPS]).t()).amin(0)
                           for g0 in range(0, len(counts), _CHUNK_GROUPS)])
 
     def _best_by_centre(self, counts, pick):
@@ -233,15 +233,23 @@ class _Tables:
         order = torch.sort(pick.to(torch.int16), stable=True).indices
         cells = counts[order].split(per_pick[centres].tolist())
         keys = torch.empty(len(pick), dtype=torch.float64)
-        keys[order] = torch.cat([(cell @ self.error[:, o]).amin(1) for cell, o in zip(cells, self._neighbours(centres))])
+        keys[order] = torch.cat([(_operand(cell) @ self.error[:, o]).amin(1)
+                                 for cell, o in zip(cells, self._neighbours(centres))])
         return keys
 
     def _best_each(self, counts, pick):
         """The same result as _best_by_centre, gathering each group's table columns: a few large
         kernels rather than one small product per winner (the GPU's way)."""
         chunk = 1 << 16
-        return torch.cat([torch.bmm(self.error_t[self._neighbours(pick[g0:g0 + chunk])], counts[g0:g0 + chunk, :, None])
-                          .squeeze(2).amin(1) for g0 in range(0, len(counts), chunk)])
+        return torch.cat([torch.bmm(self.error_t[self._neighbours(pick[g0:g0 + chunk])],
+                                    _operand(counts[g0:g0 + chunk])[:, :, None]).squeeze(2).amin(1)
+                          for g0 in range(0, len(counts), chunk)])
+
+
+def _operand(counts: torch.Tensor) -> torch.Tensor:
+    """uint8 counts [groups, rows] as the float64 left operand of a table: with the column of ones
+    that picks up the table's candidate-index row. Made per chunk, so it stays in cache."""
+    return torch.nn.functional.pad(counts.double(), (0, 1), value=1.0)
 
 
 _TABLES: dict[tuple[str, torch.device], _Tables] = {}
@@ -314,8 +322,7 @@ def encode_mxfp4(weight: torch.Tensor, scale: torch.Tensor, group_size: int = 12
     offsets = width * tables.row_plane + lo + 4 + tables.row_level
     index = (3 * width * torch.arange(n_blocks, dtype=torch.int32, device=device) - 2 * shift)[:, None] + offsets
     counts = padded.view(-1).index_select(0, index.view(-1)).view(-1, per_group, tables.rows)
-    counts = counts[:, 0].double() if per_group == 1 else counts.sum(1, dtype=torch.float64)      # <= 128
-    counts = torch.cat([counts, torch.ones(len(counts), 1, dtype=torch.float64, device=device)], 1)
+    counts = counts[:, 0] if per_group == 1 else counts.sum(1, dtype=torch.uint8)      # <= 128
 
     key = tables.exhaustive(counts) if exhaustive else tables.coarse_to_fine(counts)
     best = torch.div(key, _TIE, rounding_mode="floor")
@@ -335,7 +342,8 @@ def encode_mxfp4(weight: torch.Tensor, scale: torch.Tensor, group_size: int = 12
     block_energy = both.double() @ tables.mag_squared                   # 4x, whole numbers
     signal = _exact_sum(torch.bincount((exps + mxfp4.E8M0_BIAS).long(), weights=block_energy, minlength=256),
                         mxfp4.E8M0_BIAS, 0.25)
-    binned = counts[:, :tables.rows] @ tables.level_energy
+    binned = torch.cat([counts[g0:g0 + _CHUNK_GROUPS].double() @ tables.level_energy
+                        for g0 in range(0, len(counts), _CHUNK_GROUPS)])
     r_min = int(r.min())
     excess = torch.bincount((r - r_min).long(), weights=torch.where(empty, 0.0, best - binned))
     error = math.fsum([signal, _exact_sum(excess, -r_min, _UNIT)])
