@@ -8,6 +8,7 @@ peak RSS), and ModelOpt's reference cast on a few experts, extrapolated to the s
 (posix_fadvise DONTNEED on that file: no root needed, other processes' caches untouched).
 
     python scripts/bench_convert.py --workdir /tmp/requant-bench [--cache cold|warm]
+    python scripts/bench_convert.py --src CHECKPOINT --shard-index 1   # a layer shard of another one
 """
 
 from __future__ import annotations
@@ -57,13 +58,13 @@ def copy_with_fsync(src: str, dst: str) -> float:
     return time.perf_counter() - start
 
 
-def reference_seconds_per_expert(src_dir: str, experts: int) -> float:
+def reference_seconds_per_expert(src_dir: str, experts: int, shard_index: int) -> float:
     import torch
     from modelopt.torch.export.shard_cast_utils import build_w13_kmax_overrides, quantize_mxfp4_to_nvfp4_lossless
     from requant.io.checkpoint import Checkpoint
 
     ck = Checkpoint.open(src_dir)
-    block = f"layers.{SHARD_INDEX - 1}.ffn.experts"
+    block = f"layers.{shard_index - 1}.ffn.experts"   # shard 0 holds the embedding
     start = time.perf_counter()
     for e in range(experts):
         bases = [f"{block}.{e}.{p}" for p in ("w1", "w3", "w2")]
@@ -81,16 +82,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reference-experts", type=int, default=2)
     ap.add_argument("--cache", choices=["cold", "warm"], default="cold")
+    ap.add_argument("--src", help="an existing synthetic checkpoint (default: write one under --workdir)")
+    ap.add_argument("--shard-index", type=int, default=SHARD_INDEX, help="its layer shard to convert")
     args = ap.parse_args()
 
     from requant import synth
 
-    src = os.path.join(args.workdir, "src")
+    src = args.src or os.path.join(args.workdir, "src")
     if not os.path.exists(os.path.join(src, "config.json")):
         shutil.rmtree(src, ignore_errors=True)
         print("writing a full-scale synthetic checkpoint (one layer shard with data)...", flush=True)
         synth.write_checkpoint(src, synth.FULL_SCALE, seed=0, data_shards={SHARD_INDEX})
-    name = synth.shard_name(SHARD_INDEX, len(synth.layout(synth.FULL_SCALE)))
+    name = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))[args.shard_index]
     shard = os.path.join(src, name)
     size = os.path.getsize(shard)
     out = os.path.join(args.workdir, "out")
@@ -115,7 +118,7 @@ def main() -> None:
             os.remove(os.path.join(out, "copy.safetensors"))
         else:
             workers = int(label[-1])
-            cmd = ["/usr/bin/time", "-v", sys.executable, "-c", CHILD, src, out, str(SHARD_INDEX), str(workers)]
+            cmd = ["/usr/bin/time", "-v", sys.executable, "-c", CHILD, src, out, str(args.shard_index), str(workers)]
             _, log = timed(cmd)
             rows[label].append(float(re.search(r"SECONDS ([\d.]+)", log).group(1)))
             rss[workers] = max(rss.get(workers, 0),
@@ -130,7 +133,7 @@ def main() -> None:
         for label in labels[r % len(labels):] + labels[: r % len(labels)]:
             run(label)
 
-    ref = reference_seconds_per_expert(src, args.reference_experts)
+    ref = reference_seconds_per_expert(src, args.reference_experts, args.shard_index)
     experts = synth.FULL_SCALE.experts
     cp_time = statistics.median(rows["cp"])
     print(f"\nshard {name}: {size / 2**30:.2f} GiB ({args.cache} page cache), {experts} experts x 3 projections; "
