@@ -224,9 +224,10 @@ def validate(src: str, dst: str, layers: str | None = None, tokens: int = 64, de
     return ValidationResult(src, dst, device, results)
 
 
-# Seconds per decoded expert weight (both checkpoints counted) of the CPU reference on one core,
-# measured on a 2-vCPU machine (scripts/bench_validate.py); decoding dominates.
-_CPU_SECONDS_PER_WEIGHT = 4e-9
+# Seconds per decoded expert weight (both checkpoints counted) of the CPU reference on one core;
+# decoding dominates. From one full-size layer on a 2-vCPU machine: 217 s while other jobs held
+# it at load 4.5-6.5 (scripts/bench_throughput_results.md), so this errs long on a quiet machine.
+_CPU_SECONDS_PER_WEIGHT = 1e-8
 
 
 def cpu_notice(cfg: MoEConfig, layers: int, tokens: int | None) -> str:
