@@ -125,7 +125,6 @@ _SCALE_RANGE = {"sym": (0.1, 0.5), "asym": (0.05, 0.5)}  # s' for a normalised m
 _ZERO_POINTS = range(-3, 4)        # asym offsets searched; E2M1 is symmetric, the best is near 0
 _D_MAX = 8                         # blocks 2^-8 below the group's top round to 0 under any s'
 _LEVELS = torch.tensor([(1.5 if i % 2 == 0 else 1.0) * 2.0 ** -(i // 2) for i in range(2 * _D_MAX)])
-_MAG_LEVEL = torch.tensor([7, 5, 4, 3, 2, 1, 0])   # magnitudes 0.5 .. 6 as level offsets (6 -> 0)
 _MAG_SQUARED_X4 = torch.tensor([1, 4, 9, 16, 36, 64, 144], dtype=torch.float64)   # 4 * (0.5 .. 6)^2
 # Half-octave level of each magnitude code's value (0.5 -> -2, 1 -> 0, 1.5 -> 1, ... 6 -> 5); code 0
 # (no magnitude present) far below anything.
@@ -196,7 +195,7 @@ class _Tables:
         self.zero_index = int((self.z == 0).nonzero()[0])
         self.s_dev, self.z_dev = self.s.to(device), self.z.to(device)
         self.pair_fields = _PAIR_FIELDS.to(device)
-        self.mag_level, self.top_level = _MAG_LEVEL.to(device), _TOP_LEVEL.int().to(device)
+        self.top_level = _TOP_LEVEL.int().to(device)
         self.mag_squared = _MAG_SQUARED_X4.to(device)
 
     def exhaustive(self, counts: torch.Tensor) -> torch.Tensor:
@@ -318,7 +317,9 @@ def encode_mxfp4(weight: torch.Tensor, scale: torch.Tensor, group_size: int = 12
     lo = max(0, int(shift.max()) * 2 - 4)
     width = lo + max(8, tables.n_bins + 6)
     padded = torch.zeros(n_blocks, 3, width, dtype=torch.uint8, device=device)
-    padded[:, :, lo + tables.mag_level] = mags
+    # Level offsets of magnitudes 6, 4, 3, 2, 1.5, 1: 0 .. 5 (level 2e+1 is 1.5 * 2^e); of 0.5: 7.
+    padded[:, :, lo:lo + 6] = mags[:, :, 1:].flip(-1)       # slice copies, not a scatter
+    padded[:, :, lo + 7] = mags[:, :, 0]
     offsets = width * tables.row_plane + lo + 4 + tables.row_level
     index = (3 * width * torch.arange(n_blocks, dtype=torch.int32, device=device) - 2 * shift)[:, None] + offsets
     counts = padded.view(-1).index_select(0, index.view(-1)).view(-1, per_group, tables.rows)
@@ -333,7 +334,7 @@ def encode_mxfp4(weight: torch.Tensor, scale: torch.Tensor, group_size: int = 12
 
     # Codes: one table lookup per source byte, keyed by (block shift, chosen candidate).
     code_key = (shift + 1) * len(tables.s) + pick.int().repeat_interleave(per_group)
-    codes = tables.bytes.index_select(0, ((code_key[:, None] << 8) | blocks.int()).view(-1))
+    codes = tables.bytes.index_select(0, ((code_key << 8)[:, None] + blocks).view(-1))
     packed = codes.view(rows, k // 2).view(torch.int32)
 
     # Energies: whole numbers of units summed per exponent (exact on any device), then scaled.
