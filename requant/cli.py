@@ -122,8 +122,8 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
               help="w4a16: sym (scale only, default) or asym (scale and zero point per group: 1-2.5 dB "
                    "more accurate; needs a vLLM whose Marlin MoE loads zero points).")
 @click.option("--workers", type=click.IntRange(1, 256),
-              help="Experts encoded at once (default: one per core): processes for w4a16 on a CPU, "
-                   "threads otherwise.")
+              help="Experts encoded at once (default: one per core, at most 32): processes for w4a16 "
+                   "on a CPU (~400 MiB peak each), threads otherwise.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]),
               help="Where w4a16 encodes (default: cuda when available); the bytes are the same on either.")
 @click.option("--in-place", is_flag=True, help="Convert SRC inside its own directory (no DST), shard by shard: "
@@ -225,7 +225,7 @@ def verify(path, deep, source, device, as_json, quiet):
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True,
               help="Directory for report.json, report.md, report.html and the PNG plots.")
 @click.option("--layers", help="Subsample: layer numbers and ranges (0,5,10-12) or block names (mtp.0).")
-@click.option("--workers", type=click.IntRange(1, 256), help="Threads comparing experts (default: one per core).")
+@click.option("--workers", type=click.IntRange(1, 256), help="Threads comparing experts (default: one per core, at most 32).")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]),
               help="Where experts are decoded and compared (default: cuda when available).")
 @click.option("--no-forward", is_flag=True, help="Skip the MoE-forward comparison (requant validate; every "

@@ -19,6 +19,10 @@ def compute_device(requested: str | None) -> str:
     return requested
 
 
+MAX_DEFAULT_WORKERS = 32   # a W4A16 worker peaks at ~400 MiB: the default stays under ~13 GiB
+
+
 def default_workers() -> int:
-    """One per core this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """One per core this process may run on, at most MAX_DEFAULT_WORKERS (--workers goes higher)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cores, MAX_DEFAULT_WORKERS)
