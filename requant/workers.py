@@ -4,9 +4,10 @@ A task reads its unit's input tensors, encodes them and writes the outputs at th
 offsets in the shard being written; only the unit's Stats come back, so no tensor crosses a
 process boundary. Threads suit targets whose encoding is cheap (NVFP4's bit cast) or runs on a GPU;
 a CPU-heavy target (W4A16's scale search) on a CPU device gets processes: real parallelism,
-whatever the GIL. A process worker holds its unit's inputs and outputs plus the encoder's scratch
-(scripts/bench_w4a16_convert.py measures the peak per worker); at most `2 * workers` units are in
-flight, so memory stays bounded whatever the checkpoint size.
+whatever the GIL. A process worker holds one expert's inputs and outputs plus the encoder's
+scratch: a full-size W4A16 worker peaks at about 400 MiB RSS, 240 MiB of it torch and the plan
+(scripts/bench_throughput.py measures it). At most `2 * workers` units are in flight, so memory
+stays bounded whatever the checkpoint size.
 
 Processes are forked once, when the pool is made (after planning, before any shard is opened for
 writing or copying), and look their unit up in the inherited plan (an encoder is a closure, which
