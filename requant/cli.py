@@ -151,8 +151,11 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
 @click.option("--scheme", type=click.Choice(["sym", "asym"]), default=None,
               help="w4a16: sym (scale only, default) or asym (scale and zero point per group: 1-2.5 dB "
                    "more accurate; needs a vLLM whose Marlin MoE loads zero points).")
-@click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Threads encoding experts; more helps when the disk outruns one core.")
+@click.option("--workers", type=click.IntRange(1, 256),
+              help="Experts encoded at once (default: one per core, at most 32): processes for w4a16 "
+                   "on a CPU (~400 MiB peak each), threads otherwise.")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]),
+              help="Where w4a16 encodes (default: cuda when available); the bytes are the same on either.")
 @click.option("--in-place", is_flag=True, help="Convert SRC inside its own directory (no DST), shard by shard: "
               "needs free space for one output shard plus the format's growth, not a second copy.")
 @click.option("--resume", is_flag=True, help="Continue the unfinished conversion journaled in DST (or SRC with "
@@ -169,7 +172,7 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
 def convert(src, dst, in_format, out_format, engine, mtp, force, input_scale, scale_headroom, group_size, scheme,
-            workers, in_place, resume, revision, cache_dir, token, stream_source, dry_run, as_json, quiet):
+            workers, device, in_place, resume, revision, cache_dir, token, stream_source, dry_run, as_json, quiet):
     """Convert checkpoint SRC (a directory or a Hub repository id) into a new directory DST, or in
     place with --in-place.
 
@@ -186,6 +189,7 @@ def convert(src, dst, in_format, out_format, engine, mtp, force, input_scale, sc
     """
     from requant import convert as convert_lib
     from requant.targets import Options
+    from requant.compute import compute_device
 
     if input_scale is not None and not (0 < input_scale < float("inf")):
         raise RequantError(f"--input-scale must be a finite positive number, got {input_scale}")
@@ -195,7 +199,8 @@ def convert(src, dst, in_format, out_format, engine, mtp, force, input_scale, sc
         raise RequantError("give DST, or --in-place to convert SRC inside its own directory (not both)")
     extra = {"top_exponent": 8 - scale_headroom} if scale_headroom else {}
     extra.update({k: v for k, v in (("group_size", group_size and int(group_size)), ("scheme", scheme)) if v})
-    options = Options(mtp=mtp, input_scale=input_scale, extra=extra, engine=engine, force=force)
+    options = Options(mtp=mtp, input_scale=input_scale, extra=extra, engine=engine, force=force,
+                      device=compute_device(device) if out_format == "w4a16" else "cpu")
     if dry_run:
         plan = convert_lib.plan_conversion(src, out_format, options, in_format, in_place, revision, token, cache_dir)
         summary = convert_lib.describe_plan(plan, dst, in_place, source=src)
@@ -240,6 +245,8 @@ def inspect(path, as_json):
 @click.argument("path", type=click.Path())
 @click.option("--deep", is_flag=True, help="Also decode every scale block (reads all expert bytes).")
 @click.option("--source", type=click.Path(), help="With --deep: count exact vs re-quantized scale blocks against this checkpoint.")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]),
+              help="Where --deep decodes (default: cuda when available, else every core).")
 @click.option("--engine", type=click.Choice(_engine_names()), default=None,
               help="Judge loading by this engine's rules (each names the release it was checked against); its "
                    "problems are errors. Default: the engine requant.json names, else every engine (then only "
@@ -250,14 +257,14 @@ def inspect(path, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
-def verify(path, deep, source, engine, gpu, as_json, quiet):
+def verify(path, deep, source, device, engine, gpu, as_json, quiet):
     """Lint FP4 MoE checkpoint PATH (NVFP4, W4A16, MXFP4): completeness, scales, config dispatch, and
     whether vLLM / SGLang (pinned releases) load every tensor into the right kind of parameter.
     Exits 1 when it finds errors."""
     from requant.verify import format_result, verify as verify_lib
 
     result = verify_lib(path, deep=deep or source is not None, source=source, progress=not quiet, engine=engine,
-                        gpu=gpu)
+                        gpu=gpu, device=device)
     click.echo(json.dumps(result, indent=2) if as_json else format_result(result))
     if not result["ok"]:
         sys.exit(1)
@@ -271,14 +278,16 @@ def verify(path, deep, source, engine, gpu, as_json, quiet):
 @click.option("--out", "old_out_dir", type=click.Path(file_okay=False), hidden=True,
               help="The former spelling of --out-dir (convert's --out is a format).")
 @click.option("--layers", help="Subsample: layer numbers and ranges (0,5,10-12) or MTP layer names (mtp.0).")
-@click.option("--workers", type=click.IntRange(1, 64), help="Threads comparing experts (default: up to 4).")
+@click.option("--workers", type=click.IntRange(1, 256), help="Threads comparing experts (default: one per core, at most 32).")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]),
+              help="Where experts are decoded and compared (default: cuda when available).")
 @click.option("--no-forward", is_flag=True, help="Skip the MoE-forward comparison (requant validate; every "
               "selected layer on a GPU, the first one only on a CPU).")
 @click.option("--serve", help=SERVE_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print report.json instead of the summary.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
-def report(src, dst, out_dir, old_out_dir, layers, workers, no_forward, serve, as_json, quiet):
+def report(src, dst, out_dir, old_out_dir, layers, workers, device, no_forward, serve, as_json, quiet):
     """Accuracy difference of DST's routed experts against SRC's (MXFP4, NVFP4 or W4A16):
     exact scale blocks, SQNR, relative RMSE, max error, cosine, per projection, layer and overall."""
     from requant.report import html, make_report
@@ -291,7 +300,7 @@ def report(src, dst, out_dir, old_out_dir, layers, workers, no_forward, serve, a
     if not out_dir:
         raise RequantError("give the report directory: --out-dir DIR")
     result = make_report(src, dst, out_dir, layers, workers, progress=not quiet, forward=not no_forward,
-                         serve_modes=parse_modes(serve))
+                         serve_modes=parse_modes(serve), device=device)
     click.echo(json.dumps(result, indent=2) if as_json else terminal(result, out_dir, html.plots_missing()))
 
 
@@ -322,7 +331,8 @@ def upload(dst, repo_id, private, message, token, quiet):
 @click.argument("dst", type=click.Path())
 @click.option("--layers", help="Layer numbers and ranges (0,5,10-12) or MTP layer names (mtp.0); default all.")
 @click.option("--tokens", type=click.IntRange(1), default=64, show_default=True, help="Random hidden states per layer.")
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), help="Default: cuda when available (cpu: Triton interpreter).")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]),
+              help="Default: cuda when available. On cpu the routed experts run through the torch reference.")
 @click.option("--activations", type=click.Path(dir_okay=False), help="Real MoE inputs (.safetensors or .pt); "
               "also calibrate an input_scale from them for nvfp4-w4a4.")
 @click.option("--serve", help=SERVE_HELP)
@@ -331,14 +341,15 @@ def upload(dst, repo_id, private, message, token, quiet):
 @reports_errors
 def validate(src, dst, layers, tokens, device, activations, serve, as_json, quiet):
     """Run the same hidden states through each MoE layer of SRC and DST with requant's fused-MoE
-    kernel; report error, cosine, routing agreement and the kernel's error against a torch
-    reference, then DST as each serving mode computes it (--serve). Exits 1 when a layer is past
-    its threshold or a serving mode gives non-finite output."""
+    kernel (on a GPU; on a CPU through the plain torch reference instead); report error, cosine,
+    routing agreement and the kernel's error against the torch reference, then DST as each serving
+    mode computes it (--serve). Exits 1 when a layer is past its threshold or a serving mode gives
+    non-finite output."""
     from requant.serve import parse_modes
     from requant.validate import format_table, validate as run_validation
 
     result = run_validation(src, dst, layers, tokens, device, activations, progress=not quiet,
-                            serve_modes=parse_modes(serve))
+                            notice=lambda line: click.echo(line, err=True), serve_modes=parse_modes(serve))
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_table(result))
     sys.exit(0 if result.passed else 1)
 

@@ -16,12 +16,13 @@ import os
 import shutil
 import tempfile
 import time
-from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
 from tqdm import tqdm
 
 from requant import __version__, card
+from requant.compute import default_workers
 from requant.errors import CheckpointError, RequantError, describe_os_error
 from requant.io import hub as hub_lib
 from requant.io import journal
@@ -31,6 +32,7 @@ from requant.io.fsutil import (DirLock, atomic_write, atomic_write_json, fault_p
 from requant.io.safetensors import ShardWriter, encode_header, read_header
 from requant.plan import Plan, ShardPlan, make_plan
 from requant.targets import Options, Stats
+from requant.workers import Encoders
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -83,7 +85,7 @@ def plan_conversion(src: str, out_format: str, options: Options, in_format: str 
 
 
 def convert(src: str, dst: str | None, out_format: str, options: Options, in_format: str = "mxfp4",
-            workers: int = 1, progress: bool = True, resume: bool = False, resume_hint: str | None = None,
+            workers: int | None = None, progress: bool = True, resume: bool = False, resume_hint: str | None = None,
             revision: str | None = None, stream: bool = False, token: str | None = None,
             cache_dir: str | None = None) -> Result:
     """Convert checkpoint `src` (a directory, or a Hub repository id) into directory `dst`, or in
@@ -93,6 +95,7 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
     holding a journal is refused. `resume_hint` is the command that resumes (for messages).
     `stream` fetches a Hub source one shard at a time, deleting each once converted. `token` and
     `cache_dir` are the Hub's (None: huggingface_hub's own defaults and environment).
+    `workers` (default: one per core) encode in parallel (workers.py); `options.device` says where.
     """
     started = time.monotonic()
     in_place = dst is None
@@ -146,7 +149,8 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
             state["done"] = state["done"] or is_done   # renamed, then stopped before the journal said so
         if in_place:
             _set_aside_source_metadata(target, source)
-        return _run(plan, target, in_place, record, entries, ancillary, hub, workers, progress, started)
+        return _run(plan, target, in_place, record, entries, ancillary, hub, workers or default_workers(), progress,
+                    started)
     except KeyboardInterrupt:
         if journaled:
             raise Stopped(_stopped("interrupted", target), 130) from None
@@ -337,7 +341,8 @@ def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, a
          hub: hub_lib.HubSource | None, workers: int, progress: bool, started: float) -> Result:
     stats = Stats()
     with tqdm(total=plan.output_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-              desc="converting", disable=not progress, dynamic_ncols=True) as bar:
+              desc="converting", disable=not progress, dynamic_ncols=True) as bar, \
+            Encoders.for_plan(plan, workers) as encoders:
         for shard, state in zip(plan.shards, record["shards"]):
             if state["done"]:
                 if in_place:   # its pass-through tensors are read from the converted file now
@@ -355,7 +360,7 @@ def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, a
                 state["stats"] = dataclasses.asdict(shard_stats)
                 journal.save(target, record)
 
-            shard_stats = write_shard(plan, shard, target, workers, bar, entries[shard.name], in_place, remember)
+            shard_stats = write_shard(plan, shard, target, encoders, bar, entries[shard.name], in_place, remember)
             if hub:   # the disk never holds more than one source shard
                 os.remove(plan.source.reads[shard.name].path)
                 plan.source.relocate(shard.name, None)
@@ -383,10 +388,10 @@ def _stats_from(d: dict) -> Stats:
     return Stats(**d)
 
 
-def write_shard(plan: Plan, shard: ShardPlan, target: str, workers: int, bar, entry: dict,
+def write_shard(plan: Plan, shard: ShardPlan, target: str, encoders: Encoders, bar, entry: dict,
                 in_place: bool = False, before_rename=None) -> Stats:
-    """Write one output shard. Worker threads read and encode experts; this thread writes, so
-    disk writes overlap with encoding. Copies go through the kernel (copy_file_range).
+    """Write one output shard. The encoders (workers.py) read, encode and write units at their
+    offsets while this thread copies the other tensors inside the kernel (copy_file_range).
     `before_rename(stats)` runs once the shard is written and checked, before it takes its name."""
     final = os.path.join(target, shard.name)
     partial = final + PARTIAL_SUFFIX
@@ -396,37 +401,32 @@ def write_shard(plan: Plan, shard: ShardPlan, target: str, workers: int, bar, en
     writer = ShardWriter(partial, shard.specs)
     stats = Stats()
     half = len(shard.units) // 2
+    shard_index = plan.shards.index(shard)
+    pending: dict = {}   # future -> output bytes
 
-    def encode(unit):
-        outputs, unit_stats = unit.encode({name: source.tensor(name) for name in unit.inputs})
-        return unit, outputs, unit_stats
-
-    def drain(pending, mode):
-        done, rest = wait(pending, return_when=mode)
+    def drain(mode):
+        done, _ = wait(pending, return_when=mode)
         for future in done:
-            unit, outputs, unit_stats = future.result()
-            for spec in unit.outputs:
-                writer.write(spec.name, outputs[spec.name])
-            stats.add(unit_stats)
-            bar.update(sum(s.nbytes for s in unit.outputs))
-        return rest
+            stats.add(future.result())
+            bar.update(pending.pop(future))
 
     try:
         fault_point()
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            pending = set()
-            for i, unit in enumerate(shard.units):
-                if i == half:
-                    fault_point()
-                if unit.encode is None:
-                    fd, info = source.locate(unit.inputs[0])
-                    writer.copy_from(unit.outputs[0].name, fd, info.start)
-                    bar.update(info.nbytes)
-                    continue
-                pending.add(pool.submit(encode, unit))
-                if len(pending) > 2 * max(1, workers):  # bounded: memory stays a few experts deep
-                    pending = drain(pending, FIRST_COMPLETED)
-            drain(pending, ALL_COMPLETED)
+        for i, unit in enumerate(shard.units):
+            if i == half:
+                fault_point()
+            if unit.encode is None:
+                fd, info = source.locate(unit.inputs[0])
+                writer.copy_from(unit.outputs[0].name, fd, info.start)
+                bar.update(info.nbytes)
+                continue
+            reads = [(name, *source.where(name)) for name in unit.inputs]
+            offsets = {spec.name: writer.offsets[spec.name] for spec in unit.outputs}
+            future = encoders.submit(shard_index, i, unit, reads, partial, offsets)
+            pending[future] = sum(s.nbytes for s in unit.outputs)
+            if len(pending) > encoders.window:  # bounded: memory stays a few experts deep
+                drain(FIRST_COMPLETED)
+        drain(ALL_COMPLETED)
         writer.close()
         fault_point()
         _verify_written(partial, shard)
@@ -434,6 +434,9 @@ def write_shard(plan: Plan, shard: ShardPlan, target: str, workers: int, bar, en
         if before_rename is not None:
             before_rename(stats)
     except BaseException:
+        for future in pending:   # no worker may still write to the file once it is removed
+            future.cancel()
+        wait(pending)
         writer.abort()
         remove_quietly(partial)
         raise

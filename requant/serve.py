@@ -57,7 +57,7 @@ def applies(mode: str, dst_format: str) -> bool:
 def marlin_weights(w1, w3, w2):
     """(w1, w3, w2, blocks flushed) as vLLM 0.33.0's Marlin serves NVFP4 experts: one factor for
     w1 and w3 of all experts together (its fused w13), one for w2."""
-    from requant.kernels.fused_moe import ExpertWeights
+    from requant.kernels.weights import ExpertWeights
 
     if w1.format != "nvfp4":
         return w1, w3, w2, 0

@@ -12,20 +12,22 @@ from __future__ import annotations
 
 import math
 import os
-from collections import Counter
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm import tqdm
 
 from requant import card
+from requant.compute import compute_device, default_workers
 from requant.engine_check import MarlinSpan, int4_groups, judge
 from requant.errors import CheckpointError, RequantError, UnsupportedError
 from requant.formats import mxfp4, nvfp4
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, read_json, resolve_inside
 from requant.io.safetensors import read_header
 from requant.model import Expert, ModelSpec
-from requant.report.weights import DECODE_PARTS, block_size, compare, decode_projection, projection_format, scalar
+from requant.report.weights import DECODE_PARTS, block_size, decode_projection, exactness, projection_format, scalar
 
 SEVERITIES = ("error", "warning", "info")
 EXAMPLES = 5
@@ -424,18 +426,19 @@ def _check_w4a16_config(ck, model, formats_by_block, groups_seen, zero_points, o
 
 
 def verify(path: str, deep: bool = False, source: str | None = None, progress: bool = True,
-           engine: str | None = None, gpu: str | None = None) -> dict:
+           engine: str | None = None, gpu: str | None = None, device: str | None = None) -> dict:
     """Check checkpoint `path`; return a JSON-able result whose 'ok' is False when errors were found.
 
     `engine` (vllm, sglang): judge loading by that engine's rules only, its problems as errors;
     None: the engine requant.json names, else every engine the recipe knows. `gpu` (sm_80 ...):
-    also name the MoE kernel each judged engine selects on that GPU family."""
+    also name the MoE kernel each judged engine selects on that GPU family. `device` decodes for
+    --deep (default: CUDA when present)."""
     out = Findings()
     result = {"path": os.path.abspath(path), "format": None, "experts_checked": 0, "deep": None, "engines": {}}
     ck = open_leniently(path, out)
     if ck is not None:
         try:
-            _verify_experts(ck, out, result, deep, source, progress, engine, gpu)
+            _verify_experts(ck, out, result, deep, source, progress, engine, gpu, device)
         finally:
             ck.close()
     findings = out.sorted()
@@ -445,7 +448,7 @@ def verify(path: str, deep: bool = False, source: str | None = None, progress: b
     return result
 
 
-def _verify_experts(ck, out, result, deep, source, progress, engine, gpu):
+def _verify_experts(ck, out, result, deep, source, progress, engine, gpu, device):
     try:
         model = ModelSpec.for_config(ck.config, os.path.join(ck.path, CONFIG_NAME))
     except RequantError as e:
@@ -489,6 +492,10 @@ def _verify_experts(ck, out, result, deep, source, progress, engine, gpu):
     spans: dict[tuple[str, str], MarlinSpan] = {}
     input_scales: dict[tuple[str, str], set[float]] = {}
     w4a16_groups, zero_points = set(), False
+    # --deep decodes on the GPU when there is one, else on every core (torch's kernels release the GIL).
+    device = compute_device(device) if deep else "cpu"
+    workers = default_workers()
+    deep_pool, deep_pending = ThreadPoolExecutor(workers), deque()
     try:
         for expert in tqdm(experts, unit="expert", desc="verify", disable=not progress, dynamic_ncols=True):
             fmt = formats_by_block[expert.block]
@@ -505,10 +512,18 @@ def _verify_experts(ck, out, result, deep, source, progress, engine, gpu):
                     k = ck.info(parts["weight_packed"]).spec.shape[1] * 8
                     w4a16_groups.add(k // ck.info(parts["weight_scale"]).spec.shape[1])
                     zero_points = zero_points or "weight_zero_point" in parts
-            if deep:
-                _deep_check(ck, model, expert, projs, source_ck, source_experts, deep_stats, out)
+            if deep:   # decoded by the pool while this loop reads the next experts' scales
+                src = source_experts.get((expert.block, expert.expert))
+                deep_pending.append((expert, deep_pool.submit(_deep_measure, ck, expert, projs, source_ck, src, device)))
+                while len(deep_pending) > 2 * workers:
+                    _deep_record(model, *deep_pending.popleft(), deep_stats, out)
             result["experts_checked"] += 1
+        while deep_pending:
+            _deep_record(model, *deep_pending.popleft(), deep_stats, out)
     finally:
+        for _, future in deep_pending:
+            future.cancel()
+        deep_pool.shutdown(wait=True)
         if source_ck is not None:
             source_ck.close()
 
@@ -562,35 +577,47 @@ def _fp8_linear_scale_names(ck, model) -> set[str]:
     return found
 
 
-def _deep_check(ck, model, expert, projs, source_ck, source_experts, deep_stats, out):
-    acc = deep_stats.setdefault(expert.block, [0, 0, 0])
-    src = source_experts.get((expert.block, expert.expert))
+def _deep_measure(ck, expert, projs, source_ck, src, device) -> list[tuple]:
+    """Decode one expert's projections (and, with --source, the source's) on `device`; per
+    projection ("skipped", why), ("no-source", proj) or ("ok", proj, blocks, exact blocks, non-finite)."""
+    found = []
     for proj, fmt in projs.items():
         parts = expert.parts[proj]
-        tensors = {p: ck.tensor(n) for p, n in parts.items() if p in DECODE_PARTS[fmt]}
+        tensors = {p: ck.tensor(n).to(device) for p, n in parts.items() if p in DECODE_PARTS[fmt]}
         try:
             values = decode_projection(fmt, tensors)
         except UnsupportedError as e:
-            out.add("info", "deep-skipped", "not decoded", detail=str(e))
-            return
+            return found + [("skipped", str(e))]
         if source_ck is None:
-            bad = int((~torch.isfinite(values)).sum())
+            found.append(("ok", proj, 0, 0, int((~torch.isfinite(values)).sum())))
+            continue
+        if src is None or proj not in src.parts:
+            found.append(("no-source", proj))
+            continue
+        src_parts = src.parts[proj]
+        src_fmt = projection_format({p: source_ck.info(n).spec.dtype for p, n in src_parts.items()})
+        src_tensors = {p: source_ck.tensor(n).to(device) for p, n in src_parts.items()
+                       if p in DECODE_PARTS.get(src_fmt, ())}
+        found.append(("ok", proj, *exactness(decode_projection(src_fmt, src_tensors), values,
+                                             block_size(src_fmt, src_tensors))))
+    return found
+
+
+def _deep_record(model, expert, future, deep_stats, out) -> None:
+    acc = deep_stats.setdefault(expert.block, [0, 0, 0])
+    where = f"{model.experts_module(expert.block)}.{expert.expert}"
+    for kind, *detail in future.result():
+        if kind == "skipped":
+            out.add("info", "deep-skipped", "not decoded", detail=detail[0])
+        elif kind == "no-source":
+            out.add("warning", "deep-no-source", "projection absent from --source", f"{where}.{detail[0]}")
         else:
-            if src is None or proj not in src.parts:
-                out.add("warning", "deep-no-source", "projection absent from --source",
-                        f"{model.experts_module(expert.block)}.{expert.expert}.{proj}")
-                continue
-            src_parts = src.parts[proj]
-            src_fmt = projection_format({p: source_ck.info(n).spec.dtype for p, n in src_parts.items()})
-            src_tensors = {p: source_ck.tensor(n) for p, n in src_parts.items() if p in DECODE_PARTS.get(src_fmt, ())}
-            stats = compare(decode_projection(src_fmt, src_tensors), values, block_size(src_fmt, src_tensors))
-            acc[0] += stats.blocks
-            acc[1] += stats.exact_blocks
-            bad = stats.nonfinite
-        acc[2] += bad
-        if bad:
-            out.add("error", "nonfinite-weights", "decoded weights are not finite",
-                    f"{model.experts_module(expert.block)}.{expert.expert}.{proj}", f"{bad} values")
+            proj, blocks, exact, bad = detail
+            acc[0] += blocks
+            acc[1] += exact
+            acc[2] += bad
+            if bad:
+                out.add("error", "nonfinite-weights", "decoded weights are not finite", f"{where}.{proj}", f"{bad} values")
 
 
 def format_result(result: dict) -> str:

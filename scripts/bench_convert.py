@@ -3,9 +3,12 @@
 Writes (once) a full-scale synthetic checkpoint whose one layer shard holds real data (the rest are
 holes), then times, alternating on the same disk: `cp` of that shard (+ fsync, as requant fsyncs),
 `requant`'s conversion of it with 1 and 2 workers (in a child process under /usr/bin/time -v, for
-peak RSS), and ModelOpt's reference cast on a few experts, extrapolated to the shard.
+peak RSS), and ModelOpt's reference cast on a few experts, extrapolated to the shard. With
+--cache cold (the default) the shard is dropped from the page cache before every run
+(posix_fadvise DONTNEED on that file: no root needed, other processes' caches untouched).
 
-    python scripts/bench_convert.py --workdir /tmp/requant-bench
+    python scripts/bench_convert.py --workdir /tmp/requant-bench [--cache cold|warm]
+    python scripts/bench_convert.py --src CHECKPOINT --shard-index 1   # a layer shard of another one
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ from requant.io.checkpoint import Checkpoint
 from requant.plan import make_plan
 from requant.convert import write_shard
 from requant.targets import Options
+from requant.workers import Encoders
 src, dst, index, workers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 plan = make_plan(Checkpoint.open(src), "nvfp4", Options())
 start = time.perf_counter()
 shard = plan.shards[index]
 entry = {"size": os.path.getsize(plan.source.shard_path(shard.name)), "mtime_ns": None}  # as the journal records it
-with tqdm(disable=True) as bar:
-    stats = write_shard(plan, shard, dst, workers, bar, entry)
+with tqdm(disable=True) as bar, Encoders.for_plan(plan, workers) as encoders:
+    stats = write_shard(plan, shard, dst, encoders, bar, entry)
 print(f"SECONDS {time.perf_counter() - start:.3f} EXACT {stats.exact_blocks} BLOCKS {stats.blocks}")
 """
 
@@ -54,13 +58,13 @@ def copy_with_fsync(src: str, dst: str) -> float:
     return time.perf_counter() - start
 
 
-def reference_seconds_per_expert(src_dir: str, experts: int) -> float:
+def reference_seconds_per_expert(src_dir: str, experts: int, shard_index: int) -> float:
     import torch
     from modelopt.torch.export.shard_cast_utils import build_w13_kmax_overrides, quantize_mxfp4_to_nvfp4_lossless
     from requant.io.checkpoint import Checkpoint
 
     ck = Checkpoint.open(src_dir)
-    block = f"layers.{SHARD_INDEX - 1}.ffn.experts"
+    block = f"layers.{shard_index - 1}.ffn.experts"   # shard 0 holds the embedding
     start = time.perf_counter()
     for e in range(experts):
         bases = [f"{block}.{e}.{p}" for p in ("w1", "w3", "w2")]
@@ -77,21 +81,29 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/requant-bench")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reference-experts", type=int, default=2)
+    ap.add_argument("--cache", choices=["cold", "warm"], default="cold")
+    ap.add_argument("--src", help="an existing synthetic checkpoint (default: write one under --workdir)")
+    ap.add_argument("--shard-index", type=int, default=SHARD_INDEX, help="its layer shard to convert")
     args = ap.parse_args()
 
     from requant import synth
 
-    src = os.path.join(args.workdir, "src")
+    src = args.src or os.path.join(args.workdir, "src")
     if not os.path.exists(os.path.join(src, "config.json")):
         shutil.rmtree(src, ignore_errors=True)
         print("writing a full-scale synthetic checkpoint (one layer shard with data)...", flush=True)
         synth.write_checkpoint(src, synth.FULL_SCALE, seed=0, data_shards={SHARD_INDEX})
-    name = synth.shard_name(SHARD_INDEX, len(synth.layout(synth.FULL_SCALE)))
+    name = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))[args.shard_index]
     shard = os.path.join(src, name)
     size = os.path.getsize(shard)
     out = os.path.join(args.workdir, "out")
     os.makedirs(out, exist_ok=True)
     subprocess.run(["cat", shard], stdout=subprocess.DEVNULL, check=True)  # same warm cache for all
+
+    def drop_from_cache(path):
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
 
     rows = {"cp": [], "requant w=1": [], "requant w=2": []}
     rss = {}
@@ -99,12 +111,14 @@ def main() -> None:
 
     def run(label):
         nonlocal exact
+        if args.cache == "cold":
+            drop_from_cache(shard)
         if label == "cp":
             rows["cp"].append(copy_with_fsync(shard, os.path.join(out, "copy.safetensors")))
             os.remove(os.path.join(out, "copy.safetensors"))
         else:
             workers = int(label[-1])
-            cmd = ["/usr/bin/time", "-v", sys.executable, "-c", CHILD, src, out, str(SHARD_INDEX), str(workers)]
+            cmd = ["/usr/bin/time", "-v", sys.executable, "-c", CHILD, src, out, str(args.shard_index), str(workers)]
             _, log = timed(cmd)
             rows[label].append(float(re.search(r"SECONDS ([\d.]+)", log).group(1)))
             rss[workers] = max(rss.get(workers, 0),
@@ -119,10 +133,10 @@ def main() -> None:
         for label in labels[r % len(labels):] + labels[: r % len(labels)]:
             run(label)
 
-    ref = reference_seconds_per_expert(src, args.reference_experts)
+    ref = reference_seconds_per_expert(src, args.reference_experts, args.shard_index)
     experts = synth.FULL_SCALE.experts
     cp_time = statistics.median(rows["cp"])
-    print(f"\nshard {name}: {size / 2**30:.2f} GiB, {experts} experts x 3 projections; "
+    print(f"\nshard {name}: {size / 2**30:.2f} GiB ({args.cache} page cache), {experts} experts x 3 projections; "
           f"exact blocks {int(exact[0]):,} / {int(exact[1]):,}")
     print(f"{'method':<14}{'median s':>10}{'GiB/s':>8}{'x cp':>7}{'peak RSS MiB':>14}")
     for label, times in rows.items():

@@ -7,7 +7,7 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
 from requant.formats import mxfp4, nvfp4
-from requant.kernels.fused_moe import ExpertWeights
+from requant.kernels.weights import ExpertWeights
 
 
 def random_mxfp4(experts: int, n: int, k: int, gen: torch.Generator):

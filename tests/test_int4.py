@@ -112,3 +112,4 @@ def test_e8m0_to_f32_is_exact():
     f = e8m0_to_f32(b)
     assert f.dtype == torch.float32
     assert [float(v) for v in f] == [2.0 ** (int(v) - 127) for v in b]
+

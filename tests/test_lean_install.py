@@ -1,7 +1,7 @@
 """The core install: with triton, ModelOpt, matplotlib, compressed-tensors and pytest impossible to
 import (a child process whose import system refuses them, as a venv without the extras would), synth,
-convert to both targets, inspect, verify and report work; validate and report's plots name the extra
-to install, in one line."""
+convert to both targets, inspect, verify, report and validate on a CPU (the torch reference) work;
+the kernel and report's plots name the extra to install, in one line."""
 
 from __future__ import annotations
 
@@ -32,8 +32,15 @@ for argv in json.loads(sys.argv[1]):
     results.append({{"argv": argv, "code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr,
                      "exception": None if r.exception is None or isinstance(r.exception, SystemExit)
                      else repr(r.exception)}})
+from requant.errors import RequantError
+from requant.validate import validate
+try:   # the kernel itself, as a GPU machine without triton would ask for it
+    validate(*sys.argv[2:4], layers="0", tokens=4, device="cpu", progress=False, kernel=True)
+    kernel_error = None
+except RequantError as e:
+    kernel_error = str(e)
 leaked = sorted(m for m in sys.modules if m.split(".")[0] in {BLOCKED!r})
-print(json.dumps({{"results": results, "leaked": leaked}}))
+print(json.dumps({{"results": results, "kernel_error": kernel_error, "leaked": leaked}}))
 """
 
 
@@ -48,21 +55,21 @@ def test_core_commands_work_without_the_extras_and_validate_names_it(tmp_path):
                 ["report", src, nv, "--out-dir", r, "--quiet"], ["validate", src, nv, "--device", "cpu"]]
     launcher = tmp_path / "lean_requant.py"
     launcher.write_text(LAUNCHER)
-    child = subprocess.run([sys.executable, str(launcher), json.dumps(commands)], capture_output=True, text=True,
-                           timeout=300, env=env)
+    child = subprocess.run([sys.executable, str(launcher), json.dumps(commands), src, nv], capture_output=True,
+                           text=True, timeout=300, env=env)
     assert child.returncode == 0, child.stderr
     out = json.loads(child.stdout)
     assert out["leaked"] == []
     synth, *conversions, inspect_nv, inspect_w4, verify_nv, verify_w4, report, validate = out["results"]
-    for step in [synth, *conversions, inspect_nv, inspect_w4, verify_nv, verify_w4, report]:
+    for step in [synth, *conversions, inspect_nv, inspect_w4, verify_nv, verify_w4, report, validate]:
         assert step["code"] == 0 and step["exception"] is None, step
     assert json.loads(inspect_nv["stdout"])["expert_format"] == "nvfp4"
     assert json.loads(inspect_w4["stdout"])["expert_format"] == "w4a16"
     assert "OK:" in verify_nv["stdout"] and "OK:" in verify_w4["stdout"]
     assert "no plots: report plotting needs matplotlib, which is not installed: pip install 'requant[plots]'" \
         in report["stdout"]
-    assert "MoE forward: not run (validate failed: requant's fused-MoE kernel" in report["stdout"]
+    assert "MoE forward on cpu (torch reference, kernel not run): passed" in report["stdout"]
     assert sorted(os.listdir(r)) == ["report.html", "report.json", "report.md"]
-    assert validate["code"] == 2 and validate["exception"] is None
-    assert validate["stderr"] == ("requant: error: requant's fused-MoE kernel (validate, report's forward comparison) "
-                                  "needs triton, which is not installed: pip install 'requant[gpu]'\n")
+    assert "PASSED on cpu" in validate["stdout"] and "torch reference" in validate["stderr"]
+    assert out["kernel_error"] == ("requant's fused-MoE kernel (validate, report's forward comparison) "
+                                   "needs triton, which is not installed: pip install 'requant[gpu]'")

@@ -1,4 +1,5 @@
-"""requant validate end to end on a small synthetic checkpoint, on the CPU (Triton interpreter)."""
+"""requant validate end to end on a small synthetic checkpoint, on the CPU: the kernel under Triton's
+interpreter (small shapes) and the torch reference path the CLI takes without a GPU."""
 
 import os
 
@@ -33,7 +34,8 @@ def checkpoints(tmp_path_factory):
 
 def test_lossless_nvfp4_passes(checkpoints):
     src, dst = checkpoints
-    result = validate(src, dst, layers="0,3,mtp.0", tokens=9, device="cpu", progress=False, serve_modes=["bf16"])
+    result = validate(src, dst, layers="0,3,mtp.0", tokens=9, device="cpu", progress=False, kernel=True,
+                      serve_modes=["bf16"])
     by = {r.layer: r for r in result.layers}
     assert result.passed and list(by) == ["layers.0", "layers.3", "mtp.0"]
     assert by["layers.0"].hash_routed and not by["layers.3"].hash_routed
@@ -61,7 +63,7 @@ def test_wrong_w3_global_scale_fails(checkpoints, tmp_path):
     result = runner.invoke(cli, ["validate", src, bad, "--layers", "3", "--tokens", "16", "--device", "cpu",
                                  "--serve", "bf16", "--json", "--quiet"])
     assert result.exit_code == 1, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
     layer = report["layers"][0]
     assert not report["passed"] and layer["rel_err"] > 1e-3 and layer["routing_agreement"] == 1.0
 
@@ -87,7 +89,7 @@ def test_w4a16_output_validates_with_its_quantization_error(checkpoints, tmp_pat
     result = CliRunner().invoke(cli, ["convert", src, dst, "--out", "w4a16", "--group-size", "32", "--scheme", scheme,
                                       "--quiet"])
     assert result.exit_code == 0, result.output
-    report = validate(src, dst, layers="2,mtp.0", tokens=7, device="cpu", progress=False,
+    report = validate(src, dst, layers="2,mtp.0", tokens=7, device="cpu", progress=False, kernel=True,
                       serve_modes=["nvfp4-w4a4", "marlin-w4a16", "bf16"])
     assert report.passed
     for r in report.layers:
@@ -98,17 +100,20 @@ def test_w4a16_output_validates_with_its_quantization_error(checkpoints, tmp_pat
                                                                             ("bf16", r.rel_err, 0)]
 
 
-def test_serving_modes(tmp_path):
+@pytest.mark.parametrize("kernel", [True, False])
+def test_serving_modes(tmp_path, kernel):
     """Every serving mode on a layer with blocks below E4M3's normal range (re-quantized by the
     cast to scale 2^-9): Marlin flushes exactly those, W4A4 runs under the checkpoint's largest
-    input_scale and under 1.0, each with an activation-quantization error of its own."""
+    input_scale and under 1.0, each with an activation-quantization error of its own; through the
+    kernel (the interpreter here) and through the CPU's torch reference alike."""
     src, dst = str(tmp_path / "src"), str(tmp_path / "nvfp4")
     runner = CliRunner()
     for args in (["synth", src, "--layers", "4", "--experts", "8", "--hidden", "128", "--intermediate", "128",
                   "--seed", "5", "--out-of-window", "3"], ["convert", src, dst, "--out", "nvfp4", "--quiet"]):
         result = runner.invoke(cli, args)
         assert result.exit_code == 0, result.output
-    report = validate(src, dst, layers="3", tokens=8, device="cpu", progress=False, serve_modes=["nvfp4-w4a4", "marlin-w4a16", "bf16"])
+    report = validate(src, dst, layers="3", tokens=8, device="cpu", progress=False, kernel=kernel,
+                      serve_modes=["nvfp4-w4a4", "marlin-w4a16", "bf16"])
     [layer] = report.layers
     served = {(s.mode, s.policy): s for s in layer.serving}
     assert list(served) == [("nvfp4-w4a4", "written"), ("nvfp4-w4a4", "1.0"), ("marlin-w4a16", None), ("bf16", None)]
@@ -145,3 +150,16 @@ def test_serve_defaults_and_names():
     assert parse_modes("all") == ["nvfp4-w4a4", "marlin-w4a16", "bf16"] and parse_modes(None) is None
     with pytest.raises(RequantError):
         parse_modes("w4a4")
+
+
+def test_cpu_reference_path_and_its_notice(checkpoints):
+    """Without the kernel (a CPU, by default) the torch reference runs alone: the same verdict on a
+    lossless conversion, no kernel error measured, and one line saying so with a time estimate."""
+    src, dst = checkpoints
+    lines = []
+    result = validate(src, dst, layers="3", tokens=9, device="cpu", progress=False, notice=lines.append)
+    layer = result.layers[0]
+    assert result.passed and layer.rel_err == 0.0 and layer.kernel_rel_err is None
+    assert len(lines) == 1 and "torch reference" in lines[0] and "--layers" in lines[0] and "--tokens" in lines[0]
+    cli_run = CliRunner().invoke(cli, ["validate", src, dst, "--layers", "3", "--device", "cpu", "--quiet"])
+    assert cli_run.exit_code == 0 and "about" in cli_run.stderr and "PASSED" in cli_run.stdout

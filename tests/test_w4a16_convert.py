@@ -137,3 +137,4 @@ def test_refused_combinations(small_source, tmp_path, args, why):
     lines = [l for l in result.output.strip().splitlines() if l]
     assert why in result.output and (len(lines) == 1 or "Usage" in result.output), result.output
     assert not os.path.exists(dst) or not os.listdir(dst)
+

@@ -16,9 +16,9 @@ minimises the squared error against the MXFP4 source (see encode_mxfp4).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from requant.errors import FormatError
@@ -79,17 +79,24 @@ def unpack_zero_point(packed: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 # decode -------------------------------------------------------------------------------------
+# Both values of each byte (low nibble first), as float32: one lookup per byte decodes two weights.
+_BYTE_VALUES = torch.stack([torch.arange(256) & 15, torch.arange(256) >> 4], 1).float() - 8
+
+
 def decode(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 [out, K] from the stored tensors. Plain torch, independent of the encoder."""
+    """float32 [out, K] from the stored tensors, on their device. Plain torch, independent of the
+    encoder."""
     rows, words = packed.shape
     k = words * PACK
     groups = scale.shape[1]
     if scale.shape[0] != rows or k % groups:
         raise FormatError(f"weight_scale shape {list(scale.shape)} does not match weight_packed {list(packed.shape)}")
-    q = unpack(packed).to(torch.float32).view(rows, groups, k // groups)
+    byte = packed.contiguous().view(torch.uint8).reshape(-1).int()
+    q = _BYTE_VALUES.to(packed.device).index_select(0, byte).view(rows, groups, k // groups)
     if zero_point is not None:
-        q = q - unpack_zero_point(zero_point, rows).to(torch.float32)[..., None]
-    return (q * scale.to(torch.float32)[..., None]).view(rows, k)
+        q -= unpack_zero_point(zero_point, rows).to(torch.float32)[..., None]
+    q *= scale.to(torch.float32)[..., None]
+    return q.view(rows, k)
 
 
 # encode -------------------------------------------------------------------------------------
@@ -104,6 +111,14 @@ def decode(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor |
 # round-to-nearest, optimal once the scale is fixed; they come from byte tables, so the encoder
 # never materialises float weights.
 #
+# The search is exact integer arithmetic: every candidate s' is a BF16 value >= 2^-5 (a multiple
+# of 2^-12) and every binned level a multiple of 2^-6, so each per-level error ((q - z) s' - x)^2
+# is a whole number of 2^-24 units and a group's error (at most 128 such terms) a whole number
+# below 2^33. Products run in float64 on those integers, exact in any summation order: BLAS on the
+# CPU and cuBLAS on a GPU pick the same candidates. Ties go to the lowest candidate index, made
+# explicit (errors are scaled by _TIE and one more row adds the candidate's index), so no kernel's
+# argmin convention matters; the minimum then carries both the error and the candidate.
+#
 # The exhaustive search (every BF16 s' in range, times every zero point) is exact but costs
 # [groups x candidates x levels]; it stays as the test oracle. The default search is coarse to
 # fine: every _COARSE-th scale (with every zero point), then every BF16 scale within _RADIUS of
@@ -112,21 +127,25 @@ _SCALE_RANGE = {"sym": (0.1, 0.5), "asym": (0.05, 0.5)}  # s' for a normalised m
 _ZERO_POINTS = range(-3, 4)        # asym offsets searched; E2M1 is symmetric, the best is near 0
 _D_MAX = 8                         # blocks 2^-8 below the group's top round to 0 under any s'
 _LEVELS = torch.tensor([(1.5 if i % 2 == 0 else 1.0) * 2.0 ** -(i // 2) for i in range(2 * _D_MAX)])
-_MAG_LEVEL = np.array([7, 5, 4, 3, 2, 1, 0])   # magnitudes 0.5 .. 6 as level offsets (6 -> 0)
-_MAG_SQUARED = np.square(e2m1.MAGNITUDES[1:], dtype=np.float32)
-# Half-octave level of the largest magnitude present, from the bit mask of magnitudes 0.5 .. 6.
-_TOP_LEVEL = np.array([max([(-2, 0, 1, 2, 3, 4, 5)[j] for j in range(7) if m >> j & 1], default=-(10**6))
-                       for m in range(128)], dtype=np.int32)
+_MAG_SQUARED_X4 = torch.tensor([1, 4, 9, 16, 36, 64, 144], dtype=torch.float64)   # 4 * (0.5 .. 6)^2
+# Half-octave level of each magnitude code's value (0.5 -> -2, 1 -> 0, 1.5 -> 1, ... 6 -> 5); code 0
+# (no magnitude present) far below anything.
+_TOP_LEVEL = torch.tensor([-(10**6), -2, 0, 1, 2, 3, 4, 5])
+_UNIT = 2.0**-24                   # errors and energies are whole numbers of these
+_TIE = 1 << 12                     # above any candidate index
 # Coarse-to-fine, per scheme: BF16 steps between coarse scales, then the radius (in BF16 steps)
 # searched around each group's coarse winner. Chosen on DeepSeek-V4-size synthetic experts: vs the
 # exhaustive search they lose about 0.001 dB (sym) and 0.03 dB (asym); scripts/bench_w4a16.py.
 _COARSE = {"sym": 8, "asym": 16}
 _RADIUS = {"sym": 4, "asym": 8}
-_CHUNK_GROUPS = 1 << 13            # bounds the [candidates, groups] error matrix
-# Per pair of source bytes (4 codes), one 4-bit count field per code: sums of two cannot overflow.
-_PAIR_FIELDS = sum(np.uint64(1) << (np.uint64(4) * ((np.arange(1 << 16, dtype=np.uint64) >> np.uint64(4 * j))
-                                                    & np.uint64(15))) for j in range(4))
-_LANES = np.uint64(0x0F0F0F0F0F0F0F0F)
+_CHUNK_GROUPS = 1 << 13            # bounds the [groups, candidates] error matrix
+# Per pair of source bytes (4 codes), one 4-bit count field per nonzero magnitude code (+0.5 .. +6
+# in fields 0-6, -0.5 .. -6 in 7-13; +-0 are not counted): sums of two cannot overflow a field,
+# and 56 bits stay clear of int64's sign bit.
+_FIELD = [0] + [1 << 4 * i for i in range(7)] + [0] + [1 << 4 * (7 + i) for i in range(7)]
+_PAIR_FIELDS = torch.tensor([sum(_FIELD[(v >> 4 * j) & 15] for j in range(4)) for v in range(1 << 16)],
+                            dtype=torch.int64)
+_LANES = 0x000F0F0F0F0F0F0F        # 7 byte lanes of 4 bits
 
 
 def _bf16_between(lo: float, hi: float) -> torch.Tensor:
@@ -137,153 +156,200 @@ def _bf16_between(lo: float, hi: float) -> torch.Tensor:
 
 class _Tables:
     """Error per (signed level, candidate) and output byte per (block shift, candidate, source
-    byte). Candidate c is scale s[c % n_s] with zero point z[c // n_s]."""
+    byte), on one device. Candidate c is scale s[c % n_s] with zero point z[c // n_s]."""
 
-    def __init__(self, scheme: str):
-        self.scheme = scheme
+    def __init__(self, scheme: str, device: torch.device):
+        self.scheme, self.device = scheme, device
         s = _bf16_between(*_SCALE_RANGE[scheme])
         zs = list(_ZERO_POINTS) if scheme == "asym" else [0]
         self.n_s, self.n_z = len(s), len(zs)
         self.z = torch.tensor(zs, dtype=torch.float32).repeat_interleave(self.n_s)
         self.s = s.repeat(self.n_z)
-        assert float(e2m1.MAX) * 2.0**-_D_MAX < float(s[0]) / 2   # deeper blocks are all "tiny"
+        n = len(self.s)
+        assert n < _TIE and float(s[0]) >= 2.0**-5
+        assert e2m1.MAX * 2.0**-_D_MAX < float(s[0]) / 2   # deeper blocks are all "tiny"
         self.n_bins = int((_LEVELS >= s[0] / 2).sum())
         x = torch.cat([_LEVELS[: self.n_bins], -_LEVELS[: self.n_bins]])[:, None]
         q = torch.clamp(torch.round(x / self.s) + self.z, QMIN, QMAX)
-        error = ((q - self.z) * self.s - x).square()                                 # [2 bins, C]
+        error = ((q - self.z) * self.s - x).double().square() / _UNIT               # [2 bins, C]
+        assert torch.equal(error, error.round()) and float(error.max()) * 128 * _TIE < 2.0**53
         # Levels that never clamp cost the same for +v and -v: one row counts both signs, which
         # shrinks every product below. Row r counts level row_level[r] of sign plane row_plane[r]
         # (0: +, 1: -, 2: both).
-        merged = (error[: self.n_bins] == error[self.n_bins:]).all(1).numpy()
-        levels = np.arange(self.n_bins)
-        self.row_level = np.concatenate([levels, levels[~merged]])
-        self.row_plane = np.concatenate([np.where(merged, 2, 0), np.ones((~merged).sum(), dtype=int)])
-        kept = torch.from_numpy(np.concatenate([np.ones(self.n_bins, dtype=bool), ~merged]))
-        self.error, self.level_energy = error[kept], x.squeeze(1).square()[kept]
+        merged = (error[: self.n_bins] == error[self.n_bins:]).all(1)
+        levels = torch.arange(self.n_bins)
+        row_level = torch.cat([levels, levels[~merged]])
+        row_plane = torch.cat([torch.where(merged, 2, 0), torch.ones(int((~merged).sum()), dtype=torch.long)])
+        kept = torch.cat([torch.ones(self.n_bins, dtype=torch.bool), ~merged])
+        self.rows = len(row_level)
+        # Last row: the candidate index, matched by a column of ones in the counts.
+        table = torch.cat([error[kept] * _TIE, torch.arange(n, dtype=torch.float64)[None]])
+        self.error = table.to(device)                                               # [rows + 1, C]
+        self.error_t = self.error.t().contiguous()                                  # [C, rows + 1]
+        self.level_energy = (x.squeeze(1).double().square()[kept] / _UNIT).to(device)
+        self.row_level, self.row_plane = row_level.int().to(device), row_plane.int().to(device)
         d = torch.arange(-1, _D_MAX + 1, dtype=torch.float32)
         v = e2m1.signed_values()[None, :, None] * torch.exp2(-d)[:, None, None]      # [d, 16, 1]
         nibble = (torch.clamp(torch.round(v / self.s) + self.z, QMIN, QMAX) - QMIN).to(torch.uint8)
         nibble = nibble.transpose(1, 2)                                              # [d, C, 16]
         byte = torch.arange(256)
-        self.bytes = (nibble[..., byte & 15] | (nibble[..., byte >> 4] << 4)).contiguous().numpy().reshape(-1)
+        self.bytes = (nibble[..., byte & 15] | (nibble[..., byte >> 4] << 4)).reshape(-1).to(device)
         self.zero_index = int((self.z == 0).nonzero()[0])
+        self.s_dev, self.z_dev = self.s.to(device), self.z.to(device)
+        self.pair_fields = _PAIR_FIELDS.to(device)
+        self.top_level = _TOP_LEVEL.int().to(device)
+        self.mag_squared = _MAG_SQUARED_X4.to(device)
 
-    def exhaustive(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._best(counts, torch.arange(len(self.s)))
+    def exhaustive(self, counts: torch.Tensor) -> torch.Tensor:
+        return self._best(counts, torch.arange(len(self.s), device=self.device))
 
-    def coarse_to_fine(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def coarse_to_fine(self, counts: torch.Tensor) -> torch.Tensor:
+        """Per group: error * _TIE + candidate of the best candidate (see the section comment)."""
         coarse = torch.arange(0, self.n_s, _COARSE[self.scheme]) + self.n_s * torch.arange(self.n_z)[:, None]
-        pick, _ = self._best(counts, coarse.flatten())
+        pick = (self._best(counts, coarse.flatten().to(self.device)) % _TIE).long()
+        return self._best_each(counts, pick) if counts.is_cuda else self._best_by_centre(counts, pick)
+
+    def _neighbours(self, centres: torch.Tensor) -> torch.Tensor:
+        """[n, options]: each centre's scale +- the radius (zero point +-1 for asym), clipped to the
+        edges (a repeated candidate is harmless)."""
         radius = _RADIUS[self.scheme]
-        return self._refine(counts, pick, torch.arange(-radius, radius + 1))
-
-    def _best(self, counts, options):
-        """(best candidate among `options`, its error) per group."""
-        pick, best = torch.empty(len(counts), dtype=torch.long), torch.empty(len(counts))
-        table = self.error[:, options].t()
-        for g0 in range(0, len(counts), _CHUNK_GROUPS):
-            # [options, groups]: the min runs across rows, which vectorises (a per-row min does not).
-            best[g0:g0 + _CHUNK_GROUPS], arg = (table @ counts[g0:g0 + _CHUNK_GROUPS].float().t()).min(0)
-            pick[g0:g0 + _CHUNK_GROUPS] = options[arg]
-        return pick, best
-
-    def _refine(self, counts, pick, ds):
-        """Best of each group's scale +- ds (zero point +-1 for asym), one matmul per distinct pick."""
-        dz = torch.arange(-1, 2) if self.n_z > 1 else torch.zeros(1, dtype=torch.long)
-        per_pick = np.bincount(pick.numpy(), minlength=len(self.s))
-        centres = torch.from_numpy(per_pick.nonzero()[0])
+        ds = torch.arange(-radius, radius + 1, device=self.device)
+        dz = torch.arange(-1, 2, device=self.device) if self.n_z > 1 else torch.zeros(1, dtype=torch.long,
+                                                                                      device=self.device)
         s = (centres % self.n_s)[:, None, None] + ds[None, None, :]
         z = (centres // self.n_s)[:, None, None] + dz[None, :, None]
-        # Out-of-range neighbours are clipped to the edge: a repeated candidate is harmless.
-        options = (z.clamp(0, self.n_z - 1) * self.n_s + s.clamp(0, self.n_s - 1)).flatten(1)
-        # Groups sorted by pick (a radix sort), so each centre's groups are one contiguous slice.
-        order = np.argsort(pick.numpy().astype(np.int16), kind="stable")
-        cells = torch.from_numpy(np.take(counts.numpy(), order, axis=0)).split(per_pick[per_pick > 0].tolist())
-        order = torch.from_numpy(order)
-        picks, bests = zip(*(self._best(cell, opts) for cell, opts in zip(cells, options)))
-        new_pick, new_best = torch.empty_like(pick), torch.empty(len(pick))
-        new_pick[order], new_best[order] = torch.cat(picks), torch.cat(bests)
-        return new_pick, new_best
+        return (z.clamp(0, self.n_z - 1) * self.n_s + s.clamp(0, self.n_s - 1)).flatten(1)
+
+    def _best(self, counts, options):
+        """Best among the same `options` for every group (one matrix product per chunk)."""
+        table = self.error[:, options].t()
+        return torch.cat([(table @ _operand(counts[g0:g0 + _CHUNK_GROUPS]).t()).amin(0)
+                          for g0 in range(0, len(counts), _CHUNK_GROUPS)])
+
+    def _best_by_centre(self, counts, pick):
+        """Best among each group's own options, one matrix product per distinct coarse winner
+        (groups sorted by it, so each winner's groups are one slice): the CPU's way."""
+        per_pick = torch.bincount(pick, minlength=len(self.s))
+        centres = per_pick.nonzero().squeeze(1)
+        order = torch.sort(pick.to(torch.int16), stable=True).indices
+        cells = counts[order].split(per_pick[centres].tolist())
+        keys = torch.empty(len(pick), dtype=torch.float64)
+        keys[order] = torch.cat([(_operand(cell) @ self.error[:, o]).amin(1)
+                                 for cell, o in zip(cells, self._neighbours(centres))])
+        return keys
+
+    def _best_each(self, counts, pick):
+        """The same result as _best_by_centre, gathering each group's table columns: a few large
+        kernels rather than one small product per winner (the GPU's way)."""
+        chunk = 1 << 16
+        return torch.cat([torch.bmm(self.error_t[self._neighbours(pick[g0:g0 + chunk])],
+                                    _operand(counts[g0:g0 + chunk])[:, :, None]).squeeze(2).amin(1)
+                          for g0 in range(0, len(counts), chunk)])
 
 
-_TABLES: dict[str, _Tables] = {}
+def _operand(counts: torch.Tensor) -> torch.Tensor:
+    """uint8 counts [groups, rows] as the float64 left operand of a table: with the column of ones
+    that picks up the table's candidate-index row. Made per chunk, so it stays in cache."""
+    return torch.nn.functional.pad(counts.double(), (0, 1), value=1.0)
 
 
-def _block_histograms(blocks: np.ndarray) -> np.ndarray:
-    """uint8 [n, 16] packed MXFP4 blocks -> uint8 [n, 16] count of each code per block."""
+_TABLES: dict[tuple[str, torch.device], _Tables] = {}
+
+
+def _tables(scheme: str, device: torch.device) -> _Tables:
+    key = (scheme, device)
+    if key not in _TABLES:
+        _TABLES[key] = _Tables(scheme, device)
+    return _TABLES[key]
+
+
+def _block_magnitudes(blocks: torch.Tensor, tables: _Tables) -> torch.Tensor:
+    """uint8 [n, 16] packed MXFP4 blocks -> uint8 [n, 14]: per block, the count of each nonzero
+    magnitude (0.5 .. 6) among positive codes, then among negative ones."""
     n = len(blocks)
-    fields = _PAIR_FIELDS[blocks.view(np.uint16)]                   # 4-bit counts of 4 codes
-    fields = fields[:, 0:4] + fields[:, 4:8]                         # <= 8 each
-    even, odd = fields & _LANES, (fields >> np.uint64(4)) & _LANES  # 8-bit lanes, sums <= 32
+    pairs = blocks.view(torch.int16).int() & 0xFFFF                 # int32 indices: the fast gathers
+    fields = tables.pair_fields.index_select(0, pairs.view(-1)).view(n, 8)   # 4-bit counts of 4 codes
+    fields = fields[:, 0:4] + fields[:, 4:8]                        # <= 8 each
+    even, odd = fields & _LANES, (fields >> 4) & _LANES             # 8-bit lanes, sums <= 32
     even, odd = even[:, 0:2] + even[:, 2:4], odd[:, 0:2] + odd[:, 2:4]
-    hist = np.empty((n, 16), dtype=np.uint8)
-    hist[:, 0::2] = (even[:, 0] + even[:, 1]).view(np.uint8).reshape(n, 8)   # little-endian lanes
-    hist[:, 1::2] = (odd[:, 0] + odd[:, 1]).view(np.uint8).reshape(n, 8)
-    return hist
+    out = torch.empty(n, 14, dtype=torch.uint8, device=blocks.device)
+    out[:, 0::2] = (even[:, 0] + even[:, 1]).view(torch.uint8).view(n, 8)[:, :7]   # little-endian lanes
+    out[:, 1::2] = (odd[:, 0] + odd[:, 1]).view(torch.uint8).view(n, 8)[:, :7]
+    return out
+
+
+def _exact_sum(by_exponent: torch.Tensor, offset: int, scale: float) -> float:
+    """sum_i by_exponent[i] * 2^(2 (i - offset)) * scale, correctly rounded: the same float
+    whatever device summed the (whole-number) bins."""
+    return math.fsum(c * 2.0 ** (2 * (i - offset)) * scale for i, c in enumerate(by_exponent.tolist()) if c)
 
 
 def encode_mxfp4(weight: torch.Tensor, scale: torch.Tensor, group_size: int = 128, scheme: str = "sym",
                  exhaustive: bool = False) -> Encoded:
     """Quantize one MXFP4 tensor (packed uint8 [out, K/2], E8M0 [out, K/32]) to INT4 groups along K.
 
-    exhaustive=True evaluates every candidate: the exact optimum, many times slower (a test oracle)."""
+    Runs on the inputs' device (CPU or CUDA) and returns CPU tensors: the same bytes and energies
+    on either. exhaustive=True evaluates every candidate: the exact optimum, many times slower (a
+    test oracle)."""
     weight = weight.contiguous().view(torch.uint8)
     scale = scale.contiguous().view(torch.uint8)
     mxfp4.check_shapes(tuple(weight.shape), tuple(scale.shape))
-    mxfp4.check_scales(scale.numpy())
+    if scale.numel() and bool((scale == mxfp4.E8M0_NAN).any()):
+        mxfp4.check_scales(scale.cpu().numpy())
     rows, k = weight.shape[0], weight.shape[1] * 2
     check_shape(rows, k, group_size, scheme)
-    tables = _TABLES.get(scheme)
-    if tables is None:
-        tables = _TABLES.setdefault(scheme, _Tables(scheme))
+    device = weight.device
+    tables = _tables(scheme, device)
     per_group = group_size // mxfp4.BLOCK
-    blocks = weight.numpy().reshape(-1, mxfp4.BLOCK // 2)
+    blocks = weight.reshape(-1, mxfp4.BLOCK // 2)
     n_blocks = len(blocks)
-    hist = _block_histograms(blocks)
-    both = hist[:, 1:8] + hist[:, 9:16]
-    mags = np.stack([hist[:, 1:8], hist[:, 9:16], both], 1)          # [blocks, +/-/both, magnitude 0.5 .. 6]
+    magnitudes = _block_magnitudes(blocks, tables)
+    both = magnitudes[:, :7] + magnitudes[:, 7:]
+    mags = torch.stack([magnitudes[:, :7], magnitudes[:, 7:], both], 1)   # [blocks, +/-/both, 0.5 .. 6]
 
     # Level of each block's top |value|, counted in half octaves (level 2e+1 is 1.5 * 2^e).
-    exps = scale.numpy().reshape(-1).astype(np.int32) - mxfp4.E8M0_BIAS
-    present = np.zeros(n_blocks, dtype=np.uint8)                    # bit j: magnitude j present
-    for j in range(7):
-        present |= (both[:, j] > 0).view(np.uint8) << j
-    group_top = (_TOP_LEVEL[present] + 2 * exps).reshape(-1, per_group).max(1)
+    exps = scale.reshape(-1).int() - mxfp4.E8M0_BIAS
+    top_code = ((both > 0) * torch.arange(1, 8, dtype=torch.uint8, device=device)).amax(1).int()
+    group_top = (tables.top_level.index_select(0, top_code) + 2 * exps).view(-1, per_group).amax(1)
     empty = group_top < -(10**5)
-    r = group_top >> 1                                                # 2^R <= top < 2^(R+1)
-    shift = np.clip(np.repeat(r, per_group) - exps, -1, _D_MAX)       # block values are m * 2^-shift
+    r = torch.where(empty, 0, group_top >> 1)                         # 2^R <= top < 2^(R+1)
+    shift = (r.repeat_interleave(per_group) - exps).clamp(-1, _D_MAX)  # block values are m * 2^-shift
 
     # Counts per group over the table's rows: a block's magnitudes land at level 2 * shift + offset.
     lo = max(0, int(shift.max()) * 2 - 4)
     width = lo + max(8, tables.n_bins + 6)
-    padded = np.zeros((n_blocks, 3, width), dtype=np.uint8)
-    padded[:, :, lo + _MAG_LEVEL] = mags
-    offsets = (width * tables.row_plane + lo + 4 + tables.row_level).astype(np.int32)
-    index = (3 * width * np.arange(n_blocks, dtype=np.int32) - 2 * shift)[:, None] + offsets
-    counts = np.take(padded, index).reshape(-1, per_group, len(offsets))
-    counts = torch.from_numpy(counts.sum(1, dtype=np.uint8) if per_group > 1 else counts[:, 0])   # <= 128
+    padded = torch.zeros(n_blocks, 3, width, dtype=torch.uint8, device=device)
+    # Level offsets of magnitudes 6, 4, 3, 2, 1.5, 1: 0 .. 5 (level 2e+1 is 1.5 * 2^e); of 0.5: 7.
+    padded[:, :, lo:lo + 6] = mags[:, :, 1:].flip(-1)       # slice copies, not a scatter
+    padded[:, :, lo + 7] = mags[:, :, 0]
+    offsets = width * tables.row_plane + lo + 4 + tables.row_level
+    index = (3 * width * torch.arange(n_blocks, dtype=torch.int32, device=device) - 2 * shift)[:, None] + offsets
+    counts = padded.view(-1).index_select(0, index.view(-1)).view(-1, per_group, tables.rows)
+    counts = counts[:, 0] if per_group == 1 else counts.sum(1, dtype=torch.uint8)      # <= 128
 
-    pick, best = tables.exhaustive(counts) if exhaustive else tables.coarse_to_fine(counts)
-    empty_t = torch.from_numpy(empty)
-    pick = torch.where(empty_t, tables.zero_index, pick)             # all-zero groups: q = z = 0
-    r_t = torch.from_numpy(r).double()
-    norm = torch.exp2(r_t.clamp(min=-126))
-    scale_out = torch.where(empty_t, 1.0, tables.s[pick].double() * norm).to(torch.bfloat16)
-    zero = torch.where(empty_t, 0.0, tables.z[pick])
+    key = tables.exhaustive(counts) if exhaustive else tables.coarse_to_fine(counts)
+    best = torch.div(key, _TIE, rounding_mode="floor")
+    pick = torch.where(empty, tables.zero_index, (key - best * _TIE).long())   # all-zero groups: q = z = 0
+    norm = torch.exp2(r.double().clamp(min=-126))
+    scale_out = torch.where(empty, 1.0, tables.s_dev[pick].double() * norm).to(torch.bfloat16)
+    zero = torch.where(empty, 0.0, tables.z_dev[pick])
 
     # Codes: one table lookup per source byte, keyed by (block shift, chosen candidate).
-    key = (shift + 1) * len(tables.s) + np.repeat(pick.numpy().astype(np.int32), per_group)
-    codes = np.take(tables.bytes, (key[:, None] << 8) | blocks)
-    packed = torch.from_numpy(codes).view(rows, k // 2).view(torch.int32)
+    code_key = (shift + 1) * len(tables.s) + pick.int().repeat_interleave(per_group)
+    codes = tables.bytes.index_select(0, ((code_key << 8)[:, None] + blocks).view(-1))
+    packed = codes.view(rows, k // 2).view(torch.int32)
 
-    # Error: the searched error per group, plus the energy of the levels left out (they decode to
-    # 0): all energy minus the binned energy. Energies of normalised blocks and groups are sums of
-    # multiples of 2^-12 below 2^12, exact in float32.
-    block_energy = both.astype(np.float32) @ _MAG_SQUARED
-    by_exponent = np.bincount(exps + mxfp4.E8M0_BIAS, weights=block_energy, minlength=256)
-    signal = float(by_exponent @ np.exp2(2.0 * (np.arange(256) - mxfp4.E8M0_BIAS)))
-    binned = torch.where(empty_t, 0.0, (counts.float() @ tables.level_energy).double() * torch.exp2(2 * r_t))
-    error = signal + float((torch.where(empty_t, 0.0, best.double() * norm.square()) - binned).sum())
-    zero = zero.to(torch.int8).view(rows, k // group_size)
-    return Encoded(packed, scale_out.view(rows, k // group_size),
-                   pack_zero_point(zero) if scheme == "asym" else None, signal, error)
+    # Energies: whole numbers of units summed per exponent (exact on any device), then scaled.
+    # Error = the searched error per group plus the energy of the levels left out (they decode to
+    # 0) = all energy + per group (searched - binned energy).
+    block_energy = both.double() @ tables.mag_squared                   # 4x, whole numbers
+    signal = _exact_sum(torch.bincount((exps + mxfp4.E8M0_BIAS).long(), weights=block_energy, minlength=256),
+                        mxfp4.E8M0_BIAS, 0.25)
+    binned = torch.cat([counts[g0:g0 + _CHUNK_GROUPS].double() @ tables.level_energy
+                        for g0 in range(0, len(counts), _CHUNK_GROUPS)])
+    r_min = int(r.min())
+    excess = torch.bincount((r - r_min).long(), weights=torch.where(empty, 0.0, best - binned))
+    error = math.fsum([signal, _exact_sum(excess, -r_min, _UNIT)])
+    zero_point = pack_zero_point(zero.to(torch.int8).view(rows, k // group_size)) if scheme == "asym" else None
+    return Encoded(packed.cpu(), scale_out.view(rows, k // group_size).cpu(),
+                   None if zero_point is None else zero_point.cpu(), signal, error)

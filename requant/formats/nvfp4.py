@@ -58,14 +58,17 @@ def global_exponent(k_max: int | None, top: int = DEFAULT_TOP) -> int:
     return (0 if k_max is None else k_max) - top
 
 
-def clear_negative_zero(packed: np.ndarray) -> np.ndarray:
-    """Return a copy of packed E2M1 bytes with every -0 nibble (0x8) replaced by +0.
+def clear_negative_zero(packed: np.ndarray, in_place: bool = False) -> np.ndarray:
+    """Packed E2M1 bytes with every -0 nibble (0x8) replaced by +0: a copy, or `packed` itself
+    rewritten when `in_place` (one pass over memory fewer, no fresh pages).
 
     Works on 64-bit words: adding 7 to a nibble's low three bits carries into its bit 3 exactly when
     they are non-zero, and never into the next nibble.
     """
-    words = np.ascontiguousarray(packed).reshape(-1).view(np.uint64)
-    out = np.empty_like(words)
+    if in_place and not packed.flags.c_contiguous:
+        raise ValueError("an in-place -0 fix needs contiguous bytes")
+    words = (packed if in_place else np.ascontiguousarray(packed)).reshape(-1).view(np.uint64)
+    out = words if in_place else np.empty_like(words)
     scratch = np.empty(min(_CHUNK_WORDS, len(words)), dtype=np.uint64)
     for i in range(0, len(words), _CHUNK_WORDS):
         src, dst = words[i:i + _CHUNK_WORDS], out[i:i + _CHUNK_WORDS]
@@ -80,12 +83,14 @@ def clear_negative_zero(packed: np.ndarray) -> np.ndarray:
 
 
 def cast_from_mxfp4(weight: np.ndarray, scale: np.ndarray, k_max: int | None,
-                    top: int = DEFAULT_TOP) -> CastResult:
+                    top: int = DEFAULT_TOP, in_place: bool = False) -> CastResult:
     """Cast one MXFP4 tensor (uint8 codes [out, K/2], E8M0 bytes [out, K/32]) to NVFP4 on the bits.
 
     k_max is the largest block exponent of the tensor, or of the fused w1/w3 pair it belongs to
     (both then share weight_scale_2). `top` places k_max's block scale at 2^top; a smaller top
-    lowers the largest block scale at the cost of a narrower lossless window.
+    lowers the largest block scale at the cost of a narrower lossless window. `in_place` writes the
+    codes over `weight` (the caller's own buffer): only -0 nibbles change, and the blocks re-rounded
+    below the window decode the same from +0 as from -0.
     """
     mxfp4.check_shapes(weight.shape, scale.shape)
     if weight.shape[1] % 8:
@@ -100,7 +105,7 @@ def cast_from_mxfp4(weight: np.ndarray, scale: np.ndarray, k_max: int | None,
     block_scale = lut[scale]
     # Each MXFP4 block of 32 is two NVFP4 blocks of 16 with the same scale: b * 257 = [b, b].
     weight_scale = (block_scale.astype(np.uint16) * 257).view(np.uint8)
-    codes = clear_negative_zero(weight)
+    codes = clear_negative_zero(weight, in_place)
     below = scale < mxfp4.E8M0_BIAS + m + E4M3_MIN_EXPONENT
     n_below = int(np.count_nonzero(below))
     exact_below = _requantize_below_window(weight, scale, codes, below, m) if n_below else 0

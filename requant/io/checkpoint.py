@@ -175,6 +175,11 @@ class Checkpoint:
 
     def locate(self, name: str) -> tuple[int, TensorInfo]:
         """An open file and the byte range holding tensor `name` now."""
+        _, info = self.where(name)
+        return self.fd(self.locations[name]), info
+
+    def where(self, name: str) -> tuple[str, TensorInfo]:
+        """The path of the file and the byte range holding tensor `name` now."""
         if name not in self.locations:
             raise CheckpointError("tensor not in checkpoint", file=self.path, tensor=name)
         shard = self.locations[name]
@@ -183,7 +188,7 @@ class Checkpoint:
         if info is None or info.spec != self.info(name).spec:
             raise CheckpointError("its source bytes are no longer available (shard already converted or not fetched)",
                                   file=self.shard_path(shard), tensor=name)
-        return self.fd(shard), info
+        return header.path, info
 
     def fd(self, shard: str) -> int:
         with self._lock:   # worker threads read tensors

@@ -17,8 +17,8 @@ from requant.report import build, html, render
 
 def forward_section(src: str, dst: str, blocks: list[str], tokens: int = 64,
                     serve_modes: list[str] | None = None) -> dict:
-    """requant validate's MoE-layer comparison: every selected layer on a GPU; on a CPU (Triton's
-    interpreter, slow) only the first selected layer, with fewer tokens. Says what ran where."""
+    """requant validate's MoE-layer comparison: every selected layer on a GPU; on a CPU (the torch
+    reference, no kernel) only the first selected layer, with fewer tokens. Says what ran where."""
     import torch
 
     try:
@@ -33,7 +33,7 @@ def forward_section(src: str, dst: str, blocks: list[str], tokens: int = 64,
                           progress=False, serve_modes=serve_modes)
     except (RequantError, ImportError, RuntimeError) as e:
         return {"status": "not run", "reason": f"validate failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"}
-    device = f"cuda ({torch.cuda.get_device_name()})" if gpu else "cpu (Triton interpreter)"
+    device = f"cuda ({torch.cuda.get_device_name()})" if gpu else "cpu (torch reference, kernel not run)"
     return {
         "status": "run", "device": device,
         "what": f"requant validate: {tokens} tokens through each MoE layer (router, routed experts in requant's "
@@ -47,8 +47,9 @@ def forward_section(src: str, dst: str, blocks: list[str], tokens: int = 64,
 
 
 def make_report(src: str, dst: str, out_dir: str, layers: str | None = None, workers: int | None = None,
-                progress: bool = True, forward: bool = True, serve_modes: list[str] | None = None) -> dict:
-    report = build.build(src, dst, layers, workers, progress)
+                progress: bool = True, forward: bool = True, serve_modes: list[str] | None = None,
+                device: str | None = None) -> dict:
+    report = build.build(src, dst, layers, workers, progress, device)
     report["forward"] = (forward_section(src, dst, report["selection"]["blocks"], serve_modes=serve_modes) if forward
                          else {"status": "not run", "reason": "not requested (--no-forward)"})
     os.makedirs(out_dir, exist_ok=True)

@@ -1,9 +1,9 @@
 """Compare the routed experts of two checkpoints, one expert at a time, into report.json's dict.
 
 Schema: docs/report-schema.md. Each expert's projections are read from both checkpoints,
-decoded to float32 and compared; only sums (weights.Stats) outlive the expert, so memory stays
-at a few experts whatever the checkpoint size. Experts are spread over threads: reading
-(pread) and torch's kernels release the GIL.
+decoded to float32 and compared, on the GPU when there is one; only sums (weights.Stats) outlive
+the expert, so memory stays at a few experts whatever the checkpoint size. Experts are spread over
+threads, one per core by default: reading (pread) and torch's kernels release the GIL.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from tqdm import tqdm
 
 from requant import __version__
+from requant.compute import compute_device, default_workers
 from requant.errors import RequantError, UnsupportedError
 from requant.io.checkpoint import Checkpoint
 from requant.model import Expert, ModelSpec
@@ -48,11 +49,12 @@ def _format_of(ck: Checkpoint, parts: dict[str, str]) -> str | None:
     return projection_format({p: ck.info(n).spec.dtype for p, n in parts.items()})
 
 
-def _read(ck: Checkpoint, parts: dict[str, str], fmt: str):
-    return {p: ck.tensor(n) for p, n in parts.items() if p in DECODE_PARTS[fmt]}
+def _read(ck: Checkpoint, parts: dict[str, str], fmt: str, device: str):
+    return {p: ck.tensor(n).to(device) for p, n in parts.items() if p in DECODE_PARTS[fmt]}
 
 
-def compare_expert(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, projections) -> dict[str, Stats]:
+def compare_expert(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, projections,
+                   device: str = "cpu") -> dict[str, Stats]:
     """proj -> Stats of dst's decoding against src's, for one expert."""
     out = {}
     for proj in projections:
@@ -60,14 +62,15 @@ def compare_expert(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, proje
         if fa is None or fb is None:
             raise UnsupportedError(f"expert {a.expert} of {a.block}, {proj}: format not recognised "
                                    f"({fa or 'unknown'} vs {fb or 'unknown'})")
-        ta, tb = _read(src, a.parts[proj], fa), _read(dst, b.parts[proj], fb)
+        ta, tb = _read(src, a.parts[proj], fa, device), _read(dst, b.parts[proj], fb, device)
         out[proj] = compare(decode_projection(fa, ta), decode_projection(fb, tb), block_size(fa, ta))
     return out
 
 
 def build(src_path: str, dst_path: str, layers: str | None = None, workers: int | None = None,
-          progress: bool = True) -> dict:
+          progress: bool = True, device: str | None = None) -> dict:
     started = time.monotonic()
+    device = compute_device(device)
     with Checkpoint.open(src_path) as src, Checkpoint.open(dst_path) as dst:
         model = ModelSpec.for_config(src.config, os.path.join(src_path, "config.json"))
         src_experts = {(e.block, e.expert): e for e in model.group_experts(src.names)}
@@ -82,16 +85,14 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
         per = {}   # (block, expert) -> {proj: Stats}
         nbytes = sum(dst.info(n).nbytes for k in selected for p in dst_experts[k].parts.values() for n in p.values())
         nbytes += sum(src.info(n).nbytes for k in selected for p in src_experts[k].parts.values() for n in p.values())
-        workers = workers or min(4, os.cpu_count() or 1)
-        for ck in (src, dst):   # open every shard now: Checkpoint.fd is not thread-safe on first use
-            for shard in ck.shard_names:
-                ck.fd(shard)
+        workers = workers or default_workers()
         with tqdm(total=len(selected), unit="expert", desc="report", disable=not progress, dynamic_ncols=True) as bar, \
                 ThreadPoolExecutor(workers) as pool:
             window = workers * 2   # experts in flight: bounds memory
             pending = {}
             for key in selected:
-                pending[key] = pool.submit(compare_expert, src, dst, src_experts[key], dst_experts[key], projections)
+                pending[key] = pool.submit(compare_expert, src, dst, src_experts[key], dst_experts[key], projections,
+                                           device)
                 if len(pending) >= window:
                     done = next(iter(pending))
                     per[done] = pending.pop(done).result()

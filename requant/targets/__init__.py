@@ -78,6 +78,7 @@ class Options:
     extra: dict = field(default_factory=dict)  # target-specific options
     engine: str | None = None           # serving engine the layout is made for; None: the recipe's default
     force: bool = False                 # write a layout the engine would load wrongly (recorded in the card)
+    device: str = "cpu"                 # where encoders run ("cpu", "cuda"): never changes the output
 
 
 class Target:
@@ -85,6 +86,9 @@ class Target:
 
     name = "?"
     source_format = "mxfp4"
+    # Whether encoding is CPU work worth worker processes (on a CPU device). Such a target's encode
+    # must depend on its input tensors and on planning state only: it runs in forked workers.
+    cpu_heavy = False
 
     def __init__(self, model: ModelSpec, source: Checkpoint, options: Options):
         self.model, self.source, self.options = model, source, options

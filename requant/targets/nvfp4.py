@@ -46,7 +46,8 @@ class NVFP4Target(Target):
             # Fused partners share one global scale: engines keep only one for the pair.
             shared = [k for k in (k_max[proj], k_max.get(self.model.fused_partner(proj) or "")) if k is not None]
             try:
-                cast = nvfp4.cast_from_mxfp4(weight, scale, max(shared) if shared else None, self.top)
+                # The weight bytes are this unit's own read buffer (workers.py): cast over them.
+                cast = nvfp4.cast_from_mxfp4(weight, scale, max(shared) if shared else None, self.top, in_place=True)
             except FormatError as e:
                 raise FormatError(str(e), tensor=expert.parts[proj]["weight"]) from None
             prefix = expert.prefixes[proj]

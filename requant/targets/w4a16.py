@@ -39,6 +39,8 @@ def sqnr_db(signal: float, error: float) -> float | None:
 
 @register("w4a16")
 class W4A16Target(Target):
+    cpu_heavy = True          # the scale search: ~0.1 s per projection and core
+
     def __init__(self, model, source, options: Options):
         super().__init__(model, source, options)
         self.fp8_linears = self.engine.layout(self.name, "fp8_linears")
@@ -91,8 +93,9 @@ class W4A16Target(Target):
         out, stats = {}, Stats()
         for proj in self.model.projections:
             weight, scale = (torch.from_numpy(a) for a in self.read_mxfp4(expert, tensors, proj))
-            try:
-                enc = int4.encode_mxfp4(weight, scale, self.group, self.scheme)
+            try:   # the same bytes on any device (int4.py)
+                enc = int4.encode_mxfp4(weight.to(self.options.device), scale.to(self.options.device),
+                                        self.group, self.scheme)
             except FormatError as e:
                 raise FormatError(str(e), tensor=expert.parts[proj]["weight"]) from None
             rows, k = weight.shape[0], weight.shape[1] * 2

@@ -1,0 +1,28 @@
+"""Where numeric work runs: the device and the number of workers, chosen the same way by every
+command (convert, report, verify)."""
+
+from __future__ import annotations
+
+import os
+
+from requant.errors import UnsupportedError
+
+
+def compute_device(requested: str | None) -> str:
+    """The device encoders and decoders run on: as requested, else CUDA when present."""
+    import torch
+
+    if requested is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedError("--device cuda: no CUDA device is available")
+    return requested
+
+
+MAX_DEFAULT_WORKERS = 32   # a W4A16 worker peaks at ~400 MiB: the default stays under ~13 GiB
+
+
+def default_workers() -> int:
+    """One per core this process may run on, at most MAX_DEFAULT_WORKERS (--workers goes higher)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cores, MAX_DEFAULT_WORKERS)

@@ -1,0 +1,123 @@
+"""Where a conversion's units are encoded: threads of this process, or forked worker processes.
+
+A task reads its unit's input tensors, encodes them and writes the outputs at their planned
+offsets in the shard being written; only the unit's Stats come back, so no tensor crosses a
+process boundary. Threads suit targets whose encoding is cheap (NVFP4's bit cast) or runs on a GPU;
+a CPU-heavy target (W4A16's scale search) on a CPU device gets processes: real parallelism,
+whatever the GIL. A process worker holds one expert's inputs and outputs plus the encoder's
+scratch: a full-size W4A16 worker peaks at about 400 MiB RSS, 240 MiB of it torch and the plan
+(scripts/bench_throughput.py measures it). At most `2 * workers` units are in flight, so memory
+stays bounded whatever the checkpoint size.
+
+Processes are forked once, when the pool is made (after planning, before any shard is opened for
+writing or copying), and look their unit up in the inherited plan (an encoder is a closure, which
+does not pickle). They open files by path per task and keep no descriptor: a source shard that an
+in-place conversion replaces is freed at once, not held open by a worker.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+
+import torch
+
+from requant.io.safetensors import TensorInfo, read_tensor, write_tensors
+from requant.plan import Plan
+from requant.targets import Stats, Unit
+
+_FORKED_PLAN: Plan | None = None   # the plan process workers inherit
+
+
+_ALIGN = 64
+_scratch = threading.local()   # per worker thread (or process): the buffer its inputs are read into
+
+
+def _input_buffer(nbytes: int) -> torch.Tensor:
+    """This thread's read buffer, grown to `nbytes`: reused from unit to unit, so reading costs no
+    fresh pages (each new one a page fault and a zero-fill by the kernel)."""
+    buf = getattr(_scratch, "buffer", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _scratch.buffer = torch.empty(nbytes, dtype=torch.uint8)
+    return buf
+
+
+def encode_unit(unit: Unit, reads: list[tuple[str, str, TensorInfo]], out_path: str,
+                offsets: dict[str, int]) -> Stats:
+    """Read (name, file, byte range) inputs, encode them, write the outputs into `out_path`.
+    Inputs live in this thread's reused buffer until the outputs are written; an encoder may
+    overwrite them (NVFP4 fixes -0 codes in place)."""
+    starts, total = [], 0
+    for _, _, info in reads:
+        starts.append(total)
+        total += -(-info.nbytes // _ALIGN) * _ALIGN
+    buffer = _input_buffer(total)
+    tensors, fds = {}, {}
+    try:
+        for (name, path, info), start in zip(reads, starts):
+            if path not in fds:
+                fds[path] = os.open(path, os.O_RDONLY)
+            tensors[name] = read_tensor(fds[path], info, path, out=buffer[start:])
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    outputs, stats = unit.encode(tensors)
+    fd = os.open(out_path, os.O_WRONLY)
+    try:
+        write_tensors(fd, [(spec, outputs[spec.name], offsets[spec.name]) for spec in unit.outputs])
+    finally:
+        os.close(fd)
+    return stats
+
+
+def _encode_planned(shard: int, unit: int, reads, out_path: str, offsets: dict[str, int]) -> Stats:
+    return encode_unit(_FORKED_PLAN.shards[shard].units[unit], reads, out_path, offsets)
+
+
+def _init_process() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle, once
+    torch.set_num_threads(1)                       # one core per worker: the workers are the parallelism
+
+
+class Encoders:
+    """A pool of `workers` threads, or of forked processes when `processes`."""
+
+    def __init__(self, plan: Plan, workers: int, processes: bool):
+        global _FORKED_PLAN
+        self.workers, self.processes = max(1, workers), processes
+        if processes:
+            _FORKED_PLAN = plan
+            self.pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
+                                            initializer=_init_process)
+            self.pool.submit(int).result()   # a fork pool forks every worker on its first task: now
+        else:
+            self.pool = ThreadPoolExecutor(self.workers)
+
+    @classmethod
+    def for_plan(cls, plan: Plan, workers: int) -> "Encoders":
+        # One worker process too: single-threaded torch there, where a thread would pay intra-op
+        # threading on every small tensor.
+        return cls(plan, workers, processes=plan.target.cpu_heavy and plan.target.options.device == "cpu")
+
+    @property
+    def window(self) -> int:
+        """Units in flight at most."""
+        return 2 * self.workers
+
+    def submit(self, shard_index: int, unit_index: int, unit: Unit, reads, out_path: str,
+               offsets: dict[str, int]) -> Future:
+        if self.processes:
+            return self.pool.submit(_encode_planned, shard_index, unit_index, reads, out_path, offsets)
+        return self.pool.submit(encode_unit, unit, reads, out_path, offsets)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

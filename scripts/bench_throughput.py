@@ -1,0 +1,212 @@
+"""Benchmark: conversion, report, verify --deep and validate throughput on a 2-layer full-size
+checkpoint (DeepSeek-V4-Flash dimensions, 2 layers + MTP), every ratio measured in this one run.
+
+Steps, each a `python -m requant ...` child with the source (and the outputs it reads) evicted from
+the page cache first (posix_fadvise DONTNEED on those files only: a cold cache without root and
+without disturbing other processes' caches):
+
+- convert --out nvfp4, then --out w4a16 (--group-size 32) on the CPU (worker processes) and, when
+  CUDA is present, on the GPU; the W4A16 outputs must be byte-identical;
+- the peak RSS of one W4A16 worker process (one full-size expert encoded in a fresh process);
+- the time to read every expert tensor of both checkpoints (the same threads pread'ing them: the
+  I/O floor a report cannot beat), then report (--no-forward) for the NVFP4 and the W4A16 output;
+- verify --deep --source on the W4A16 output;
+- validate of one full-size layer (64 tokens) on the device the CLI picks (the torch reference on
+  a CPU).
+
+    python scripts/bench_throughput.py --workdir /tmp/requant-throughput [--report-layers 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from requant.compute import default_workers
+from requant.io.checkpoint import Checkpoint
+from requant.model import ModelSpec
+
+WORKER_PROBE = """
+import resource, sys, torch
+from requant.io.checkpoint import Checkpoint
+from requant.plan import make_plan
+from requant.targets import Options
+from requant.workers import _init_process, encode_unit
+_init_process()
+plan = make_plan(Checkpoint.open(sys.argv[1]), "w4a16", Options(extra={"group_size": 32}))
+unit = next(u for s in plan.shards for u in s.units if u.encode is not None and len(u.inputs) == 6)
+reads = [(n, *plan.source.where(n)) for n in unit.inputs]
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = sys.argv[2]
+with open(out, "wb") as f:
+    f.truncate(sum(s.nbytes for s in unit.outputs))
+offsets, at = {}, 0
+for spec in unit.outputs:
+    offsets[spec.name], at = at, at + spec.nbytes
+for _ in range(3):
+    encode_unit(unit, reads, out, offsets)
+print("RSS_KB", before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def evict(*paths: str) -> None:
+    """Drop these files' pages from the page cache (written pages are synced first)."""
+    for root in paths:
+        files = [root] if os.path.isfile(root) else [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def run(*args: str) -> tuple[float, str]:
+    """Wall seconds of `python -m requant ARGS`, and its output; raises on failure."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "requant", *args], capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode not in (0,):
+        raise RuntimeError(f"requant {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+    return seconds, done.stdout + done.stderr
+
+
+def shard_digests(path: str) -> dict[str, str]:
+    out = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors") or name == "config.json":
+            h = hashlib.sha256()
+            with open(os.path.join(path, name), "rb") as f:
+                while chunk := f.read(64 << 20):
+                    h.update(chunk)
+            out[name] = h.hexdigest()
+    return out
+
+
+def expert_tensors(path: str, layers: list[str] | None) -> list[tuple[str, int, int]]:
+    """(file, offset, bytes) of every routed-expert tensor (of the selected blocks)."""
+    with Checkpoint.open(path) as ck:
+        model = ModelSpec.for_config(ck.config, os.path.join(path, "config.json"))
+        found = []
+        for expert in model.group_experts(ck.names):
+            if layers and expert.block not in layers:
+                continue
+            for parts in expert.parts.values():
+                for name in parts.values():
+                    path_, info = ck.where(name)
+                    found.append((path_, info.start, info.nbytes))
+    return found
+
+
+def read_all(tensors: list[tuple[str, int, int]], workers: int) -> float:
+    """Seconds to pread every listed tensor with `workers` threads (reused buffers)."""
+    def read(chunk):
+        buf = bytearray(max(n for _, _, n in chunk))
+        view = memoryview(buf)
+        fds = {}
+        for path, offset, n in chunk:
+            fd = fds.get(path) or fds.setdefault(path, os.open(path, os.O_RDONLY))
+            done = 0
+            while done < n:
+                done += os.preadv(fd, [view[done:n]], offset + done)
+        for fd in fds.values():
+            os.close(fd)
+
+    chunks = [tensors[i::workers] for i in range(workers)]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(read, chunks))
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", default="/tmp/requant-throughput")
+    ap.add_argument("--group-size", default="32")
+    ap.add_argument("--report-layers", default=None, help="--layers for report (default: every block)")
+    ap.add_argument("--skip", default="", help="comma-separated: cpu-w4a16, report, verify, validate")
+    a = ap.parse_args()
+    skip = set(filter(None, a.skip.split(",")))
+    cuda = torch.cuda.is_available()
+    workers = default_workers()
+    src = os.path.join(a.workdir, "src")
+    if not os.path.exists(os.path.join(src, "config.json")):
+        shutil.rmtree(src, ignore_errors=True)
+        t, _ = run("synth", src, "--full-scale", "--layers", "2")
+        print(f"synth: {t:.1f} s", flush=True)
+    size = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src) if f.endswith(".safetensors"))
+    print(f"source {size / 1e9:.2f} GB, {workers} cores, "
+          f"{torch.cuda.get_device_name() if cuda else 'no GPU'}, torch {torch.__version__}", flush=True)
+    rows = []   # (what, seconds, note)
+
+    def convert(name, *args):
+        out = os.path.join(a.workdir, name)
+        shutil.rmtree(out, ignore_errors=True)
+        evict(src)
+        t, log = run("convert", src, out, "--quiet", *args)
+        rows.append((f"convert {' '.join(args)}", t, f"{size / t / 1e9:.2f} GB/s of source"))
+        print(f"{rows[-1][0]}: {t:.1f} s ({rows[-1][2]}); {log.strip().splitlines()[-1][:160]}", flush=True)
+        return out, t
+
+    nv, t_nv = convert("nvfp4", "--out", "nvfp4")
+    w4 = {}
+    devices = (["cpu"] if "cpu-w4a16" not in skip or not cuda else []) + (["cuda"] if cuda else [])
+    for device in devices:
+        w4[device] = convert(f"w4a16-{device}", "--out", "w4a16", "--group-size", a.group_size, "--device", device)
+    if len(w4) == 2:
+        same = shard_digests(w4["cpu"][0]) == shard_digests(w4["cuda"][0])
+        print(f"W4A16 CPU vs CUDA output: {'byte-identical' if same else 'DIFFERENT'}", flush=True)
+    for device, (_, t) in w4.items():
+        print(f"RATIO W4A16 ({device}) / NVFP4 conversion: {t / t_nv:.2f}x", flush=True)
+    w4_out = w4["cuda" if cuda else "cpu"][0]
+
+    probe = subprocess.run([sys.executable, "-c", WORKER_PROBE, src, os.path.join(a.workdir, "probe.bin")],
+                           capture_output=True, text=True)
+    m = re.search(r"RSS_KB (\d+) (\d+)", probe.stdout)
+    if m:
+        print(f"one W4A16 worker process: peak RSS {int(m[2]) / 1024:.0f} MiB "
+              f"({int(m[1]) / 1024:.0f} MiB after imports and planning)", flush=True)
+    else:
+        print("worker probe failed:", probe.stderr[-400:], flush=True)
+
+    if "report" not in skip:
+        layers = [f"layers.{x}" if x.isdigit() else x for x in a.report_layers.split(",")] if a.report_layers else None
+        for label, out in (("NVFP4", nv), ("W4A16", w4_out)):
+            evict(src, out)
+            floor = read_all(expert_tensors(src, layers) + expert_tensors(out, layers), workers)
+            evict(src, out)
+            extra = ["--layers", a.report_layers] if a.report_layers else []
+            t, _ = run("report", src, out, "--out", os.path.join(a.workdir, f"report-{label}"), "--no-forward",
+                       "--quiet", *extra)
+            rows.append((f"report {label}", t, f"read floor {floor:.1f} s"))
+            print(f"report {label}: {t:.1f} s; reading both checkpoints' experts: {floor:.1f} s; "
+                  f"RATIO report / read {t / floor:.2f}x", flush=True)
+        t_rn, t_rw = rows[-2][1], rows[-1][1]
+        print(f"RATIO report W4A16 / report NVFP4: {t_rw / t_rn:.2f}x", flush=True)
+
+    if "verify" not in skip:
+        evict(src, w4_out)
+        t, log = run("verify", w4_out, "--deep", "--source", src, "--quiet", "--json")
+        info = json.loads(log[log.index("{"):])
+        print(f"verify --deep --source (W4A16): {t:.1f} s, ok={info['ok']}", flush=True)
+
+    if "validate" not in skip:
+        evict(src, nv)
+        t, log = run("validate", src, nv, "--layers", "0", "--tokens", "64", "--quiet")
+        print(f"validate one full-size layer, 64 tokens ({'cuda' if cuda else 'cpu'}): {t:.1f} s", flush=True)
+        print("\n".join(line for line in log.splitlines() if "about" in line or "PASSED" in line or "FAILED" in line))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The same bytes whatever encodes them: W4A16 encoding on the CPU and on CUDA, its two refinement
+strategies, and conversions with one or several worker processes. Imports neither ModelOpt nor
+compressed-tensors, so the GPU machine runs it as it is (the CUDA cases skip elsewhere)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from requant import synth
+from requant.formats import int4
+from tests.conftest import run_cli, tree
+
+
+def _mxfp4(rows, k, seed, hard=synth.HardCases()):
+    w, s = synth._Values(seed, hard).expert(rows, k, pooled=False)
+    return w.view(torch.uint8), s.view(torch.uint8)
+
+
+def _same_encoding(a: int4.Encoded, b: int4.Encoded) -> bool:
+    zero_points = (a.zero_point is None and b.zero_point is None) or torch.equal(a.zero_point, b.zero_point)
+    return (torch.equal(a.packed, b.packed) and torch.equal(a.scale.view(torch.int16), b.scale.view(torch.int16))
+            and zero_points and (a.signal_energy, a.error_energy) == (b.signal_energy, b.error_energy))
+
+
+@pytest.mark.parametrize("scheme", int4.SCHEMES)
+def test_gpu_refinement_picks_what_the_cpu_one_picks(scheme, monkeypatch):
+    """The GPU's refinement (every group's own table columns) against the CPU's (one product per
+    coarse winner), both run here on the CPU: exact arithmetic, so the same bytes."""
+    seed = int(np.random.SeedSequence().generate_state(1)[0])
+    w, s = _mxfp4(128, 1024, seed, synth.HardCases(out_of_window=2, zero_blocks=3, neg_zero_blocks=1))
+    by_centre = int4.encode_mxfp4(w, s, 32, scheme)
+    monkeypatch.setattr(int4._Tables, "_best_by_centre", int4._Tables._best_each)
+    assert _same_encoding(int4.encode_mxfp4(w, s, 32, scheme), by_centre), f"seed {seed}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: runs on the GPU machine")
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("scheme", int4.SCHEMES)
+def test_cuda_encodes_the_bytes_the_cpu_encodes(group, scheme):
+    """A full-size projection encoded on the GPU and on the CPU: identical tensors and energies."""
+    w, s = _mxfp4(2048, 4096, 7, synth.HardCases(out_of_window=2, zero_blocks=3, neg_zero_blocks=1))
+    assert _same_encoding(int4.encode_mxfp4(w.cuda(), s.cuda(), group, scheme), int4.encode_mxfp4(w, s, group, scheme))
+
+
+def test_worker_counts_and_devices_write_the_same_bytes(small_source, tmp_path):
+    """One worker process, three, and (on a GPU machine) the GPU: byte-identical outputs."""
+    runs = [["--workers", "1", "--device", "cpu"], ["--workers", "3", "--device", "cpu"]]
+    if torch.cuda.is_available():
+        runs.append(["--workers", "2", "--device", "cuda"])
+    trees = []
+    for i, args in enumerate(runs):
+        dst = str(tmp_path / f"out{i}")
+        result = run_cli("convert", small_source, dst, "--out", "w4a16", "--group-size", "32", "--scheme", "asym",
+                         "--quiet", *args)
+        assert result.returncode == 0, result.stderr
+        trees.append(tree(dst))
+    assert all(t == trees[0] for t in trees[1:])
