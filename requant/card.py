@@ -62,7 +62,7 @@ def model_card(record: dict, rules: EngineRules) -> str:
         f"({record['source_format'].upper()} routed experts), offline and without calibration data.",
         "",
         f"Command: `requant convert SRC DST --in {record['source_format']} --out {record['target_format']} "
-        f"--engine {rules.name} {opts}`".replace("  ", " ").rstrip() + "",
+        f"--engine {rules.name}{' ' + opts if opts else ''}`",
         "",
         f"Made for **{rules.label}**: every tensor of this directory loads there into a parameter of the right "
         "kind (checked against that release's own loader code). Other engines or versions may load it "
@@ -110,6 +110,6 @@ def _accuracy_lines(acc: dict) -> list[str]:
                    + ("" if exact == total else f"; {acc['requantized_blocks']:,} re-quantized"))
     if acc.get("sqnr_db") is not None:
         db = acc["sqnr_db"]
-        out.append(f"SQNR {'inf' if db is None or math.isinf(db) else f'{db:.2f}'} dB against the dequantized source "
+        out.append(f"SQNR {'inf' if math.isinf(db) else f'{db:.2f}'} dB against the dequantized source "
                    f"(INT4 group {acc.get('group_size')}, {acc.get('scheme')})")
     return out or ["no routed-expert data was converted"]

@@ -194,12 +194,12 @@ def _marlin_findings(rules: EngineRules, model: ModelSpec, spans, verdict: Engin
                               "sm_80, or sm_90 without humming-kernels or with --moe-backend marlin) block scales 15 or "
                               "more octaves below the layer's largest are flushed to zero",
                               where, f"{flushed} blocks, scales {span.min:g} .. {span.max:g}"))
-        elif rule == "unguarded" and span.blocks_below(engine_numerics.MARLIN_MIN_SCALE):
+        elif rule == "unguarded" and (unheld := span.blocks_below(engine_numerics.MARLIN_MIN_SCALE)):
             found.append(("marlin-unguarded", f"{rules.label}: its Marlin NVFP4 MoE (--moe-runner-backend marlin on "
                           "sm_80/sm_90) passes block scales under 2^-6 to a scale format that cannot hold them (no "
                           "guard in srt/layers/quantization/marlin_utils_fp4.py; vLLM 0.33.0 zeroes these): those "
                           "blocks' weights decode wrongly", where,
-                          f"{span.blocks_below(engine_numerics.MARLIN_MIN_SCALE)} blocks, scales {span.min:g} .. {span.max:g}"))
+                          f"{unheld} blocks, scales {span.min:g} .. {span.max:g}"))
         elif rule == "smallest" and marlin_overflows(span.min, span.max):
             found.append(("marlin-overflow", f"{rules.label}: block-scale span overflows the fp16 scale conversion "
                           f"of Marlin NVFP4 MoE: inf weights. Fix: requant convert --scale-headroom {marlin_headroom()}",

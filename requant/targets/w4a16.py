@@ -163,7 +163,7 @@ class W4A16Target(Target):
             "ignore": list(IGNORE),
             "kv_cache_scheme": None,
             "producer": dict(PRODUCER),
-            ACCURACY_KEY: self.accuracy_summary(stats),
+            ACCURACY_KEY: self.accuracy(stats),
         })
         # DeepSeek-V4's attention reads quantization_config["scale_fmt"] directly.
         if "scale_fmt" in source_qc:
@@ -186,10 +186,7 @@ class W4A16Target(Target):
             fp8 = "E4M3 bytes and E8M0 .scale unchanged, described by SGLang's linear_fp8_config"
         return {"FP8-block linears": fp8, **super().other_tensor_groups()}
 
-    def accuracy(self, stats: Stats) -> dict:
-        return self.accuracy_summary(stats)
-
-    def accuracy_summary(self, a: Stats) -> dict:
+    def accuracy(self, a: Stats) -> dict:
         return {
             "reference": "dequantized MXFP4 source",
             "group_size": self.group,
