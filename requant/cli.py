@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -10,7 +11,7 @@ import sys
 
 import click
 
-from requant import __version__
+from requant import __version__, formats
 from requant.engines import GPU_FAMILIES
 from requant.errors import RequantError, describe_os_error
 from requant.serve import HELP as SERVE_HELP
@@ -36,6 +37,12 @@ def _engine_names() -> list[str]:
     from requant.model import load_recipes
 
     return sorted({name for recipe in load_recipes() for name in recipe.get("engines", {})})
+
+
+SOURCE_FORMATS = sorted({source for name in TARGETS for source in formats.encoder_sources(name)})
+# The group sizes of the targets that take --group-size.
+GROUP_SIZES = [str(g) for g in sorted({g for t in TARGETS.values() for g in t.codec.group_sizes
+                                       if "group_size" in {f.name for f in dataclasses.fields(t.options_type)}})]
 
 
 DRY_RUN_SHORT_OF_SPACE = 3   # convert --dry-run: the plan is fine, the disk is too small for it
@@ -126,8 +133,8 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
 @cli.command()
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path(), required=False)
-@click.option("--in", "in_format", type=click.Choice(["mxfp4"]), default="mxfp4", show_default=True,
-              help="Format of SRC's routed experts.")
+@click.option("--in", "in_format", type=click.Choice(SOURCE_FORMATS), default=None,
+              help="Format of SRC's routed experts, checked against SRC (default: whatever SRC stores).")
 @click.option("--out", "out_format", type=click.Choice(sorted(TARGETS)), required=True,
               help="nvfp4: NVIDIA's ModelOpt layout (Blackwell W4A4; Hopper via Marlin W4A16). "
                    "w4a16: INT4 experts in compressed-tensors pack-quantized form (Marlin MoE, "
@@ -145,7 +152,7 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
               help="NVFP4: place the largest block scale at 2^(8-N) instead of 2^8, at the cost of an N-step "
                    "narrower lossless window. N=3 guarded vLLM < 0.33's Hopper Marlin path (fp16 scale "
                    "overflow); vLLM 0.33.0 and SGLang 0.5.23 do not need it.")
-@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default=None,
+@click.option("--group-size", type=click.Choice(GROUP_SIZES), default=None,
               help="w4a16: K elements sharing one INT4 scale. 32 is the most accurate (about 3 dB over "
                    "128), 128 the smallest; Marlin runs all three. Default 128.")
 @click.option("--scheme", type=click.Choice(["sym", "asym"]), default=None,
@@ -193,14 +200,13 @@ def convert(src, dst, in_format, out_format, engine, mtp, force, input_scale, sc
 
     if input_scale is not None and not (0 < input_scale < float("inf")):
         raise RequantError(f"--input-scale must be a finite positive number, got {input_scale}")
-    if (group_size or scheme) and out_format != "w4a16":
-        raise RequantError("--group-size and --scheme apply to --out w4a16 only")
+    given = {"scale_headroom": scale_headroom, "group_size": group_size and int(group_size), "scheme": scheme}
+    target_options = TARGETS[out_format].options_from({k: v for k, v in given.items() if v})
     if in_place == (dst is not None):
         raise RequantError("give DST, or --in-place to convert SRC inside its own directory (not both)")
-    extra = {"top_exponent": 8 - scale_headroom} if scale_headroom else {}
-    extra.update({k: v for k, v in (("group_size", group_size and int(group_size)), ("scheme", scheme)) if v})
-    options = Options(mtp=mtp, input_scale=input_scale, extra=extra, engine=engine, force=force,
-                      device=compute_device(device) if out_format == "w4a16" else "cpu")
+    # Only the heavy encoders (the W4A16 search) are worth a GPU.
+    options = Options(mtp=mtp, input_scale=input_scale, target=target_options, engine=engine, force=force,
+                      device=compute_device(device) if TARGETS[out_format].cpu_heavy else "cpu")
     if dry_run:
         plan = convert_lib.plan_conversion(src, out_format, options, in_format, in_place, revision, token, cache_dir)
         summary = convert_lib.describe_plan(plan, dst, in_place, source=src)

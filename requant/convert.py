@@ -67,7 +67,7 @@ def refuse_in_place_on_cache(src: str, repo: str | None) -> None:
                            f"(requant convert {src} DST ...)")
 
 
-def plan_conversion(src: str, out_format: str, options: Options, in_format: str = "mxfp4", in_place: bool = False,
+def plan_conversion(src: str, out_format: str, options: Options, in_format: str | None = None, in_place: bool = False,
                     revision: str | None = None, token: str | None = None, cache_dir: str | None = None) -> Plan:
     """The plan, from headers alone; a Hub source's shard headers come by range requests (or from
     the cache offline), so nothing large is downloaded."""
@@ -84,7 +84,7 @@ def plan_conversion(src: str, out_format: str, options: Options, in_format: str 
         return make_plan(hub.open_streamed(staging), out_format, options, in_format)
 
 
-def convert(src: str, dst: str | None, out_format: str, options: Options, in_format: str = "mxfp4",
+def convert(src: str, dst: str | None, out_format: str, options: Options, in_format: str | None = None,
             workers: int | None = None, progress: bool = True, resume: bool = False, resume_hint: str | None = None,
             revision: str | None = None, stream: bool = False, token: str | None = None,
             cache_dir: str | None = None) -> Result:
@@ -100,10 +100,12 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
     started = time.monotonic()
     in_place = dst is None
     target = src if in_place else dst
-    hint = resume_hint or f"requant convert {src} {dst or '--in-place'} --in {in_format} --out {out_format} --resume"
+    given_in = f" --in {in_format}" if in_format else ""
+    hint = resume_hint or f"requant convert {src} {dst or '--in-place'}{given_in} --out {out_format} --resume"
     request = {"format": journal.FORMAT, "requant": __version__, "mode": "in-place" if in_place else "out-of-place",
                "options": _jsonable({"in": in_format, "out": out_format, "mtp": options.mtp,
-                                     "input_scale": options.input_scale, "extra": options.extra,
+                                     "input_scale": options.input_scale,
+                                     "target": dataclasses.asdict(options.target) if options.target else None,
                                      "engine": options.engine, "force": options.force}),
                "resume": hint}
     hub = None

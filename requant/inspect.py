@@ -9,7 +9,7 @@ from requant.errors import RequantError
 from requant.card import recorded_engine
 from requant.io.checkpoint import Checkpoint
 from requant.model import ModelSpec
-from requant.plan import expert_format
+from requant.plan import expert_codec
 
 
 def inspect_checkpoint(path: str) -> dict:
@@ -26,14 +26,15 @@ def inspect_checkpoint(path: str) -> dict:
         experts = model.group_experts(ck.names) if model else []
         blocks = defaultdict(set)
         for e in experts:
-            fmt = expert_format(model, ck, [e])
-            blocks[fmt or "unknown"].add(e.block)
+            codec = expert_codec(model, ck, [e])
+            blocks[codec.name if codec else "unknown"].add(e.block)
+        main = expert_codec(model, ck, experts) if experts else None
         qc = ck.config.get("quantization_config") or {}
         return {
             "path": os.path.abspath(path),
             "model_type": ck.config.get("model_type"),
             "recipe": model.name if model else None,
-            "expert_format": expert_format(model, ck, experts) if experts else None,
+            "expert_format": main.name if main else None,
             "expert_blocks_by_format": {fmt: len(b) for fmt, b in sorted(blocks.items())},
             "routed_experts": len(experts),
             "shards": len(ck.shard_names),

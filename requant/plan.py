@@ -37,7 +37,7 @@ class Plan:
     target: Target
     shards: list[ShardPlan]
     blocks: list[str]                       # blocks whose routed experts are converted
-    source_format: str
+    source_format: str                      # the source codec's name
     counts: Counter = field(default_factory=Counter)
     label: str = ""                         # how the output's card names the source (path or repo@commit)
 
@@ -58,7 +58,7 @@ class Plan:
         return sum(h.file_size for h in self.source.headers.values())
 
 
-def expert_format(model: ModelSpec, source: Checkpoint, experts: list[Expert]) -> str | None:
+def expert_codec(model: ModelSpec, source: Checkpoint, experts: list[Expert]) -> formats.Codec | None:
     """How the checkpoint stores its (non-MTP, when there are any) routed experts."""
     main = [e for e in experts if not model.is_mtp(e.block)] or experts
     if not main:
@@ -69,19 +69,24 @@ def expert_format(model: ModelSpec, source: Checkpoint, experts: list[Expert]) -
     return formats.identify(parts)
 
 
-def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: str = "mxfp4") -> Plan:
+def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: str | None = None) -> Plan:
+    """The plan for converting `source`'s routed experts to `out_format`; `in_format`, when given,
+    is the format the caller expects them in (None: whatever they are stored as)."""
     model = ModelSpec.for_config(source.config, os.path.join(source.path, "config.json"))
     _check_config_values(model)
     experts = model.group_experts(source.names)
-    found = expert_format(model, source, experts)
+    found = expert_codec(model, source, experts)
     if found is None:
         raise UnsupportedError(f"{source.path}: no routed experts in a known format were found")
-    if found != in_format:
-        raise UnsupportedError(f"{source.path}: routed experts are stored as {found}, not {in_format} (--in {in_format})")
-    target = get_target(out_format)(model, source, options)
+    if in_format not in (None, found.name):
+        raise UnsupportedError(f"{source.path}: routed experts are stored as {found.name}, not {in_format} "
+                               f"(--in {in_format})")
+    target_class = get_target(out_format)
+    if found.name not in formats.encoder_sources(out_format):
+        raise UnsupportedError(f"{source.path}: routed experts are stored as {found.name}; --out {out_format} "
+                               f"converts from {', '.join(formats.encoder_sources(out_format))}")
+    target = target_class(model, source, options, found)
     target.check_engine()
-    if target.source_format != in_format:
-        raise UnsupportedError(f"--out {out_format} converts from {target.source_format}, not {in_format}")
 
     units_by_first_tensor: dict[str, Unit] = {}
     owned: set[str] = set()
@@ -116,7 +121,7 @@ def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: 
                 counts["passed through" if unit.encode is None else "rewritten"] += 1
                 units.append(unit)
         shards.append(ShardPlan(shard_name, units))
-    return Plan(source, model, target, shards, blocks, found, counts, label=source.path)
+    return Plan(source, model, target, shards, blocks, found.name, counts, label=source.path)
 
 
 def _check_config_values(model: ModelSpec) -> None:

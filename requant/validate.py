@@ -115,10 +115,10 @@ def expert_format(ck: Checkpoint, block: str) -> str:
     """Format of a block's routed experts, as the kernel names it, from expert 0's w1 tensors."""
     prefix = f"{block}.ffn.experts.0.w1."
     parts = {n[len(prefix):]: ck.info(n).spec.dtype for n in ck.names if n.startswith(prefix)}
-    fmt = formats.identify(parts)
-    if fmt is None:
+    codec = formats.identify(parts)
+    if codec is None:
         raise UnsupportedError(f"{block}: routed experts in no format requant's kernel reads")
-    return {"w4a16": "int4"}.get(fmt, fmt)   # the kernel calls compressed-tensors' INT4 "int4"
+    return codec.name
 
 
 def load_experts(ck: Checkpoint, block: str, proj: str, fmt: str, experts: int | list[int], device):
@@ -142,7 +142,7 @@ def load_experts(ck: Checkpoint, block: str, proj: str, fmt: str, experts: int |
         return ExpertWeights("nvfp4", stack("weight", torch.uint8), stack("weight_scale", torch.uint8),
                              stack("weight_scale_2").reshape(experts).float())
     zero = f"{block}.ffn.experts.{chosen[0]}.{proj}.weight_zero_point"
-    return ExpertWeights("int4", stack("weight_packed"), stack("weight_scale"),
+    return ExpertWeights("w4a16", stack("weight_packed"), stack("weight_scale"),
                          zero_point=stack("weight_zero_point") if zero in set(ck.names) else None)
 
 

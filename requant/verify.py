@@ -27,7 +27,8 @@ from requant.formats import mxfp4, nvfp4
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, read_json, resolve_inside
 from requant.io.safetensors import read_header
 from requant.model import Expert, ModelSpec
-from requant.report.weights import DECODE_PARTS, block_size, decode_projection, exactness, projection_format, scalar
+from requant.formats import scalar
+from requant.report.weights import DECODE_PARTS, block_size, decode_projection, exactness, projection_format
 
 SEVERITIES = ("error", "warning", "info")
 EXAMPLES = 5

@@ -51,7 +51,7 @@ def random_weights(fmt: str, n: int, k: int, gen: torch.Generator) -> fm.ExpertW
     if fmt == "int4":
         packed = torch.randint(-2**31, 2**31 - 1, (E, n, k // 8), generator=gen, device=dev, dtype=torch.int32)
         scale = (torch.rand(E, n, k // 128, generator=gen, device=dev) * 0.004 + 0.002).bfloat16()
-        return fm.ExpertWeights("int4", packed, scale)
+        return fm.ExpertWeights("w4a16", packed, scale)
     if fmt == "int4-asym":
         w = random_weights("int4", n, k, gen)
         w.zero_point = torch.randint(-2**31, 2**31 - 1, (E, n // 8, k // 128), generator=gen, device=dev,

@@ -41,9 +41,10 @@ import resource, sys, torch
 from requant.io.checkpoint import Checkpoint
 from requant.plan import make_plan
 from requant.targets import Options
+from requant.targets.w4a16 import W4A16Options
 from requant.workers import _init_process, encode_unit
 _init_process()
-plan = make_plan(Checkpoint.open(sys.argv[1]), "w4a16", Options(extra={"group_size": 32}))
+plan = make_plan(Checkpoint.open(sys.argv[1]), "w4a16", Options(target=W4A16Options(group_size=32)))
 unit = next(u for s in plan.shards for u in s.units if u.encode is not None and len(u.inputs) == 6)
 reads = [(n, *plan.source.where(n)) for n in unit.inputs]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

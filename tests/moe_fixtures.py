@@ -79,7 +79,7 @@ def random_int4(experts: int, n: int, k: int, group: int, asymmetric: bool,
         z = unpack_from_int32(zero_point, 4, torch.Size((experts, n, k // group)), packed_dim=0)
     q = unpack_from_int32(packed, 4, torch.Size((experts, n, k)))
     dense = (q.float() - z.float().repeat_interleave(group, -1)) * scale.float().repeat_interleave(group, -1)
-    return ExpertWeights("int4", packed, scale, zero_point=zero_point), dense
+    return ExpertWeights("w4a16", packed, scale, zero_point=zero_point), dense
 
 
 def make_layer(fmt: str, experts: int, hidden: int, inter: int, gen: torch.Generator, group: int = 32):

@@ -138,7 +138,7 @@ def test_rejects_mismatched_scales():
         ExpertWeights("nvfp4", torch.zeros(2, 64, 32, dtype=torch.uint8), torch.zeros(2, 64, 2, dtype=torch.uint8),
                       torch.ones(2))
     with pytest.raises(FormatError):
-        ExpertWeights("int4", torch.zeros(2, 64, 8, dtype=torch.int32), torch.zeros(2, 64, 2, dtype=torch.bfloat16),
+        ExpertWeights("w4a16", torch.zeros(2, 64, 8, dtype=torch.int32), torch.zeros(2, 64, 2, dtype=torch.bfloat16),
                       torch.ones(2))
 
 

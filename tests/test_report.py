@@ -19,6 +19,7 @@ from requant.convert import convert
 from requant.report import make_report
 from requant.synth import Dims, HardCases
 from requant.targets import Options
+from requant.targets.nvfp4 import NVFP4Options
 from tests.conftest import converted_pair
 
 DIMS = Dims(layers=2, experts=6, hidden=256, intermediate=128, hash_layers=1)
@@ -124,7 +125,7 @@ def test_outputs_and_schema(pair, tmp_path):
 def test_nvfp4_against_another_nvfp4_build(pair, tmp_path):
     src, dst, _ = pair
     safe = str(tmp_path / "safe")
-    convert(src, safe, "nvfp4", Options(extra={"top_exponent": 5}), progress=False)
+    convert(src, safe, "nvfp4", Options(target=NVFP4Options(scale_headroom=3)), progress=False)
     report = make_report(dst, safe, str(tmp_path / "r"), layers="0-1", progress=False, forward=False)
     assert report["source"]["format"] == report["candidate"]["format"] == "nvfp4"
     # a narrower window re-rounds more of the planted low blocks, never fewer

@@ -93,7 +93,7 @@ def test_w4a16_output_validates_with_its_quantization_error(checkpoints, tmp_pat
                       serve_modes=["nvfp4-w4a4", "marlin-w4a16", "bf16"])
     assert report.passed
     for r in report.layers:
-        assert (r.src_format, r.dst_format) == ("mxfp4", "int4")
+        assert (r.src_format, r.dst_format) == ("mxfp4", "w4a16")
         assert 0.01 < r.rel_err < 0.15 and r.routing_agreement == 1.0
         # No NVFP4 activations for INT4 experts; Marlin takes INT4's BF16 scales as they are.
         assert [(s.mode, s.rel_err, s.flushed_blocks) for s in r.serving] == [("marlin-w4a16", r.rel_err, 0),
@@ -146,7 +146,7 @@ def test_serve_defaults_and_names():
     assert default_modes("nvfp4", (10, 0)) == ["nvfp4-w4a4"]
     assert default_modes("nvfp4", (9, 0)) == ["marlin-w4a16"]
     assert default_modes("nvfp4", None) == ["nvfp4-w4a4", "marlin-w4a16"]
-    assert default_modes("int4", (9, 0)) == default_modes("mxfp4", None) == ["bf16"]
+    assert default_modes("w4a16", (9, 0)) == default_modes("mxfp4", None) == ["bf16"]
     assert parse_modes("all") == ["nvfp4-w4a4", "marlin-w4a16", "bf16"] and parse_modes(None) is None
     with pytest.raises(RequantError):
         parse_modes("w4a4")

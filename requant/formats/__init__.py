@@ -1,16 +1,172 @@
-"""Pure numerics, one module per format: decode and encode side by side, no I/O."""
+"""Pure numerics, one module per storage format: decode and encode side by side, no I/O.
 
-# Tensor parts (suffix -> accepted safetensors dtypes) that identify how routed experts are stored.
-EXPERT_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
-    "mxfp4": {"weight": ("I8", "U8"), "scale": ("F8_E8M0",)},
-    "nvfp4": {"weight": ("U8",), "weight_scale": ("F8_E4M3",), "weight_scale_2": ("F32",)},
-    "w4a16": {"weight_packed": ("I32",), "weight_scale": ("BF16", "F16", "F32")},
-}
+Each format module declares one `Codec`: the tensors ("parts") one stored projection consists of,
+their dtypes and shapes, how to decode them, and the exact encoders into it from other formats.
+They are registered here; the rest of requant asks this registry instead of comparing format
+names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from requant.errors import FormatError, UnsupportedError
+
+# What a part is to its projection. Only weight, scale and global_scale tell formats apart (a
+# projection may lack an input_scale or the zero points and still be recognisable), and only the
+# weight's numbers (weight, scale, global_scale, zero_point) are decoded.
+WEIGHT, SCALE, GLOBAL_SCALE, INPUT_SCALE, SHAPE, ZERO_POINT = (
+    "weight", "scale", "global_scale", "input_scale", "shape", "zero_point")
+_IDENTIFYING = (WEIGHT, SCALE, GLOBAL_SCALE)
+_DECODED = (WEIGHT, SCALE, GLOBAL_SCALE, ZERO_POINT)
 
 
-def identify(parts: dict[str, str]) -> str | None:
-    """The format whose parts (suffix -> dtype) one expert projection has, or None."""
-    for name, layout in EXPERT_LAYOUTS.items():
-        if all(parts.get(suffix) in dtypes for suffix, dtypes in layout.items()):
-            return name
-    return None
+@dataclass(frozen=True)
+class Params:
+    """What a stored projection's shapes depend on beyond its logical [out, K]."""
+
+    group_size: int | None          # K elements per scale; None: the shapes do not tell
+    zero_points: bool = False       # asymmetric INT4 stores a zero point per group
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor of a stored projection, named `<projection>.<suffix>`."""
+
+    suffix: str
+    role: str                                            # WEIGHT, SCALE, ...
+    dtypes: tuple[str, ...]                              # accepted; requant writes the first
+    shape: Callable[[int, int, Params], tuple[int, ...]]  # as requant writes it, from logical [out, K]
+    shape_checked: bool = True                           # False: writers disagree, any shape is read
+
+    @property
+    def required(self) -> bool:
+        return self.role != ZERO_POINT
+
+    @property
+    def scalar(self) -> bool:
+        return self.role in (GLOBAL_SCALE, INPUT_SCALE)
+
+
+@dataclass(frozen=True, eq=False)   # one object per format: compared and hashed by identity
+class Codec:
+    name: str                                       # as --in/--out and every report spell it
+    parts: tuple[Part, ...]
+    elements_per_word: int                          # K elements per stored element of the weight part
+    packed_dtype: torch.dtype                       # how decoders and the MoE kernel view the weight part
+    decode: Callable[[dict[str, torch.Tensor]], torch.Tensor]   # parts by suffix -> float32 [out, K]
+    fixed_group: int | None = None                  # the block size, when the format fixes it
+    group_sizes: tuple[int, ...] = ()               # the block sizes it allows (one: the fixed one)
+    kernel_code: int | None = None                  # the fused-MoE kernel's format constant; None: not read
+    check_scales: Callable[[object], None] = lambda scale: None   # FormatError on scale bytes no valid file holds
+    encoders: dict[str, Callable] = field(default_factory=dict)  # source codec name -> exact encoder
+
+    def part(self, role: str) -> Part | None:
+        return next((p for p in self.parts if p.role == role), None)
+
+    @property
+    def weight(self) -> Part:
+        return self.part(WEIGHT)
+
+    @property
+    def decoded_parts(self) -> tuple[str, ...]:
+        return tuple(p.suffix for p in self.parts if p.role in _DECODED)
+
+    def matches(self, dtypes_by_part: dict[str, str]) -> bool:
+        return all(dtypes_by_part.get(p.suffix) in p.dtypes for p in self.parts if p.role in _IDENTIFYING)
+
+    def written_parts(self, params: Params) -> tuple[Part, ...]:
+        """The parts requant writes under `params`."""
+        return tuple(p for p in self.parts if p.required or params.zero_points)
+
+    def params_from_shapes(self, shapes_by_part: dict[str, tuple], k: int | None = None) -> Params:
+        """Params of a stored projection from its part shapes: the one place a group size is inferred.
+        `k` is the logical K when known otherwise (config.json); else the weight part's width tells."""
+        weight = shapes_by_part.get(self.weight.suffix)
+        if k is None and weight:
+            k = weight[-1] * self.elements_per_word
+        group = self.fixed_group
+        if group is None:
+            scale = shapes_by_part.get(self.part(SCALE).suffix)
+            cols = scale[-1] if scale else None
+            group = k // cols if cols and k and k % cols == 0 else None
+        zero = self.part(ZERO_POINT)
+        return Params(group, zero is not None and zero.suffix in shapes_by_part)
+
+    def block_size(self, params: Params) -> int:
+        """K elements per scale (the unit of 'exact scale blocks')."""
+        return params.group_size
+
+    def check_shapes(self, shapes_by_part: dict[str, tuple]) -> None:
+        """Raise FormatError, naming the part, unless the parts' shapes fit the weight part's."""
+        weight = shapes_by_part[self.weight.suffix]
+        if len(weight) != 2:
+            raise FormatError(f"expected a 2-D .{self.weight.suffix}, got {list(weight)}")
+        out, k = weight[0], weight[1] * self.elements_per_word
+        params = self.params_from_shapes(shapes_by_part)
+        for part in self.parts:
+            if part.suffix not in shapes_by_part or not part.shape_checked or part.role == WEIGHT:
+                continue
+            expected = part.shape(out, k, params) if params.group_size else None
+            if tuple(shapes_by_part[part.suffix]) != expected:
+                raise FormatError(f".{part.suffix} shape {list(shapes_by_part[part.suffix])} does not match "
+                                  f".{self.weight.suffix} shape {list(weight)}"
+                                  + (f" (expected {list(expected)})" if expected is not None else ""))
+
+
+_CODECS: dict[str, Codec] = {}
+
+
+def register(codec: Codec) -> Codec:
+    if codec.name in _CODECS:
+        raise ValueError(f"codec {codec.name!r} registered twice")
+    _CODECS[codec.name] = codec
+    return codec
+
+
+def get(name: str) -> Codec:
+    if name not in _CODECS:
+        raise UnsupportedError(f"unknown format {name!r} (known: {', '.join(_CODECS)})")
+    return _CODECS[name]
+
+
+def codecs() -> list[Codec]:
+    return list(_CODECS.values())
+
+
+def identify(dtypes_by_part: dict[str, str]) -> Codec | None:
+    """The codec whose parts (suffix -> safetensors dtype) one stored projection has, or None."""
+    return next((c for c in _CODECS.values() if c.matches(dtypes_by_part)), None)
+
+
+def encoder(source: str, target: str) -> Callable:
+    """The exact encoder from codec `source` into codec `target`."""
+    found = get(target).encoders.get(source)
+    if found is None:
+        raise UnsupportedError(f"--out {target} converts from {', '.join(encoder_sources(target)) or 'nothing'}, "
+                               f"not {source}")
+    return found
+
+
+def encoder_sources(target: str) -> list[str]:
+    """The codecs an encoder into `target` reads."""
+    return list(get(target).encoders)
+
+
+def scalar(t: torch.Tensor) -> float:
+    """A per-tensor scale stored as [] or [1]."""
+    return float(t.reshape(-1)[0].float())
+
+
+def _register_builtin() -> None:
+    # Identification order: the first codec whose parts match wins.
+    from requant.formats import fp8_block, int4, mxfp4, nvfp4
+
+    for module in (mxfp4, nvfp4, int4, fp8_block):
+        register(module.CODEC)
+
+
+_register_builtin()

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from requant import formats
 from requant.errors import FormatError
 
 BLOCK = 128
@@ -44,3 +45,15 @@ def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scaled = blocks / torch.exp2(exponent)[:, None, :, None]
     codes = scaled.reshape(br * BLOCK, bc * BLOCK)[:rows, :cols].to(torch.float8_e4m3fn)
     return codes.view(torch.uint8), (exponent + 127).to(torch.uint8)
+
+
+CODEC = formats.Codec(
+    name="fp8_block",
+    parts=(formats.Part("weight", formats.WEIGHT, ("F8_E4M3",), lambda out, k, p: (out, k)),
+           formats.Part("scale", formats.SCALE, ("F8_E8M0",), lambda out, k, p: scale_shape((out, k)))),
+    elements_per_word=1,
+    packed_dtype=torch.uint8,
+    decode=lambda t: decode(t["weight"], t["scale"]),
+    fixed_group=BLOCK,
+    group_sizes=(BLOCK,),
+)

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
+from requant import formats
 from requant.errors import FormatError
 from requant.formats import e2m1, mxfp4
 
-GROUP_SIZES = (32, 64, 128)
+GROUP_SIZES = (32, 64, 128)   # what vLLM's Marlin WNA16 MoE runs (formats.md section 3)
 SCHEMES = ("sym", "asym")
 QMIN, QMAX = -8, 7
 PACK = 8                      # int4 values per int32 word
@@ -353,3 +354,21 @@ def encode_mxfp4(weight: torch.Tensor, scale: torch.Tensor, group_size: int = 12
     zero_point = pack_zero_point(zero.to(torch.int8).view(rows, k // group_size)) if scheme == "asym" else None
     return Encoded(packed.cpu(), scale_out.view(rows, k // group_size).cpu(),
                    None if zero_point is None else zero_point.cpu(), signal, error)
+
+
+CODEC = formats.Codec(
+    name="w4a16",
+    parts=(formats.Part("weight_packed", formats.WEIGHT, ("I32",), lambda out, k, p: (out, k // PACK)),
+           formats.Part("weight_scale", formats.SCALE, ("BF16", "F16", "F32"),
+                        lambda out, k, p: (out, k // p.group_size)),
+           formats.Part("weight_shape", formats.SHAPE, ("I64", "I32"), lambda out, k, p: (2,)),
+           formats.Part("weight_zero_point", formats.ZERO_POINT, ("I32", "I8", "U8", "BF16", "F16", "F32"),
+                        lambda out, k, p: (out // PACK, k // p.group_size), shape_checked=False)),
+    elements_per_word=PACK,
+    packed_dtype=torch.int32,
+    decode=lambda t: decode(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point")),
+    group_sizes=GROUP_SIZES,
+    kernel_code=2,
+    # The data-free scale search: (weight, scale, group_size, scheme) -> Encoded.
+    encoders={"mxfp4": encode_mxfp4},
+)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from requant import formats
 from requant.errors import FormatError
 from requant.formats import e2m1
 
@@ -75,3 +76,17 @@ def encode(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     nibbles = e2m1.round_to_nibbles(scaled.reshape(rows, k))
     packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
     return packed.astype(np.uint8), (exponent + E8M0_BIAS).astype(np.uint8)
+
+
+CODEC = formats.Codec(
+    name="mxfp4",
+    parts=(formats.Part("weight", formats.WEIGHT, ("I8", "U8"), lambda out, k, p: (out, k // 2)),
+           formats.Part("scale", formats.SCALE, ("F8_E8M0",), lambda out, k, p: (out, k // BLOCK))),
+    elements_per_word=2,
+    packed_dtype=torch.uint8,
+    decode=lambda t: decode(t["weight"].view(torch.uint8), t["scale"]),
+    fixed_group=BLOCK,
+    group_sizes=(BLOCK,),
+    kernel_code=1,
+    check_scales=check_scales,
+)

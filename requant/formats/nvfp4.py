@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from requant import formats
 from requant.errors import FormatError
 from requant.formats import e2m1, mxfp4
 
@@ -147,3 +148,20 @@ def decode(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: flo
     values = e2m1.decode_packed(weight).view(rows, -1, BLOCK)
     values *= weight_scale.view(torch.float8_e4m3fn).to(torch.float32)[..., None] * float(weight_scale_2)
     return values.view(rows, half_k * 2)
+
+
+CODEC = formats.Codec(
+    name="nvfp4",
+    parts=(formats.Part("weight", formats.WEIGHT, ("U8",), lambda out, k, p: (out, k // 2)),
+           formats.Part("weight_scale", formats.SCALE, ("F8_E4M3",), lambda out, k, p: (out, k // BLOCK)),
+           formats.Part("weight_scale_2", formats.GLOBAL_SCALE, ("F32",), lambda out, k, p: ()),
+           formats.Part("input_scale", formats.INPUT_SCALE, ("F32",), lambda out, k, p: ())),
+    elements_per_word=2,
+    packed_dtype=torch.uint8,
+    decode=lambda t: decode(t["weight"].view(torch.uint8), t["weight_scale"], formats.scalar(t["weight_scale_2"])),
+    fixed_group=BLOCK,
+    group_sizes=(BLOCK,),
+    kernel_code=0,
+    # The lossless cast on the bits: (weight, scale, k_max, top, in_place) -> CastResult.
+    encoders={"mxfp4": cast_from_mxfp4},
+)

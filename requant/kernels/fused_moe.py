@@ -27,13 +27,13 @@ import triton
 import triton.language as tl
 
 from requant.errors import FormatError
+from requant.formats import int4, mxfp4, nvfp4
 from requant.formats.engine_numerics import fake_quantize_activations
 from requant.kernels.weights import ExpertWeights  # noqa: F401 (callers build it from here too)
 
-NVFP4 = tl.constexpr(0)
-MXFP4 = tl.constexpr(1)
-INT4 = tl.constexpr(2)
-_FORMAT_CODES = {"nvfp4": 0, "mxfp4": 1, "int4": 2}
+NVFP4 = tl.constexpr(nvfp4.CODEC.kernel_code)
+MXFP4 = tl.constexpr(mxfp4.CODEC.kernel_code)
+INT4 = tl.constexpr(int4.CODEC.kernel_code)
 
 
 def interpreting() -> bool:
@@ -433,7 +433,7 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         out, out.stride(-2), out.stride(0) if split > 1 else 0, out.stride(1) if gated and split > 1 else 0,
         sorted_ids, block_expert, route_w if route_w is not None else out,
         num_pairs, w.n, w.k,
-        A_ROW_DIV=a_row_div, FMT=_FORMAT_CODES[w.format], GROUP=w.group, HAS_ZP=w.zero_point is not None,
+        A_ROW_DIV=a_row_div, FMT=w.codec.kernel_code, GROUP=w.group, HAS_ZP=w.zero_point is not None,
         HAS_GLOBAL=w.global_scale is not None, GATED=gated, ROUTE_WEIGHT=route_w is not None,
         LIMIT=float(limit), COMPUTE=_TL_DTYPES[compute], ASM=compute == torch.bfloat16,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", PERM_OUT=perm_out,

@@ -12,15 +12,10 @@ from dataclasses import dataclass, field
 import torch
 
 from requant import formats
-from requant.errors import FormatError, UnsupportedError
-from requant.formats import mxfp4, nvfp4
+from requant.errors import FormatError
 
 # Parts each format's decoder reads; anything else (input_scale, ...) is not part of the weight.
-DECODE_PARTS = {
-    "mxfp4": ("weight", "scale"),
-    "nvfp4": ("weight", "weight_scale", "weight_scale_2"),
-    "w4a16": ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"),
-}
+DECODE_PARTS = {codec.name: codec.decoded_parts for codec in formats.codecs()}
 
 # |error| histogram: fixed log10 bins so histograms from separate experts simply add up.
 HIST_LOG10_MIN, HIST_LOG10_MAX, HIST_BINS = -12.0, 1.0, 52
@@ -28,38 +23,19 @@ HIST_LOG10_MIN, HIST_LOG10_MAX, HIST_BINS = -12.0, 1.0, 52
 
 def projection_format(parts: dict[str, str]) -> str | None:
     """The format of one projection from its part -> safetensors dtype map."""
-    return formats.identify(parts)
-
-
-def scalar(t: torch.Tensor) -> float:
-    """A per-tensor scale stored as [] or [1]."""
-    return float(t.reshape(-1)[0].float())
+    codec = formats.identify(parts)
+    return codec.name if codec else None
 
 
 def decode_projection(fmt: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """float32 [out, in] of one projection, from its tensors by part name."""
-    if fmt == "mxfp4":
-        return mxfp4.decode(tensors["weight"].view(torch.uint8), tensors["scale"])
-    if fmt == "nvfp4":
-        return nvfp4.decode(tensors["weight"].view(torch.uint8), tensors["weight_scale"],
-                            scalar(tensors["weight_scale_2"]))
-    if fmt == "w4a16":
-        try:
-            from requant.formats import int4
-        except ImportError:
-            raise UnsupportedError("decoding W4A16 needs requant.formats.int4, which this install lacks") from None
-        return int4.decode(tensors["weight_packed"], tensors["weight_scale"], tensors.get("weight_zero_point"))
-    raise UnsupportedError(f"cannot decode routed experts stored as {fmt}")
+    return formats.get(fmt).decode(tensors)
 
 
 def block_size(fmt: str, tensors: dict[str, torch.Tensor]) -> int:
     """K elements per scale of this projection's format (the unit of 'exact scale blocks')."""
-    if fmt == "mxfp4":
-        return mxfp4.BLOCK
-    if fmt == "nvfp4":
-        return nvfp4.BLOCK
-    k = tensors["weight_packed"].shape[1] * 8
-    return k // tensors["weight_scale"].shape[1]
+    codec = formats.get(fmt)
+    return codec.block_size(codec.params_from_shapes({p: tuple(t.shape) for p, t in tensors.items()}))
 
 
 @dataclass

@@ -1,17 +1,19 @@
 """Target formats behind a small registry: each knows how to plan and encode routed experts and
-how to describe itself in config.json. The pipeline talks to targets only through `Target`."""
+how to describe itself in config.json. The pipeline talks to targets only through `Target`; a
+target's storage is its codec's (requant/formats), and it reads whatever source codec the plan
+found, through the codec pair's encoder."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from requant import __version__
+from requant import __version__, formats
 from requant.errors import FormatError, UnsupportedError
-from requant.formats import mxfp4
 from requant.io.checkpoint import Checkpoint
 from requant.io.safetensors import TensorSpec
 from requant.model import Expert, ModelSpec
@@ -20,10 +22,11 @@ PRODUCER = {"name": "requant", "version": __version__}
 TARGETS: dict[str, type["Target"]] = {}
 
 
-def register(name: str):
+def register(codec: formats.Codec):
+    """Register a target class writing `codec`, under the codec's name."""
     def wrap(cls):
-        cls.name = name
-        TARGETS[name] = cls
+        cls.codec, cls.name = codec, codec.name
+        TARGETS[codec.name] = cls
         return cls
     return wrap
 
@@ -75,23 +78,38 @@ class Options:
     mtp: str | None = None              # "keep" MTP experts in the source format, "convert" them, or
                                         # None: what the engine loads them as
     input_scale: float | None = None    # None: data-free bound; else this constant everywhere
-    extra: dict = field(default_factory=dict)  # target-specific options
+    target: object | None = None        # the target's own options (its `options_type`); None: its defaults
     engine: str | None = None           # serving engine the layout is made for; None: the recipe's default
     force: bool = False                 # write a layout the engine would load wrongly (recorded in the card)
     device: str = "cpu"                 # where encoders run ("cpu", "cuda"): never changes the output
 
 
+@dataclass(frozen=True)
+class NoOptions:
+    """A target without options of its own."""
+
+
 class Target:
-    """Base: reads MXFP4 experts, leaves everything else alone."""
+    """Base: encodes routed experts of the source codec into the target's, leaves everything else
+    alone."""
 
     name = "?"
-    source_format = "mxfp4"
+    codec: formats.Codec
+    options_type: type = NoOptions
     # Whether encoding is CPU work worth worker processes (on a CPU device). Such a target's encode
     # must depend on its input tensors and on planning state only: it runs in forked workers.
     cpu_heavy = False
 
-    def __init__(self, model: ModelSpec, source: Checkpoint, options: Options):
+    def __init__(self, model: ModelSpec, source: Checkpoint, options: Options, source_codec: formats.Codec):
         self.model, self.source, self.options = model, source, options
+        self.source_codec = source_codec
+        self.encoder = formats.encoder(source_codec.name, self.name)
+        self.params = formats.Params(self.codec.fixed_group)   # the stored shapes' params; targets with
+                                                               # options of their own set theirs
+        self.target_options = options.target or self.options_type()
+        if not isinstance(self.target_options, self.options_type):
+            raise UnsupportedError(f"--out {self.name} takes {self.options_type.__name__}, "
+                                   f"not {type(self.target_options).__name__}")
         self.engine = model.engine(options.engine)
         self.mtp = options.mtp or self._engine_mtp()
         self.forced_problems: list[str] = []
@@ -123,7 +141,7 @@ class Target:
                 problems.append(f"{self.engine.label} cannot load --{option.replace('_', '-')} {value}: "
                                 f"{refused[value]}")
         expected = self.engine.mtp_format(self.name)
-        written = self.name if self.mtp == "convert" else self.source_format
+        written = self.name if self.mtp == "convert" else self.source_codec.name
         if expected and written != expected and any(self.model.is_mtp(e.block)
                                                     for e in self.model.group_experts(self.source.names)):
             fix = "convert" if expected == self.name else "keep"
@@ -143,26 +161,62 @@ class Target:
     def plan_expert(self, expert: Expert) -> Unit:
         raise NotImplementedError
 
-    def source_expert_specs(self, expert: Expert) -> dict[str, tuple[TensorSpec, TensorSpec]]:
-        """Check an expert's MXFP4 tensors; return proj -> (weight spec, scale spec)."""
+    @classmethod
+    def options_from(cls, given: dict) -> object:
+        """This target's options from those given by name (as `requant convert` spells them, with
+        underscores); refuses options that belong to other targets."""
+        taken = {f.name for f in dataclasses.fields(cls.options_type)}
+        foreign = [name for name in given if name not in taken]
+        if foreign:
+            takers = [n for n, t in TARGETS.items() if foreign[0] in {f.name for f in dataclasses.fields(t.options_type)}]
+            flags = " and ".join(f"--{name.replace('_', '-')}" for name in foreign)
+            raise UnsupportedError(f"{flags} appl{'y' if len(foreign) > 1 else 'ies'} to --out {', '.join(takers)} only")
+        return cls.options_type(**given)
+
+    def source_expert_specs(self, expert: Expert) -> dict[str, dict[str, TensorSpec]]:
+        """Check an expert's tensors against the source codec; return proj -> part -> spec of the
+        parts its encoder reads."""
+        codec = self.source_codec
         found = {}
         for proj in self.model.projections:
             parts = expert.parts.get(proj, {})
             where = f"{self.model.experts_module(expert.block)}.{expert.expert}.{proj}"
-            if "weight" not in parts or "scale" not in parts:
-                missing = "weight" if "weight" not in parts else "scale"
+            needed = [p for p in codec.parts if p.required]
+            missing = next((p.suffix for p in needed if p.suffix not in parts), None)
+            if missing:
                 raise FormatError(f"routed expert projection has no .{missing} tensor", tensor=f"{where}.{missing}")
-            weight, scale = self.source.info(parts["weight"]).spec, self.source.info(parts["scale"]).spec
-            if weight.dtype not in ("I8", "U8") or scale.dtype != "F8_E8M0":
-                raise FormatError(f"expected MXFP4 (I8/U8 weight, F8_E8M0 scale), found {weight.dtype} and {scale.dtype}",
-                                  tensor=parts["weight"])
+            specs = {p.suffix: self.source.info(parts[p.suffix]).spec for p in needed}
+            if any(specs[p.suffix].dtype not in p.dtypes for p in needed):
+                expected = ", ".join(f"{'/'.join(p.dtypes)} {p.suffix}" for p in needed)
+                found_dtypes = " and ".join(s.dtype for s in specs.values())
+                raise FormatError(f"expected {codec.name.upper()} ({expected}), found {found_dtypes}",
+                                  tensor=parts[codec.weight.suffix])
             try:
-                mxfp4.check_shapes(weight.shape, scale.shape)
+                codec.check_shapes({suffix: spec.shape for suffix, spec in specs.items()})
             except FormatError as e:
-                raise FormatError(str(e), file=self.source.shard_path(self.source.locations[parts["scale"]]),
-                                  tensor=parts["scale"]) from None
-            found[proj] = (weight, scale)
+                scale = parts[codec.part(formats.SCALE).suffix]
+                raise FormatError(str(e), file=self.source.shard_path(self.source.locations[scale]),
+                                  tensor=scale) from None
+            found[proj] = specs
         return found
+
+    def expert_outputs(self, expert: Expert) -> list[TensorSpec]:
+        """The tensors a converted expert is written as: the target codec's parts, at each
+        projection's logical shape as the source's (checked) tensors give it."""
+        specs = self.source_expert_specs(expert)
+        outputs = []
+        for proj in self.model.projections:
+            rows, words = specs[proj][self.source_codec.weight.suffix].shape
+            k = words * self.source_codec.elements_per_word
+            outputs += [TensorSpec(f"{expert.prefixes[proj]}.{part.suffix}", part.dtypes[0],
+                                   part.shape(rows, k, self.params))
+                        for part in self.codec.written_parts(self.params)]
+        return outputs
+
+    def source_inputs(self, expert: Expert) -> list[str]:
+        """The source tensors a converted expert is read from, in projection order."""
+        return [expert.parts[p][part.suffix] for p in self.model.projections
+                for part in self.source_codec.parts if part.required]
 
     # numbers shared by targets --------------------------------------------------------------
     def input_scales(self, block: str) -> dict[str, float]:
@@ -182,17 +236,19 @@ class Target:
                 self._bounds[block] = self.model.activation_bounds(absmax)
         return {p: b / (6.0 * 448.0) for p, b in self._bounds[block].items()}
 
-    def read_mxfp4(self, expert: Expert, tensors: dict[str, torch.Tensor], proj: str):
-        """(weight bytes, scale bytes) of one projection as uint8 numpy arrays, NaN scales reported
-        by name."""
+    def read_source(self, expert: Expert, tensors: dict[str, torch.Tensor], proj: str):
+        """(weight bytes, scale bytes) of one projection as uint8 numpy arrays, the form the
+        encoders from MXFP4 take; invalid scales reported by name."""
+        codec = self.source_codec
         parts = expert.parts[proj]
-        weight = tensors[parts["weight"]].view(torch.uint8).numpy()
-        scale = tensors[parts["scale"]].view(torch.uint8).numpy()
+        weight = tensors[parts[codec.weight.suffix]].view(torch.uint8).numpy()
+        scale_name = parts[codec.part(formats.SCALE).suffix]
+        scale = tensors[scale_name].view(torch.uint8).numpy()
         try:
-            mxfp4.check_scales(scale)
+            codec.check_scales(scale)
         except FormatError as e:
-            raise FormatError(str(e), file=self.source.shard_path(self.source.locations[parts["scale"]]),
-                              tensor=parts["scale"]) from None
+            raise FormatError(str(e), file=self.source.shard_path(self.source.locations[scale_name]),
+                              tensor=scale_name) from None
         return weight, scale
 
     # description ----------------------------------------------------------------------------

@@ -3,42 +3,37 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 
 from requant.errors import FormatError
 from requant.formats import mxfp4, nvfp4
-from requant.io.safetensors import TensorSpec
 from requant.model import Expert
-from requant.targets import PRODUCER, Options, Stats, Target, Unit, register
+from requant.targets import PRODUCER, Stats, Target, Unit, register
 
 GROUP = nvfp4.BLOCK
 
 
-@register("nvfp4")
+@dataclass(frozen=True)
+class NVFP4Options:
+    scale_headroom: int = 0    # the largest block scale sits at 2^(8 - scale_headroom)
+
+
+@register(nvfp4.CODEC)
 class NVFP4Target(Target):
-    def __init__(self, model, source, options: Options):
-        super().__init__(model, source, options)
-        self.top = int(options.extra.get("top_exponent", nvfp4.DEFAULT_TOP))
+    options_type = NVFP4Options
+
+    def __init__(self, model, source, options, source_codec):
+        super().__init__(model, source, options, source_codec)
+        self.top = nvfp4.DEFAULT_TOP - self.target_options.scale_headroom
 
     def plan_expert(self, expert: Expert) -> Unit:
-        specs = self.source_expert_specs(expert)
-        outputs = []
-        for proj in self.model.projections:
-            weight, _ = specs[proj]
-            rows, half_k = weight.shape
-            prefix = expert.prefixes[proj]
-            outputs += [
-                TensorSpec(f"{prefix}.weight", "U8", (rows, half_k)),
-                TensorSpec(f"{prefix}.weight_scale", "F8_E4M3", (rows, half_k * 2 // GROUP)),
-                TensorSpec(f"{prefix}.weight_scale_2", "F32", ()),
-                TensorSpec(f"{prefix}.input_scale", "F32", ()),
-            ]
-        inputs = [expert.parts[p][part] for p in self.model.projections for part in ("weight", "scale")]
-        return Unit(inputs, outputs, lambda tensors: self.encode_expert(expert, tensors))
+        outputs = self.expert_outputs(expert)   # checks the source tensors first
+        return Unit(self.source_inputs(expert), outputs, lambda tensors: self.encode_expert(expert, tensors))
 
     def encode_expert(self, expert: Expert, tensors: dict[str, torch.Tensor]):
-        sources = {p: self.read_mxfp4(expert, tensors, p) for p in self.model.projections}
+        sources = {p: self.read_source(expert, tensors, p) for p in self.model.projections}
         k_max = {p: mxfp4.max_exponent(scale) for p, (_, scale) in sources.items()}
         input_scales = self.input_scales(expert.block)
         out, stats = {}, Stats()
@@ -47,7 +42,7 @@ class NVFP4Target(Target):
             shared = [k for k in (k_max[proj], k_max.get(self.model.fused_partner(proj) or "")) if k is not None]
             try:
                 # The weight bytes are this unit's own read buffer (workers.py): cast over them.
-                cast = nvfp4.cast_from_mxfp4(weight, scale, max(shared) if shared else None, self.top, in_place=True)
+                cast = self.encoder(weight, scale, max(shared) if shared else None, self.top, in_place=True)
             except FormatError as e:
                 raise FormatError(str(e), tensor=expert.parts[proj]["weight"]) from None
             prefix = expert.prefixes[proj]
@@ -105,7 +100,7 @@ class NVFP4Target(Target):
 
     def describe_options(self) -> dict:
         return {**super().describe_options(), "input_scale": self.options.input_scale,
-                "scale_headroom": (nvfp4.DEFAULT_TOP - self.top) or None}
+                "scale_headroom": self.target_options.scale_headroom or None}
 
     def accuracy(self, stats: Stats) -> dict:
         return {"blocks": stats.blocks, "exact_blocks": stats.exact_blocks,

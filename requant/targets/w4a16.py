@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 
 import torch
 
+from requant import formats
 from requant.errors import FormatError, UnsupportedError
 from requant.formats import int4, mxfp4
 from requant.io.safetensors import TensorSpec
 from requant.model import Expert
-from requant.targets import PRODUCER, Options, Stats, Target, Unit, register
+from requant.targets import PRODUCER, Stats, Target, Unit, register
 
 DEFAULT_GROUP = 128
 DEFAULT_SCHEME = "sym"
@@ -37,23 +39,27 @@ def sqnr_db(signal: float, error: float) -> float | None:
     return 10 * math.log10(signal / error)
 
 
-@register("w4a16")
+@dataclass(frozen=True)
+class W4A16Options:
+    group_size: int = DEFAULT_GROUP
+    scheme: str = DEFAULT_SCHEME       # "sym" or "asym" (a zero point per group)
+
+
+@register(int4.CODEC)
 class W4A16Target(Target):
     cpu_heavy = True          # the scale search: ~0.1 s per projection and core
+    options_type = W4A16Options
 
-    def __init__(self, model, source, options: Options):
-        super().__init__(model, source, options)
+    def __init__(self, model, source, options, source_codec):
+        super().__init__(model, source, options, source_codec)
         self.fp8_linears = self.engine.layout(self.name, "fp8_linears")
-        extra = dict(options.extra)
-        self.group = int(extra.pop("group_size", None) or DEFAULT_GROUP)
-        self.scheme = extra.pop("scheme", None) or DEFAULT_SCHEME
-        if extra:
-            raise UnsupportedError(f"--out w4a16 does not take NVFP4 options ({', '.join(sorted(extra))}: "
-                                   "--scale-headroom)")
+        self.group, self.scheme = self.target_options.group_size, self.target_options.scheme
         if options.input_scale is not None:
             raise UnsupportedError("--input-scale applies to W4A4 targets; W4A16 keeps activations in BF16")
-        if self.group not in int4.GROUP_SIZES or self.scheme not in int4.SCHEMES:
-            raise UnsupportedError(f"--group-size must be one of {int4.GROUP_SIZES} and --scheme one of {int4.SCHEMES}")
+        if self.group not in self.codec.group_sizes or self.scheme not in int4.SCHEMES:
+            raise UnsupportedError(f"--group-size must be one of {self.codec.group_sizes} and --scheme one of "
+                                   f"{int4.SCHEMES}")
+        self.params = formats.Params(self.group, zero_points=self.scheme == "asym")
         hidden, inter = model.value("hidden_size"), model.value("intermediate_size")
         for name, size in (("hidden_size", hidden), ("moe_intermediate_size", inter)):
             if size % self.group:
@@ -62,21 +68,8 @@ class W4A16Target(Target):
 
     # planning -------------------------------------------------------------------------------
     def plan_expert(self, expert: Expert) -> Unit:
-        specs = self.source_expert_specs(expert)
-        outputs = []
-        for proj in self.model.projections:
-            weight, _ = specs[proj]
-            rows, k = weight.shape[0], weight.shape[1] * 2
-            prefix = expert.prefixes[proj]
-            outputs += [
-                TensorSpec(f"{prefix}.weight_packed", "I32", (rows, k // int4.PACK)),
-                TensorSpec(f"{prefix}.weight_scale", "BF16", (rows, k // self.group)),
-                TensorSpec(f"{prefix}.weight_shape", "I64", (2,)),
-            ]
-            if self.scheme == "asym":
-                outputs.append(TensorSpec(f"{prefix}.weight_zero_point", "I32", (rows // int4.PACK, k // self.group)))
-        inputs = [expert.parts[p][part] for p in self.model.projections for part in ("weight", "scale")]
-        return Unit(inputs, outputs, lambda tensors: self.encode_expert(expert, tensors))
+        outputs = self.expert_outputs(expert)   # checks the source tensors first
+        return Unit(self.source_inputs(expert), outputs, lambda tensors: self.encode_expert(expert, tensors))
 
     def plan_tensor(self, spec: TensorSpec) -> Unit:
         """FP8-block scales (E8M0 `.scale`) become compressed-tensors' F32 `.weight_scale`; the
@@ -92,10 +85,9 @@ class W4A16Target(Target):
     def encode_expert(self, expert: Expert, tensors: dict[str, torch.Tensor]):
         out, stats = {}, Stats()
         for proj in self.model.projections:
-            weight, scale = (torch.from_numpy(a) for a in self.read_mxfp4(expert, tensors, proj))
+            weight, scale = (torch.from_numpy(a) for a in self.read_source(expert, tensors, proj))
             try:   # the same bytes on any device (int4.py)
-                enc = int4.encode_mxfp4(weight.to(self.options.device), scale.to(self.options.device),
-                                        self.group, self.scheme)
+                enc = self.encoder(weight.to(self.options.device), scale.to(self.options.device), self.group, self.scheme)
             except FormatError as e:
                 raise FormatError(str(e), tensor=expert.parts[proj]["weight"]) from None
             rows, k = weight.shape[0], weight.shape[1] * 2

@@ -21,6 +21,7 @@ from requant.convert import convert
 from requant.errors import UnsupportedError
 from requant.model import ModelSpec
 from requant.targets import Options
+from requant.targets.w4a16 import W4A16Options
 from requant.verify import verify
 from tests.engines import wheels
 
@@ -49,13 +50,13 @@ def ckpts(tmp_path_factory):
     src = str(root / "src")
     synth.write_checkpoint(src, synth.Dims(layers=3, hash_layers=2), seed=3)
     out = {"src": src}
-    for name, fmt, engine, extra in [("nvfp4", "nvfp4", "sglang", {}), ("nvfp4_vllm", "nvfp4", "vllm", {}),
-                                     ("w4a16", "w4a16", "sglang", {}), ("w4a16_vllm", "w4a16", "vllm", {}),
-                                     ("w4a16_g32", "w4a16", "sglang", {"group_size": 32}),
-                                     ("w4a16_asym", "w4a16", "sglang", {"group_size": 32, "scheme": "asym"})]:
+    for name, fmt, engine, target in [("nvfp4", "nvfp4", "sglang", None), ("nvfp4_vllm", "nvfp4", "vllm", None),
+                                      ("w4a16", "w4a16", "sglang", None), ("w4a16_vllm", "w4a16", "vllm", None),
+                                      ("w4a16_g32", "w4a16", "sglang", W4A16Options(group_size=32)),
+                                      ("w4a16_asym", "w4a16", "sglang", W4A16Options(32, "asym"))]:
         out[name] = str(root / name)
         # asym for SGLang is refused by requant's rules; --force writes it to show the engine fails
-        convert(src, out[name], fmt, Options(engine=engine, extra=extra, force="scheme" in extra), progress=False)
+        convert(src, out[name], fmt, Options(engine=engine, target=target, force=name == "w4a16_asym"), progress=False)
     return out
 
 
@@ -152,7 +153,7 @@ def test_asymmetric_w4a16_zero_points_do_not_load(ckpts):
     assert main_methods(report) == {"CompressedTensorsWNA16MoE"}
     with pytest.raises(UnsupportedError, match="--scheme asym"):
         convert(ckpts["src"], ckpts["w4a16_asym"] + "-refused", "w4a16",
-                Options(engine="sglang", extra={"group_size": 32, "scheme": "asym"}), progress=False)
+                Options(engine="sglang", target=W4A16Options(32, "asym")), progress=False)
     assert "w4a16-scheme" in {f["code"] for f in verify(ckpts["w4a16_asym"], progress=False)["findings"]
                               if f["severity"] == "error"}
     assert any(p.startswith("model.layers.0.mlp.experts.w13_weight_zero_point: SGLang's weight loader fails on (16, 8)")

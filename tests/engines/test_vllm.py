@@ -22,6 +22,7 @@ from requant.engines import INSTALL_CONDITIONS
 from requant.formats import mxfp4
 from requant.model import ModelSpec
 from requant.targets import Options
+from requant.targets.w4a16 import W4A16Options
 
 from . import wheels
 
@@ -36,10 +37,10 @@ from . import vllm_harness as vllm  # noqa: E402
 DIMS = synth.dims_with(synth.Dims(), layers=2, experts=6, hidden=256, intermediate=256)
 OUTPUTS = {
     "nvfp4": ("nvfp4", Options(engine="vllm")),
-    "w4a16-g32-sym": ("w4a16", Options(engine="vllm", extra={"group_size": 32, "scheme": "sym"})),
-    "w4a16-g128-asym": ("w4a16", Options(engine="vllm", extra={"group_size": 128, "scheme": "asym"})),
+    "w4a16-g32-sym": ("w4a16", Options(engine="vllm", target=W4A16Options(32, "sym"))),
+    "w4a16-g128-asym": ("w4a16", Options(engine="vllm", target=W4A16Options(128, "asym"))),
     "w4a16-g128-sym": ("w4a16", Options(engine="vllm")),
-    "w4a16-g32-asym": ("w4a16", Options(engine="vllm", extra={"group_size": 32, "scheme": "asym"})),
+    "w4a16-g32-asym": ("w4a16", Options(engine="vllm", target=W4A16Options(32, "asym"))),
     "sglang-nvfp4": ("nvfp4", Options(engine="sglang")),   # MTP experts kept MXFP4 (M4 for vLLM)
 }
 OLD_W4A16_TARGET = r"re:.*\.ffn\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"
