@@ -267,11 +267,11 @@ def verify(path, deep, source, device, engine, gpu, as_json, quiet):
     """Lint FP4 MoE checkpoint PATH (NVFP4, W4A16, MXFP4): completeness, scales, config dispatch, and
     whether vLLM / SGLang (pinned releases) load every tensor into the right kind of parameter.
     Exits 1 when it finds errors."""
-    from requant.verify import format_result, verify as verify_lib
+    from requant.verify import format_findings, verify as verify_lib
 
     result = verify_lib(path, deep=deep or source is not None, source=source, progress=not quiet, engine=engine,
                         gpu=gpu, device=device)
-    click.echo(json.dumps(result, indent=2) if as_json else format_result(result))
+    click.echo(json.dumps(result, indent=2) if as_json else format_findings(result))
     if not result["ok"]:
         sys.exit(1)
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from requant.engines import GPU_FAMILIES, EngineRules
-from requant.formats import engine_numerics, nvfp4
+from requant.formats import engine_numerics, int4, nvfp4
 from requant.model import ModelSpec
 
 MARLIN_GPUS = ("sm_80", "sm_90")   # no FP4 tensor cores: NVFP4 experts run through Marlin
@@ -108,7 +108,7 @@ def w4a16_probe_misses(rules: EngineRules, model: ModelSpec, qc: dict, layers: l
 
 def fp8_linear_problems(rules: EngineRules, qc: dict, scale_names: set[str]) -> list[str]:
     """How a W4A16 checkpoint's FP8-block linears fail this engine's rule for describing them."""
-    style = rules.layout("w4a16", "fp8_linears")
+    style = rules.layout(int4.CODEC.name, "fp8_linears")
     has_group = any((g.get("weights") or {}).get("num_bits") == 8 and "Linear" in (g.get("targets") or [])
                     for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict))
     problems = []
@@ -154,7 +154,7 @@ def judge(rules: EngineRules, model: ModelSpec, config: dict, formats_by_block: 
             problem("mtp-format", f"loads the MTP block's experts as {expected_mtp.upper()} but they are "
                     f"{fmt.upper()}: no error, garbage drafts ({rules.mtp_evidence(dominant)}); "
                     f"reconvert with --engine {rules.name}", model.experts_module(block))
-    if dominant == "w4a16":
+    if dominant == int4.CODEC.name:
         qc = config.get("quantization_config") or {}
         mtp_layers = [model.value("num_layers") + int(b.split(".")[-1]) for b in formats_by_block if model.is_mtp(b)]
         misses = w4a16_probe_misses(rules, model, qc, [0] + mtp_layers)
@@ -163,12 +163,12 @@ def judge(rules: EngineRules, model: ModelSpec, config: dict, formats_by_block: 
                     "the FP8 group and the load crashes", "config.json", ", ".join(misses[:3]))
         for text in fp8_linear_problems(rules, qc, set(fp8_scale_names)):
             problem("w4a16-fp8-linears", text, "config.json")
-        refused = (rules.layout("w4a16", "refuses") or {}).get("scheme", {})
+        refused = (rules.layout(dominant, "refuses") or {}).get("scheme", {})
         for group in int4_groups(qc).values():
             scheme = "sym" if (group.get("weights") or {}).get("symmetric", True) else "asym"
             if scheme in refused:
                 problem("w4a16-scheme", f"cannot load {scheme} INT4 experts: {refused[scheme]}", "config.json")
-    if dominant == "nvfp4" and gpu in (None, *MARLIN_GPUS):
+    if dominant == nvfp4.CODEC.name and gpu in (None, *MARLIN_GPUS):
         found += _marlin_findings(rules, model, spans, verdict)
     if gpu is not None:
         verdict.kernel = asdict(rules.kernel(dominant, gpu))

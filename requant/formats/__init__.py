@@ -50,6 +50,11 @@ class Part:
     def scalar(self) -> bool:
         return self.role in (GLOBAL_SCALE, INPUT_SCALE)
 
+    @property
+    def grouped(self) -> bool:
+        """Whether its shape depends on the group size."""
+        return self.role in (SCALE, ZERO_POINT)
+
 
 @dataclass(frozen=True, eq=False)   # one object per format: compared and hashed by identity
 class Codec:
@@ -110,7 +115,7 @@ class Codec:
         for part in self.parts:
             if part.suffix not in shapes_by_part or not part.shape_checked or part.role == WEIGHT:
                 continue
-            expected = part.shape(out, k, params) if params.group_size else None
+            expected = part.shape(out, k, params) if params.group_size or not part.grouped else None
             if tuple(shapes_by_part[part.suffix]) != expected:
                 raise FormatError(f".{part.suffix} shape {list(shapes_by_part[part.suffix])} does not match "
                                   f".{self.weight.suffix} shape {list(weight)}"

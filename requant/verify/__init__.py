@@ -1,0 +1,154 @@
+"""requant verify: lint an FP4 MoE checkpoint (NVFP4, W4A16 or MXFP4 routed experts), requant's or
+anyone's, for the failures that stop serving engines loading it or make them compute garbage.
+
+Checks, in order: the index and shard headers (every indexed tensor present at a valid offset,
+total_size: opener), the routed experts' tensors (every projection complete with the right dtypes
+and shapes: structure), their scales (finite, positive, fused partners agreeing: scales), how
+config.json and hf_quant_config.json dispatch the experts in vLLM and SGLang (config_rules,
+judging), and the Hopper (Marlin) fp16 scale-overflow hazard. Tensors are read one expert at a
+time; only scales are read unless --deep (deep).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import asdict
+
+from tqdm import tqdm
+
+from requant import formats
+from requant.errors import RequantError
+from requant.io.checkpoint import CONFIG_NAME
+from requant.model import ModelSpec
+from requant.verify.config_rules import CONFIG_RULES
+from requant.verify.context import Context, Layout, Observed
+from requant.verify.deep import DeepCompare
+from requant.verify.findings import SEVERITIES, Findings
+from requant.verify.judging import judge_engines
+from requant.verify.opener import open_leniently
+from requant.verify.scales import SCALE_CHECKS
+from requant.verify.structure import check_structure
+
+
+def verify(path: str, deep: bool = False, source: str | None = None, progress: bool = True,
+           engine: str | None = None, gpu: str | None = None, device: str | None = None) -> dict:
+    """Check checkpoint `path`; return a JSON-able result whose 'ok' is False when errors were found.
+
+    `engine` (vllm, sglang): judge loading by that engine's rules only, its problems as errors;
+    None: the engine requant.json names, else every engine the recipe knows. `gpu` (sm_80 ...):
+    also name the MoE kernel each judged engine selects on that GPU family. `device` decodes for
+    --deep (default: CUDA when present)."""
+    out = Findings()
+    result = {"path": os.path.abspath(path), "format": None, "experts_checked": 0, "deep": None, "engines": {}}
+    ck = open_leniently(path, out)
+    if ck is not None:
+        try:
+            try:
+                model = ModelSpec.for_config(ck.config, os.path.join(ck.path, CONFIG_NAME))
+            except RequantError as e:
+                out.add("error", "model", "no recipe for this model; expert checks skipped", detail=str(e))
+            else:
+                _verify_experts(Context(ck, model, out), result, deep, source, progress, engine, gpu, device)
+        finally:
+            ck.close()
+    findings = out.sorted()
+    result["summary"] = {s: sum(f.count for f in findings if f.severity == s) for s in SEVERITIES}
+    result["ok"] = result["summary"]["error"] == 0
+    result["findings"] = [asdict(f) for f in findings]
+    return result
+
+
+def expert_layout(ctx: Context, experts) -> Layout | None:
+    """Each block's experts' format (the most common among its projections) and the main layers'."""
+    codec_of = {(e.block, e.expert, proj): formats.identify({p: ctx.ck.info(n).spec.dtype for p, n in parts.items()})
+                for e in experts for proj, parts in e.parts.items()}
+    main = Counter(c for (b, _, _), c in codec_of.items() if c and not ctx.model.is_mtp(b))
+    if not main:
+        return None
+    dominant = main.most_common(1)[0][0]
+    by_block: dict[str, Counter] = {}
+    for e in experts:
+        by_block.setdefault(e.block, Counter()).update(codec_of[(e.block, e.expert, p)] for p in e.parts)
+    return Layout({b: (c.most_common(1)[0][0] or dominant) for b, c in by_block.items()}, dominant)
+
+
+def _verify_experts(ctx: Context, result: dict, deep: bool, source: str | None, progress: bool,
+                    engine: str | None, gpu: str | None, device: str | None) -> None:
+    model, out = ctx.model, ctx.out
+    experts = model.group_experts(ctx.ck.names)
+    layout = expert_layout(ctx, experts)
+    if layout is None:
+        out.add("error", "no-experts", "no routed experts in a known format "
+                f"({', '.join(c.name for c in formats.codecs())})")
+        return
+    result["format"] = layout.main.name
+    _check_expert_set(ctx, experts, layout)
+
+    seen = Observed()
+    deep_compare = DeepCompare(ctx, source, device) if deep else None
+    try:
+        for expert in tqdm(experts, unit="expert", desc="verify", disable=not progress, dynamic_ncols=True):
+            codec = layout.codecs_by_block[expert.block]
+            readable = check_structure(ctx, expert, codec)
+            if codec in SCALE_CHECKS:
+                SCALE_CHECKS[codec](ctx, expert, list(readable), seen)
+            if deep_compare:   # decoded by the pool while this loop reads the next experts' scales
+                deep_compare.submit(expert, readable)
+            result["experts_checked"] += 1
+        if deep_compare:
+            deep_compare.finish()
+    finally:
+        if deep_compare:
+            deep_compare.close()
+
+    for (block, proj), values in seen.input_scales.items():
+        if len(values) > 1:
+            out.add("info", "input-scale-spread", "input_scale of one projection varies across a layer's experts "
+                    "(W4A4 kernels use the layer maximum)", f"{model.experts_module(block)} {proj}",
+                    f"{min(values):g} .. {max(values):g}")
+    result["engines"] = judge_engines(ctx, layout, seen, engine, gpu)
+    if layout.main in CONFIG_RULES:
+        CONFIG_RULES[layout.main](ctx, layout, seen)
+    if deep_compare:
+        result["deep"] = deep_compare.summary()
+        blocks_total = sum(s["blocks"] for s in result["deep"].values())
+        exact_total = sum(s["exact_blocks"] for s in result["deep"].values())
+        if source and blocks_total:
+            out.add("info", "deep-compare", f"decoded every block against the source: {exact_total:,} of "
+                    f"{blocks_total:,} exact, {blocks_total - exact_total:,} re-quantized")
+
+
+def _check_expert_set(ctx: Context, experts, layout: Layout) -> None:
+    """Every layer has routed experts, every block all of them."""
+    model, out = ctx.model, ctx.out
+    n_experts = model.value("num_experts")
+    blocks = list(layout.codecs_by_block)
+    layer_blocks = [b for b in blocks if not model.is_mtp(b)]
+    if len(layer_blocks) != model.value("num_layers"):
+        out.add("error", "missing-layers", "layers with routed experts do not match num_hidden_layers", CONFIG_NAME,
+                f"{len(layer_blocks)} found, {model.value('num_layers')} expected")
+    by_key = {(e.block, e.expert): e for e in experts}
+    for block in blocks:
+        for i in range(n_experts):
+            if (block, i) not in by_key:
+                out.add("error", "missing-expert", "routed expert has no tensors", f"{model.experts_module(block)}.{i}")
+        extra = sorted(i for (b, i) in by_key if b == block and i >= n_experts)
+        if extra:
+            out.add("warning", "extra-expert", "expert index beyond n_routed_experts", model.experts_module(block), str(extra))
+
+
+def format_findings(result: dict) -> str:
+    """verify's result as the terminal shows it."""
+    lines = [f"checkpoint  {result['path']}",
+             f"experts     {result['experts_checked']:,} checked, format {result['format'] or 'unknown'}"]
+    for name, v in result["engines"].items():
+        lines.append(f"{'engine':<12}{name} {v['version']}: " + ("loads it correctly" if v["loads"] else "does NOT load it "
+                     "correctly") + (f"; MoE kernel: {v['kernel']['backend']}" if v.get("kernel") else ""))
+    for f in result["findings"]:
+        count = f" (x{f['count']:,})" if f["count"] > 1 else ""
+        lines.append(f"{f['severity'].upper():<8}{f['code']}: {f['message']}{count}")
+        lines += [f"          {ex}" for ex in f["examples"]]
+    s = result["summary"]
+    lines.append(f"{'OK' if result['ok'] else 'FAILED'}: {s['error']} errors, {s['warning']} warnings, {s['info']} notes")
+    return "\n".join(lines)

@@ -1,0 +1,49 @@
+"""verify's side of engine judging: which engines to judge by, and each verdict's problems as
+findings of the right severity (the rules themselves are engine_check's)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from requant import card
+from requant.engine_check import judge
+from requant.verify.context import Context, Layout, Observed
+
+# Finding codes that stay informational or warnings whichever engine is judged.
+_INFO_CODES = ("kernel",)
+_WARNING_CODES = ("marlin-flush", "marlin-unguarded")
+
+
+def judge_engines(ctx: Context, layout: Layout, seen: Observed, engine: str | None, gpu: str | None) -> dict:
+    """Each engine's verdict, by name. Problems are errors for the engine the output is served with
+    (named, or recorded in requant.json at conversion); with none known, warnings per engine, and
+    an error only when no engine loads the checkpoint correctly."""
+    model, out = ctx.model, ctx.out
+    made_for = (card.recorded_engine(ctx.ck.path) or {}).get("name")
+    names = [engine] if engine else [made_for] if made_for in model.engine_names else model.engine_names
+    strict = len(names) == 1
+    scale_names = fp8_linear_scale_names(ctx)
+    verdicts = {}
+    for name in names:
+        verdict, found = judge(model.engine(name), model, ctx.ck.config, layout.formats_by_block, layout.main.name,
+                               seen.spans, gpu, scale_names)
+        verdicts[name] = asdict(verdict)
+        for code, message, where, detail in found:
+            severity = ("info" if code in _INFO_CODES else "warning" if code in _WARNING_CODES
+                        else "error" if strict else "warning")
+            out.add(severity, code, message, where, detail)
+    if not strict and not any(v["loads"] for v in verdicts.values()):
+        out.add("error", "no-engine", "no engine release requant knows loads this checkpoint correctly (see the "
+                "warnings above)")
+    return verdicts
+
+
+def fp8_linear_scale_names(ctx: Context) -> set[str]:
+    """The suffixes the FP8-block linears' scales carry: the source's `scale`, compressed-tensors'
+    `weight_scale`, or `weight_scale_inv`."""
+    ck, found = ctx.ck, set()
+    for name in ck.names:
+        if name.endswith(".weight") and ctx.model.expert_tensor(name) is None and ck.info(name).spec.dtype == "F8_E4M3":
+            base = name[: -len("weight")]
+            found.update(s for s in ("scale", "weight_scale", "weight_scale_inv") if base + s in ck.locations)
+    return found
