@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from requant import formats
-from requant.errors import FormatError, UnsupportedError
+from requant.errors import FormatError
 
 
 @dataclass
@@ -23,10 +23,7 @@ class ExpertWeights:
     zero_point: torch.Tensor | None = None    # int32 [E, N/8, K/g] packed along N, INT4 asymmetric only
 
     def __post_init__(self):
-        try:
-            codec = formats.get(self.format)
-        except UnsupportedError:
-            codec = None
+        codec = next((c for c in formats.codecs() if c.name == self.format), None)
         if codec is None or codec.kernel_code is None:
             raise FormatError(f"unknown expert weight format {self.format!r}")
         want = codec.packed_dtype
