@@ -20,6 +20,7 @@ from requant.formats import engine_numerics, int4, nvfp4
 from requant.model import ModelSpec
 
 MARLIN_GPUS = ("sm_80", "sm_90")   # no FP4 tensor cores: NVFP4 experts run through Marlin
+MARLIN_FP4_FORMATS = (nvfp4.CODEC.name,)   # the expert formats engines serve there through Marlin's FP4 path
 MARLIN_SCALE_SHIFT = 2 ** 7   # Marlin's S0E5M3 scales are the block scale times 2^7, kept only from 2 up
 
 
@@ -154,21 +155,11 @@ def judge(rules: EngineRules, model: ModelSpec, config: dict, formats_by_block: 
             problem("mtp-format", f"loads the MTP block's experts as {expected_mtp.upper()} but they are "
                     f"{fmt.upper()}: no error, garbage drafts ({rules.mtp_evidence(dominant)}); "
                     f"reconvert with --engine {rules.name}", model.experts_module(block))
-    if dominant == int4.CODEC.name:
+    if dominant in FORMAT_PROBLEMS:
         qc = config.get("quantization_config") or {}
-        mtp_layers = [model.value("num_layers") + int(b.split(".")[-1]) for b in formats_by_block if model.is_mtp(b)]
-        misses = w4a16_probe_misses(rules, model, qc, [0] + mtp_layers)
-        if misses:
-            problem("w4a16-targets", "no INT4 config group matches the expert modules it probes, so they fall to "
-                    "the FP8 group and the load crashes", "config.json", ", ".join(misses[:3]))
-        for text in fp8_linear_problems(rules, qc, set(fp8_scale_names)):
-            problem("w4a16-fp8-linears", text, "config.json")
-        refused = (rules.layout(dominant, "refuses") or {}).get("scheme", {})
-        for group in int4_groups(qc).values():
-            scheme = "sym" if (group.get("weights") or {}).get("symmetric", True) else "asym"
-            if scheme in refused:
-                problem("w4a16-scheme", f"cannot load {scheme} INT4 experts: {refused[scheme]}", "config.json")
-    if dominant == nvfp4.CODEC.name and gpu in (None, *MARLIN_GPUS):
+        for args in FORMAT_PROBLEMS[dominant](rules, model, qc, formats_by_block, set(fp8_scale_names)):
+            problem(*args)
+    if dominant in MARLIN_FP4_FORMATS and gpu in (None, *MARLIN_GPUS):
         found += _marlin_findings(rules, model, spans, verdict)
     if gpu is not None:
         verdict.kernel = asdict(rules.kernel(dominant, gpu))
@@ -179,6 +170,29 @@ def judge(rules: EngineRules, model: ModelSpec, config: dict, formats_by_block: 
         found.append(("kernel", f"{rules.label}: {text}" + (f"; fix: {k['fix']}" if k["fix"] else "")
                       + (f" ({k['note']})" if k["note"] else ""), None, None))
     return verdict, found
+
+
+def _w4a16_problems(rules: EngineRules, model: ModelSpec, qc: dict, formats_by_block: dict[str, str],
+                    fp8_scale_names: set[str]) -> list[tuple]:
+    """How this engine fails to load W4A16 experts as the config describes them."""
+    found = []
+    mtp_layers = [model.value("num_layers") + int(b.split(".")[-1]) for b in formats_by_block if model.is_mtp(b)]
+    misses = w4a16_probe_misses(rules, model, qc, [0] + mtp_layers)
+    if misses:
+        found.append(("w4a16-targets", "no INT4 config group matches the expert modules it probes, so they fall to "
+                      "the FP8 group and the load crashes", "config.json", ", ".join(misses[:3])))
+    for text in fp8_linear_problems(rules, qc, fp8_scale_names):
+        found.append(("w4a16-fp8-linears", text, "config.json"))
+    refused = (rules.layout(int4.CODEC.name, "refuses") or {}).get("scheme", {})
+    for group in int4_groups(qc).values():
+        scheme = "sym" if (group.get("weights") or {}).get("symmetric", True) else "asym"
+        if scheme in refused:
+            found.append(("w4a16-scheme", f"cannot load {scheme} INT4 experts: {refused[scheme]}", "config.json"))
+    return found
+
+
+# Load problems particular to one expert format, beyond those every format shares.
+FORMAT_PROBLEMS = {int4.CODEC.name: _w4a16_problems}
 
 
 def _marlin_findings(rules: EngineRules, model: ModelSpec, spans, verdict: EngineVerdict) -> list[tuple]:
