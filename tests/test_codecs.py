@@ -1,0 +1,92 @@
+"""The codec registry: each codec's declared parts are what its encoders write and its decoder
+reads, a stored projection is recognised and its group size inferred from headers alone, and
+encoders exist only for the pairs they are registered for."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from requant import formats
+from requant.errors import UnsupportedError
+from requant.formats import int4, mxfp4, nvfp4
+from requant.io.safetensors import DTYPES
+from requant.targets import TARGETS
+
+ROWS, K = 64, 256
+
+
+def mxfp4_source(seed=0):
+    rng = np.random.default_rng(seed)
+    return mxfp4.encode(rng.standard_t(5, (ROWS, K)).astype(np.float32) * 0.01)
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    return next(name for name, (_, dtype) in DTYPES.items() if dtype == t.dtype)
+
+
+def check_declared(codec, params, tensors):
+    """The tensors (suffix -> tensor) are exactly the parts the codec writes under params, in the
+    dtype and shape it declares."""
+    written = codec.written_parts(params)
+    assert sorted(tensors) == sorted(p.suffix for p in written)
+    for part in written:
+        t = tensors[part.suffix]
+        assert dtype_name(t) == part.dtypes[0], part.suffix
+        assert tuple(t.shape) == part.shape(ROWS, K, params), part.suffix
+
+
+def test_the_cast_writes_the_nvfp4_parts_and_the_codec_decodes_them_to_the_source():
+    w, s = mxfp4_source()
+    cast = formats.encoder("mxfp4", "nvfp4")(w.copy(), s, mxfp4.max_exponent(s))
+    tensors = {"weight": torch.from_numpy(cast.weight), "weight_scale": torch.from_numpy(cast.weight_scale).view(
+        torch.float8_e4m3fn), "weight_scale_2": torch.tensor(cast.weight_scale_2), "input_scale": torch.tensor(1.0)}
+    params = nvfp4.CODEC.params_from_shapes({k: tuple(v.shape) for k, v in tensors.items()})
+    check_declared(nvfp4.CODEC, params, tensors)
+    source = mxfp4.CODEC.decode({"weight": torch.from_numpy(w), "scale": torch.from_numpy(s)})
+    assert torch.equal(nvfp4.CODEC.decode(tensors), source)   # lossless: every block inside the window
+
+
+@pytest.mark.parametrize("group,scheme", [(32, "asym"), (128, "sym")])
+def test_the_int4_search_writes_the_w4a16_parts_and_their_group_size_is_inferred(group, scheme):
+    w, s = mxfp4_source(1)
+    enc = formats.encoder("mxfp4", "w4a16")(torch.from_numpy(w), torch.from_numpy(s), group, scheme)
+    tensors = {"weight_packed": enc.packed, "weight_scale": enc.scale,
+               "weight_shape": torch.tensor([ROWS, K], dtype=torch.int64)}
+    if enc.zero_point is not None:
+        tensors["weight_zero_point"] = enc.zero_point
+    params = int4.CODEC.params_from_shapes({k: tuple(v.shape) for k, v in tensors.items()})
+    assert params == formats.Params(group, zero_points=scheme == "asym")
+    check_declared(int4.CODEC, params, tensors)
+    assert int4.CODEC.block_size(params) == group
+    decoded = int4.CODEC.decode(tensors)
+    assert torch.equal(decoded, int4.decode(enc.packed, enc.scale, enc.zero_point))
+
+
+def test_identify_by_dtypes_alone():
+    assert formats.identify({"weight": "I8", "scale": "F8_E8M0"}) is mxfp4.CODEC
+    assert formats.identify({"weight": "U8", "weight_scale": "F8_E4M3", "weight_scale_2": "F32"}) is nvfp4.CODEC
+    assert formats.identify({"weight_packed": "I32", "weight_scale": "BF16", "weight_shape": "I64"}) is int4.CODEC
+    assert formats.identify({"weight": "F8_E4M3", "scale": "F8_E8M0"}).name == "fp8_block"
+    assert formats.identify({"weight": "BF16"}) is None
+    # the input scale and the zero points are not needed to recognise a projection
+    assert formats.identify({"weight": "U8", "weight_scale": "F8_E4M3"}) is None
+
+
+def test_encoders_only_for_registered_pairs_and_the_cli_offers_exactly_those():
+    assert formats.encoder_sources("nvfp4") == formats.encoder_sources("w4a16") == ["mxfp4"]
+    with pytest.raises(UnsupportedError, match="converts from mxfp4, not nvfp4"):
+        formats.encoder("nvfp4", "nvfp4")
+    from requant.cli import GROUP_SIZES, SOURCE_FORMATS
+
+    assert SOURCE_FORMATS == ["mxfp4"] and GROUP_SIZES == ["32", "64", "128"]
+    assert sorted(TARGETS) == ["nvfp4", "w4a16"] and all(TARGETS[n].codec is formats.get(n) for n in TARGETS)
+
+
+def test_a_target_refuses_options_of_another():
+    with pytest.raises(UnsupportedError, match="^--group-size and --scheme apply to --out w4a16 only$"):
+        TARGETS["nvfp4"].options_from({"group_size": 32, "scheme": "asym"})
+    with pytest.raises(UnsupportedError, match="^--scale-headroom applies to --out nvfp4 only$"):
+        TARGETS["w4a16"].options_from({"scale_headroom": 2})
+    assert TARGETS["w4a16"].options_from({"group_size": 64}).group_size == 64
