@@ -159,6 +159,11 @@ class Target:
         return Unit([spec.name], [spec])
 
     def plan_expert(self, expert: Expert) -> Unit:
+        """How one routed expert is converted: read from the source, encoded by `encode_expert`."""
+        outputs = self.expert_outputs(expert)   # checks the source tensors first
+        return Unit(self.source_inputs(expert), outputs, lambda tensors: self.encode_expert(expert, tensors))
+
+    def encode_expert(self, expert: Expert, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Stats]:
         raise NotImplementedError
 
     @classmethod

@@ -10,7 +10,7 @@ import torch
 from requant.errors import FormatError
 from requant.formats import mxfp4, nvfp4
 from requant.model import Expert
-from requant.targets import PRODUCER, Stats, Target, Unit, register
+from requant.targets import PRODUCER, Stats, Target, register
 
 GROUP = nvfp4.BLOCK
 
@@ -27,10 +27,6 @@ class NVFP4Target(Target):
     def __init__(self, model, source, options, source_codec):
         super().__init__(model, source, options, source_codec)
         self.top = nvfp4.DEFAULT_TOP - self.target_options.scale_headroom
-
-    def plan_expert(self, expert: Expert) -> Unit:
-        outputs = self.expert_outputs(expert)   # checks the source tensors first
-        return Unit(self.source_inputs(expert), outputs, lambda tensors: self.encode_expert(expert, tensors))
 
     def encode_expert(self, expert: Expert, tensors: dict[str, torch.Tensor]):
         sources = {p: self.read_source(expert, tensors, p) for p in self.model.projections}

@@ -67,10 +67,6 @@ class W4A16Target(Target):
                                        "Marlin needs whole groups")
 
     # planning -------------------------------------------------------------------------------
-    def plan_expert(self, expert: Expert) -> Unit:
-        outputs = self.expert_outputs(expert)   # checks the source tensors first
-        return Unit(self.source_inputs(expert), outputs, lambda tensors: self.encode_expert(expert, tensors))
-
     def plan_tensor(self, spec: TensorSpec) -> Unit:
         """FP8-block scales (E8M0 `.scale`) become compressed-tensors' F32 `.weight_scale`; the
         scales of experts kept in the source format (--mtp keep --force) stay as they are, and so do
