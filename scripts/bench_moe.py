@@ -179,7 +179,8 @@ def main():
             sorted_ids, block_expert = fm.moe_align(ids, E, cfg.block_m)
             x = torch.randn(64, H, device="cuda").bfloat16()
             h = torch.empty(64 * TOP_K, I, device="cuda", dtype=torch.bfloat16)
-            k = fm._launch(x, TOP_K, w1, w3, h, sorted_ids, block_expert, None, 64 * TOP_K, torch.bfloat16, cfg, LIMIT)
+            k = fm._launch(x, TOP_K, w1, w3, h, sorted_ids, block_expert, None, 64 * TOP_K, torch.bfloat16, cfg,
+                           fm.SwiGLU(limit=LIMIT))
             ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
             dots = [ln.strip()[:200] for ln in ttgir.splitlines() if "warp_group_dot " in ln or "tt.dot " in ln]
             print(f"{cfg}: wgmma in ptx: {'wgmma.mma_async' in ptx}; regs {k.n_regs} spills {k.n_spills}; dots:",
@@ -237,7 +238,8 @@ def main():
             pairs = tokens * TOP_K
 
             def gemms():  # the two GEMMs (with split-K's SwiGLU of the partials), no align, no top-k sum
-                h = fm.gate_up(x, TOP_K, w1, w3, sorted_ids, block_expert, pairs, torch.bfloat16, cfg, LIMIT)
+                h = fm.gate_up(x, TOP_K, w1, w3, sorted_ids, block_expert, pairs, torch.bfloat16, cfg,
+                               fm.SwiGLU(limit=LIMIT))
                 fm.down(h, w2, sorted_ids, block_expert, rwf, pairs, torch.bfloat16, cfg)
             t_gemm = do_bench_cudagraph(gemms, rep=200, return_mode="median")
             row = {"format": f, "tokens": tokens, "config": str(cfg), "ms_full": t_full, "ms_gemms": t_gemm,

@@ -10,8 +10,9 @@ when decoding) becomes the MMA's N dimension, which may be as small as 8-16, whi
 fill the 64-row M dimension.
 
 Pairs (token, k) are sorted by expert and padded per expert to the M tile (`moe_align`), as
-serving engines do. Two launches: w1/w3 with the SwiGLU clamp fused, then w2 with the routing
-weight; the top-k sum is a torch reduction.
+serving engines do. Two launches: w1/w3 with their biases and the gated activation fused (`SwiGLU`:
+DeepSeek's clamped SwiGLU or gpt-oss's), then w2 with its bias and the routing weight; the top-k
+sum is a torch reduction.
 
 Under TRITON_INTERPRET=1 (CPU) bf16 dots and arithmetic are wrong, so everything takes a compute
 dtype: float32 there, bfloat16 on the GPU.
@@ -35,6 +36,10 @@ MXFP4 = tl.constexpr(1)
 INT4 = tl.constexpr(2)
 _FORMAT_CODES = {"nvfp4": 0, "mxfp4": 1, "int4": 2}
 
+SWIGLU_CLAMP = tl.constexpr(0)
+SWIGLU_OAI = tl.constexpr(1)
+_ACTIVATION_CODES = {"swiglu_clamp": 0, "swiglu_oai": 1}
+
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -48,6 +53,22 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1  # programs per output tile along K, FP32 partial sums combined afterwards
+
+
+@dataclass(frozen=True)
+class SwiGLU:
+    """The gated activation between the two GEMMs, gate g and up u clamped by `limit` first
+    (g from above, u on both sides):
+    "swiglu_clamp" (DeepSeek-V4): silu(g) * u;
+    "swiglu_oai" (gpt-oss): (u + 1) * g * sigmoid(alpha * g)."""
+
+    kind: str = "swiglu_clamp"
+    limit: float = 10.0
+    alpha: float = 1.0  # swiglu_oai only
+
+    def __post_init__(self):
+        if self.kind not in _ACTIVATION_CODES:
+            raise ValueError(f"unknown activation {self.kind!r}; expected one of {sorted(_ACTIVATION_CODES)}")
 
 
 def default_config(pairs: int, experts: int) -> KernelConfig:
@@ -256,19 +277,22 @@ def _moe_gemm_kernel(
     w_ptr, s_ptr, gs_ptr, z_ptr,
     w3_ptr, s3_ptr, gs3_ptr, z3_ptr,
     stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn,
+    b_ptr, b3_ptr, stride_be, stride_bn,
     out_ptr, stride_om, stride_os, stride_og,
     sorted_ids_ptr, block_expert_ptr, route_w_ptr,
     num_pairs, N, K,
     A_ROW_DIV: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
-    HAS_ZP: tl.constexpr, HAS_GLOBAL: tl.constexpr, GATED: tl.constexpr, ROUTE_WEIGHT: tl.constexpr,
-    LIMIT: tl.constexpr, COMPUTE: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ZP: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+    ROUTE_WEIGHT: tl.constexpr, ACTIVATION: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+    COMPUTE: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PERM_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
     """out[pair, n] for the pairs of one M block (one expert) and one N tile.
 
-    GATED: out = silu(min(x@w1.T, L)) * clamp(x@w3.T, -L, L), with A row = pair // top_k.
-    Otherwise: out = (h @ w2.T) * routing weight, with A row = pair.
+    GATED: out = act(x@w1.T + b1, x@w3.T + b3) (`SwiGLU`), with A row = pair // top_k.
+    Otherwise: out = (h @ w2.T + b2) * routing weight, with A row = pair.
+    Biases (HAS_BIAS) are per expert and output row, at b + e * stride_be + n * stride_bn.
 
     Weights are int32 words of 8 nibbles (FP4 bytes viewed as int32 have the INT4 nibble order:
     element 8w + j in bits 4j). A's columns come permuted within each BLOCK_K tile (`permute_k`):
@@ -334,16 +358,20 @@ def _moe_gemm_kernel(
 
     if HAS_GLOBAL:
         acc *= tl.load(gs_ptr + e)
+    if HAS_BIAS:
+        acc += _bias(b_ptr, e, stride_be, stride_bn, offs_n, n_mask, pid_k, SPLIT_K)
     out_ptr += pid_k * stride_os
     out_mask = row_mask[None, :] & n_mask[:, None]
     if GATED:
         if HAS_GLOBAL:
             acc3 *= tl.load(gs3_ptr + e)  # w3's own global scale, never w1's
+        if HAS_BIAS:
+            acc3 += _bias(b3_ptr, e, stride_be, stride_bn, offs_n, n_mask, pid_k, SPLIT_K)
         if SPLIT_K > 1:
             tl.store(out_ptr + stride_og + pairs.to(tl.int64)[None, :] * stride_om + offs_n[:, None], acc3,
                      mask=out_mask)
         else:
-            acc = _swiglu(acc, acc3, LIMIT)
+            acc = _swiglu(acc, acc3, ACTIVATION, LIMIT, ALPHA)
     if ROUTE_WEIGHT:
         acc *= tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[None, :]
     cols = _out_columns(offs_n, PERM_OUT and SPLIT_K == 1, BLOCK_K)
@@ -352,10 +380,24 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
-def _swiglu(g, u, LIMIT: tl.constexpr):
+def _bias(b_ptr, e, stride_be, stride_bn, offs_n, n_mask, pid_k, SPLIT_K: tl.constexpr):
+    """FP32 bias column [BLOCK_N, 1] of expert e; under split-K only slice 0 adds it, since the
+    slices' partial sums are added up afterwards."""
+    b = tl.load(b_ptr + e * stride_be + offs_n * stride_bn, mask=n_mask, other=0.0).to(tl.float32)
+    if SPLIT_K > 1:
+        b = tl.where(pid_k == 0, b, 0.0)
+    return b[:, None]
+
+
+@triton.jit
+def _swiglu(g, u, ACTIVATION: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
     g = tl.minimum(g, LIMIT)
     u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
-    return g * tl.sigmoid(g) * u
+    if ACTIVATION == SWIGLU_OAI:
+        h = (u + 1) * (g * tl.sigmoid(ALPHA * g))
+    else:
+        h = g * tl.sigmoid(g) * u
+    return h
 
 
 @triton.jit
@@ -368,10 +410,11 @@ def _out_columns(offs_n, PERM_OUT: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_partials_kernel(part_ptr, stride_ps, stride_pg, h_ptr, stride_hm, N, LIMIT: tl.constexpr,
-                            SPLIT_K: tl.constexpr, PERM_OUT: tl.constexpr, BLOCK_K: tl.constexpr,
-                            BLOCK: tl.constexpr):
-    """h[pair] = SwiGLU of the summed split-K partials of w1 and w3 (row `pair` of each)."""
+def _swiglu_partials_kernel(part_ptr, stride_ps, stride_pg, h_ptr, stride_hm, N, ACTIVATION: tl.constexpr,
+                            LIMIT: tl.constexpr, ALPHA: tl.constexpr, SPLIT_K: tl.constexpr,
+                            PERM_OUT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
+    """h[pair] = the gated activation of the summed split-K partials of w1 and w3 (row `pair` of
+    each; their biases are already in slice 0)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -381,7 +424,7 @@ def _swiglu_partials_kernel(part_ptr, stride_ps, stride_pg, h_ptr, stride_hm, N,
     for s in tl.static_range(SPLIT_K):
         g += tl.load(ptrs + s * stride_ps, mask=mask, other=0.0)
         u += tl.load(ptrs + s * stride_ps + stride_pg, mask=mask, other=0.0)
-    h = _swiglu(g, u, LIMIT)
+    h = _swiglu(g, u, ACTIVATION, LIMIT, ALPHA)
     tl.store(h_ptr + row * stride_hm + _out_columns(offs, PERM_OUT, BLOCK_K), h.to(h_ptr.dtype.element_ty),
              mask=mask)
 
@@ -397,18 +440,19 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
-    """FP4 bytes as int32 words: little-endian, so nibble j of word w is element 8w + j, as for INT4."""
+    """FP4 bytes as int32 words: little-endian, so nibble j of word w is element 8w + j, as for INT4.
+    Row views (gpt-oss's interleaved gate/up rows, `packed[:, 0::2]`) are viewed, not copied."""
     if packed.dtype == torch.int32:
         return packed
     if packed.shape[-1] % 4:
         raise FormatError(f"K/2={packed.shape[-1]} bytes is not a whole number of int32 words")
-    return packed.contiguous().view(torch.int32)
+    return (packed if packed.stride(-1) == 1 else packed.contiguous()).view(torch.int32)
 
 
-def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pairs, compute, cfg, limit,
-            perm_out=False):
+def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pairs, compute, cfg, act,
+            bias=None, bias3=None, perm_out=False):
     """One GEMM launch; `out` is [pairs, N], or when split (`_split`) FP32 partials [S, pairs, N]
-    ([S, 2, pairs, N] for w1/w3)."""
+    ([S, 2, pairs, N] for w1/w3). `act` (a SwiGLU) is fused after w1/w3 unless split."""
     if w.k % cfg.block_k or cfg.block_k < 128 or w.group % 8:
         raise ValueError(f"K={w.k}, group {w.group} do not fit block_k={cfg.block_k}")
     gated = w3 is not None
@@ -422,6 +466,8 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
     dummy = words
     zp, zp3 = (w.zero_point, w3.zero_point) if w.zero_point is not None else (dummy, dummy)
     gs, gs3 = (w.global_scale, w3.global_scale) if w.global_scale is not None else (dummy, dummy)
+    b, b3 = (bias, bias3 if gated else bias) if bias is not None else (dummy, dummy)
+    act = act or SwiGLU()
     split = _split(cfg, w.k)
     grid = (triton.cdiv(w.n, cfg.block_n), block_expert.numel(), split)
     return _moe_gemm_kernel[grid](
@@ -430,12 +476,14 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         words3, w3.scale, gs3, zp3,
         words.stride(0), words.stride(1), w.scale.stride(0), w.scale.stride(1),
         zp.stride(0), zp.stride(1),
+        b, b3, b.stride(0), b.stride(1),
         out, out.stride(-2), out.stride(0) if split > 1 else 0, out.stride(1) if gated and split > 1 else 0,
         sorted_ids, block_expert, route_w if route_w is not None else out,
         num_pairs, w.n, w.k,
         A_ROW_DIV=a_row_div, FMT=_FORMAT_CODES[w.format], GROUP=w.group, HAS_ZP=w.zero_point is not None,
-        HAS_GLOBAL=w.global_scale is not None, GATED=gated, ROUTE_WEIGHT=route_w is not None,
-        LIMIT=float(limit), COMPUTE=_TL_DTYPES[compute], ASM=compute == torch.bfloat16,
+        HAS_GLOBAL=w.global_scale is not None, HAS_BIAS=bias is not None, GATED=gated,
+        ROUTE_WEIGHT=route_w is not None, ACTIVATION=_ACTIVATION_CODES[act.kind], LIMIT=float(act.limit),
+        ALPHA=float(act.alpha), COMPUTE=_TL_DTYPES[compute], ASM=compute == torch.bfloat16,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", PERM_OUT=perm_out,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -447,40 +495,64 @@ def _split(cfg: KernelConfig, k: int) -> int:
     return max(s for s in range(1, cfg.split_k + 1) if (k // cfg.block_k) % s == 0)
 
 
-def gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, limit, perm_out=True) -> torch.Tensor:
-    """The intermediate h [pairs, I] (compute dtype) = SwiGLU of a's rows through w1 and w3, its
-    columns permuted for `down` when perm_out."""
+def gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act, b1=None, b3=None,
+            perm_out=True) -> torch.Tensor:
+    """The intermediate h [pairs, I] (compute dtype) = act(a W1.T + b1, a W3.T + b3) for a's rows,
+    its columns permuted for `down` when perm_out."""
     h = torch.empty(pairs, w1.n, dtype=compute, device=a.device)
     split = _split(cfg, w1.k)
     if split == 1:
-        _launch(a, top_k, w1, w3, h, sorted_ids, block_expert, None, pairs, compute, cfg, limit, perm_out=perm_out)
+        _launch(a, top_k, w1, w3, h, sorted_ids, block_expert, None, pairs, compute, cfg, act, b1, b3,
+                perm_out=perm_out)
         return h
     part = torch.empty(split, 2, pairs, w1.n, dtype=torch.float32, device=a.device)
-    _launch(a, top_k, w1, w3, part, sorted_ids, block_expert, None, pairs, compute, cfg, limit)
+    _launch(a, top_k, w1, w3, part, sorted_ids, block_expert, None, pairs, compute, cfg, act, b1, b3)
     block = 1024
     _swiglu_partials_kernel[(pairs, triton.cdiv(w1.n, block))](
-        part, part.stride(0), part.stride(1), h, h.stride(0), w1.n, LIMIT=float(limit), SPLIT_K=split,
-        PERM_OUT=perm_out, BLOCK_K=cfg.block_k, BLOCK=block, num_warps=4)
+        part, part.stride(0), part.stride(1), h, h.stride(0), w1.n, ACTIVATION=_ACTIVATION_CODES[act.kind],
+        LIMIT=float(act.limit), ALPHA=float(act.alpha), SPLIT_K=split, PERM_OUT=perm_out, BLOCK_K=cfg.block_k,
+        BLOCK=block, num_warps=4)
     return h
 
 
-def down(h, w2, sorted_ids, block_expert, route_w, pairs, compute, cfg) -> torch.Tensor:
-    """Per-pair outputs h W2.T * routing weight: [S, pairs, H], FP32 partials when split (S slices),
-    else the compute dtype (BF16 on the GPU halves this buffer's traffic)."""
+def down(h, w2, sorted_ids, block_expert, route_w, pairs, compute, cfg, b2=None) -> torch.Tensor:
+    """Per-pair outputs (h W2.T + b2) * routing weight: [S, pairs, H], FP32 partials when split (S
+    slices), else the compute dtype (BF16 on the GPU halves this buffer's traffic)."""
     split = _split(cfg, w2.k)
     y = torch.empty(split, pairs, w2.n, dtype=torch.float32 if split > 1 else compute, device=h.device)
-    _launch(h, 1, w2, None, y if split > 1 else y[0], sorted_ids, block_expert, route_w, pairs, compute, cfg, 0.0)
+    _launch(h, 1, w2, None, y if split > 1 else y[0], sorted_ids, block_expert, route_w, pairs, compute, cfg, None,
+            b2)
     return y
+
+
+def _check_biases(b1, b3, b2, w1, w2):
+    if (b1 is None) != (b3 is None):
+        raise FormatError("gate and up biases come together: give both b1 and b3 or neither")
+    for name, b, n in (("b1", b1, w1.n), ("b3", b3, w1.n), ("b2", b2, w2.n)):
+        if b is not None and tuple(b.shape) != (w1.experts, n):
+            raise FormatError(f"{name} must be [E, N]=[{w1.experts}, {n}], got {list(b.shape)}")
+    if b1 is not None and b1.stride() != b3.stride():
+        raise FormatError("b1 and b3 must share strides")
 
 
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
               w1: ExpertWeights, w3: ExpertWeights, w2: ExpertWeights, *, swiglu_limit: float = 10.0,
+              activation: str = "swiglu_clamp", swiglu_alpha: float | None = None,
+              b1: torch.Tensor | None = None, b3: torch.Tensor | None = None, b2: torch.Tensor | None = None,
               compute_dtype: torch.dtype | None = None, config: KernelConfig | None = None,
               activation_scales: tuple[float, float] | None = None) -> torch.Tensor:
-    """Routed-expert output [T, H] (BF16): sum_k w_k * (silu(min(x W1_e.T, L)) * clamp(x W3_e.T, L)) W2_e.T.
+    """Routed-expert output [T, H] (BF16): sum_k w_k * (act(x W1_e.T + b1_e, x W3_e.T + b3_e) W2_e.T + b2_e).
 
     x: [T, H] activations; topk_ids: [T, top_k] expert indices; topk_weights: [T, top_k] routing
     weights. w1 (gate), w3 (up): N = intermediate, K = H; w2 (down): N = H, K = intermediate.
+    activation: "swiglu_clamp" (DeepSeek-V4: silu(min(g, L)) * clamp(u, -L, L)) or "swiglu_oai"
+    (gpt-oss: (clamp(u, -L, L) + 1) * g' * sigmoid(swiglu_alpha * g'), g' = min(g, L)), L = swiglu_limit.
+    b1, b3: [E, I] and b2: [E, H] per-expert biases (any float dtype, any strides), optional; b2 is
+    added before the routing weight multiplies the expert's output.
+    gpt-oss's fused, interleaved gate/up (rows 2i gate, 2i+1 up) needs no copy: pass row views,
+    w1 = ExpertWeights(fmt, packed[:, 0::2], scale[:, 0::2]), w3 the same with 1::2, and likewise
+    b1 = bias[:, 0::2], b3 = bias[:, 1::2] (INT4 zero points, packed 8 rows to a word, cannot be
+    split so: de-interleave those first).
     activation_scales: (input_scale of w1/w3, of w2) to emulate a W4A4 engine: each GEMM's input
     (x, then the BF16 intermediate) is quantized to NVFP4 and decoded before the weights meet it.
     """
@@ -491,16 +563,22 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     if (w1.k, w2.n, w2.k) != (hidden, hidden, w1.n) or w1.experts != w2.experts:
         raise FormatError(f"expert shapes w1 {list(w1.packed.shape)} w2 {list(w2.packed.shape)} "
                           f"do not fit hidden size {hidden}")
+    _check_biases(b1, b3, b2, w1, w2)
+    if (activation == "swiglu_oai") != (swiglu_alpha is not None):
+        raise ValueError("swiglu_alpha is the gpt-oss activation's sigmoid slope: give it with "
+                         "activation='swiglu_oai' and only then")
+    act = SwiGLU(activation, swiglu_limit, 1.0 if swiglu_alpha is None else swiglu_alpha)
     cfg = config or default_config(pairs, w1.experts)
     sorted_ids, block_expert = moe_align(topk_ids, w1.experts, cfg.block_m)
     if activation_scales is not None:
         x = fake_quantize_activations(x.bfloat16(), activation_scales[0])
     a = permute_k(x.to(compute), cfg.block_k)
     quantize_h = activation_scales is not None  # in the natural column order, then permuted here
-    h = gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, swiglu_limit, perm_out=not quantize_h)
+    h = gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act, b1, b3,
+                perm_out=not quantize_h)
     if quantize_h:
         h = permute_k(fake_quantize_activations(h.bfloat16(), activation_scales[1]).to(compute), cfg.block_k)
     route_w = topk_weights.to(torch.float32).flatten().contiguous()
-    y = down(h, w2, sorted_ids, block_expert, route_w, pairs, compute, cfg)
+    y = down(h, w2, sorted_ids, block_expert, route_w, pairs, compute, cfg, b2)
     # The top-k (and split-K) sum accumulates in FP32.
     return y.view(-1, tokens, top_k, hidden).sum((0, 2), dtype=torch.float32).to(torch.bfloat16)
