@@ -249,6 +249,35 @@ def _dequant(words, scale_raw, zero, FMT: tl.constexpr, HAS_ZP: tl.constexpr, CO
 
 
 @triton.jit
+def _mma_tile(p, BLOCK_N: tl.constexpr):
+    """The 8 planes [BLOCK_N, 16 words] of a K tile as one [BLOCK_N, 128] MMA operand, its rows and
+    columns ordered so that every thread already holds its share of the wgmma register operand.
+
+    A thread holds 4 consecutive words (one 16-byte load) of a row: words 4l..4l+3 in lane l of its
+    quad; the MMA wants lane l at columns 2l, 2l + 1 (+ multiples of 8). Column d = 32q + 8m + 2l +
+    n0 therefore takes nibble 2m + n0 of word 4l + q (`permute_k` orders the activations the same
+    way). Rows: the load spreads warps over 8-row groups and repeats at BLOCK_N / 2; the MMA wants
+    16-row groups per warp with the 8-row halves in registers, so tile row 16w + 8h + i holds
+    weight row h * BLOCK_N / 2 + 8w + i (`_mma_rows`). Planned with Triton 3.6's layouts for
+    16-word tiles and BLOCK_N = 16 * num_warps; otherwise Triton converts through shared memory.
+    """
+    G: tl.constexpr = BLOCK_N // 16
+    j0 = tl.join(tl.reshape(p[0], (2, G, 8, 4, 4)), tl.reshape(p[1], (2, G, 8, 4, 4)))  # [h, w, i, l, q, n0]
+    j1 = tl.join(tl.reshape(p[2], (2, G, 8, 4, 4)), tl.reshape(p[3], (2, G, 8, 4, 4)))
+    j2 = tl.join(tl.reshape(p[4], (2, G, 8, 4, 4)), tl.reshape(p[5], (2, G, 8, 4, 4)))
+    j3 = tl.join(tl.reshape(p[6], (2, G, 8, 4, 4)), tl.reshape(p[7], (2, G, 8, 4, 4)))
+    tile = tl.join(tl.join(j0, j1), tl.join(j2, j3))  # [h, w, i, l, q, n0, m0, m1]
+    return tl.reshape(tl.permute(tile, (1, 0, 2, 4, 7, 6, 3, 5)), (BLOCK_N, 128))
+
+
+@triton.jit
+def _mma_rows(BLOCK_N: tl.constexpr):
+    """Weight row (within the N tile) of each row of `_mma_tile`."""
+    r = tl.arange(0, BLOCK_N)
+    return ((r >> 3) & 1) * (BLOCK_N // 2) + (r >> 4) * 8 + (r & 7)
+
+
+@triton.jit
 def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, BLOCK_N: tl.constexpr,
                  KW: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr):
     """Scale (raw) and zero point of every word of the tile starting at word column kw.
@@ -295,10 +324,9 @@ def _moe_gemm_kernel(
     Biases (HAS_BIAS) are per expert and output row, at b + e * stride_be + n * stride_bn.
 
     Weights are int32 words of 8 nibbles (FP4 bytes viewed as int32 have the INT4 nibble order:
-    element 8w + j in bits 4j). A's columns come permuted within each BLOCK_K tile (`permute_k`):
-    nibble j of every word meets a contiguous run of A, so each of the 8 nibble planes is its own
-    dot and the unpacked weights never need an interleaving reshape. With PERM_OUT the output is
-    stored in that permuted order for the next GEMM.
+    element 8w + j in bits 4j). The 8 nibble planes of each K tile are arranged into one MMA operand
+    in the order the tensor cores take it from registers (`_mma_tile`); A's columns come permuted to
+    match (`permute_k`), and with PERM_OUT the output is stored in that order for the next GEMM.
 
     SPLIT_K > 1: program (n, m, s) sums the s-th K slice only and stores FP32 partials at
     out + s * stride_os (w1's at +0, w3's at + stride_og when GATED, before the SwiGLU, which
@@ -317,7 +345,7 @@ def _moe_gemm_kernel(
     n_mask = offs_n < N
     KW: tl.constexpr = BLOCK_K // 8
     offs_w = tl.arange(0, KW)
-    a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[None, :] * stride_am + offs_w[:, None]  # [KW, BM]
+    a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[None, :] * stride_am + tl.arange(0, BLOCK_K)[:, None]
     w_offs = offs_n[:, None] * stride_wn + offs_w[None, :]
 
     e = expert.to(tl.int64)
@@ -342,20 +370,21 @@ def _moe_gemm_kernel(
         kw = k0 // 8
         kw_next = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K) // 8  # the last tile reloads itself
         words = tl.load(w_ptr + w_offs + kw, mask=n_mask[:, None], other=0)
-        planes = _dequant(words, s1, z1, FMT, HAS_ZP, COMPUTE, ASM)
+        w_tile = _mma_tile(_dequant(words, s1, z1, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
         s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, BLOCK_N, KW, GROUP,
                               HAS_ZP)
         if GATED:
             words3 = tl.load(w3_ptr + w_offs + kw, mask=n_mask[:, None], other=0)
-            planes3 = _dequant(words3, s3, z3, FMT, HAS_ZP, COMPUTE, ASM)
+            w3_tile = _mma_tile(_dequant(words3, s3, z3, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
             s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, BLOCK_N, KW,
                                   GROUP, HAS_ZP)
-        for j in tl.static_range(8):
-            a = tl.load(a_ptrs + (k0 + j * KW), mask=row_mask[None, :], other=0.0)
-            acc = tl.dot(planes[j], a, acc, input_precision=DOT_PRECISION)
-            if GATED:
-                acc3 = tl.dot(planes3[j], a, acc3, input_precision=DOT_PRECISION)
+        a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
+        acc = tl.dot(w_tile, a, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            acc3 = tl.dot(w3_tile, a, acc3, input_precision=DOT_PRECISION)
 
+    offs_n = pid_n * BLOCK_N + _mma_rows(BLOCK_N)  # the accumulator's rows
+    n_mask = offs_n < N
     if HAS_GLOBAL:
         acc *= tl.load(gs_ptr + e)
     if HAS_BIAS:
@@ -402,8 +431,9 @@ def _swiglu(g, u, ACTIVATION: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.const
 
 @triton.jit
 def _out_columns(offs_n, PERM_OUT: tl.constexpr, BLOCK_K: tl.constexpr):
-    if PERM_OUT:  # column n of a BLOCK_K tile goes to plane n % 8, word n // 8
-        cols = (offs_n // BLOCK_K) * BLOCK_K + (offs_n % 8) * (BLOCK_K // 8) + (offs_n % BLOCK_K) // 8
+    if PERM_OUT:  # column 32l + 8q + n of a tile (nibble n of word 4l + q) goes to 32q + 8(n // 2) + 2l + n % 2
+        t = offs_n % BLOCK_K
+        cols = (offs_n - t) + ((t >> 3) & 3) * 32 + ((t >> 1) & 3) * 8 + (t >> 5) * 2 + (t & 1)
     else:
         cols = offs_n
     return cols
@@ -430,10 +460,10 @@ def _swiglu_partials_kernel(part_ptr, stride_ps, stride_pg, h_ptr, stride_hm, N,
 
 
 def permute_k(x: torch.Tensor, block_k: int) -> torch.Tensor:
-    """Columns of x reordered within each block_k tile so nibble plane j of the packed words is
-    contiguous: new column j * (block_k / 8) + w holds old column 8 * w + j."""
+    """Columns of x reordered within each 128-column tile as `_mma_tile` orders the weights: new
+    column 32q + 8m + 2l + n0 holds old column 32l + 8q + 2m + n0."""
     rows, k = x.shape
-    return x.view(rows, k // block_k, block_k // 8, 8).transpose(-1, -2).reshape(rows, k)
+    return x.view(rows, k // block_k, 4, 4, 4, 2).permute(0, 1, 3, 4, 2, 5).reshape(rows, k)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
@@ -453,7 +483,7 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
             bias=None, bias3=None, perm_out=False):
     """One GEMM launch; `out` is [pairs, N], or when split (`_split`) FP32 partials [S, pairs, N]
     ([S, 2, pairs, N] for w1/w3). `act` (a SwiGLU) is fused after w1/w3 unless split."""
-    if w.k % cfg.block_k or cfg.block_k < 128 or w.group % 8:
+    if w.k % cfg.block_k or cfg.block_k != 128 or w.group % 8:
         raise ValueError(f"K={w.k}, group {w.group} do not fit block_k={cfg.block_k}")
     gated = w3 is not None
     if gated and (w3.format != w.format or w3.packed.shape != w.packed.shape or w3.scale.shape != w.scale.shape
