@@ -38,17 +38,18 @@ E, H, I, TOP_K, LIMIT = 256, 4096, 2048, 6, 10.0
 
 
 def sweep_configs(tokens: int) -> list[fm.KernelConfig]:
-    """Candidates around the default for this batch: split-K depths and wider N tiles at decode
-    sizes, M/N tiles and stages at prefill sizes (configs that ran out of shared memory or lost
-    everywhere in earlier runs are left out)."""
+    """Candidates around the default for this batch: split-K depths, deeper pipelines and wider N
+    tiles at decode sizes, M/N tiles and stages at prefill sizes (configs that ran out of shared
+    memory or lost everywhere in earlier runs are left out; N tiles are 16 rows per warp, the shape
+    `_mma_tile` keeps in registers)."""
     if tokens <= 64:
-        return [fm.KernelConfig(16, 64, 128, 4, 4, split_k=s) for s in (1, 2, 4, 8)] + [
-            fm.KernelConfig(16, 128, 128, 4, 4), fm.KernelConfig(16, 128, 128, 4, 4, split_k=2)]
+        return [fm.KernelConfig(16, 64, 128, 4, 4, split_k=s) for s in (1, 2, 4)] + [
+            fm.KernelConfig(16, 64, 128, 4, 6), fm.KernelConfig(16, 128, 128, 8, 4)]
     if tokens <= 1024:
         return [fm.KernelConfig(16, 64, 128, 4, 4), fm.KernelConfig(32, 64, 128, 4, 4),
                 fm.KernelConfig(64, 128, 128, 8, 4)]
-    return [fm.KernelConfig(128, 128, 128, 8, 3), fm.KernelConfig(128, 128, 128, 8, 2),
-            fm.KernelConfig(64, 256, 128, 8, 3), fm.KernelConfig(64, 128, 128, 8, 4)]
+    return [fm.KernelConfig(128, 128, 128, 8, 3), fm.KernelConfig(128, 128, 128, 8, 4),
+            fm.KernelConfig(64, 128, 128, 8, 4)]
 
 
 def random_weights(fmt: str, n: int, k: int, gen: torch.Generator) -> fm.ExpertWeights:
