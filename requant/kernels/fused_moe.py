@@ -169,57 +169,58 @@ def _nibble_f32(nib, zero, FMT: tl.constexpr):
     return (bits | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
 
 
-def _plane_asm(int4: bool, asym: bool) -> str:
-    """PTX for one nibble plane of two words ($1, $2) at once, as one bf16x2 ($0).
+def _pair_asm(int4: bool, asym: bool) -> str:
+    """PTX turning byte m of a word ($2) into its two weights, nibble 2m ($0) and 2m + 1 ($1), as
+    one bf16x2 (the pair of adjacent K columns that a thread holds of the wgmma register operand).
 
-    With pack=2, 16-bit inputs arrive paired in one register: scales $3, then -(128 + zero) $4 if
-    asym; then the plane's byte selector and shift, constants that ptxas folds in. A byte permute
-    gathers the byte holding the nibble of both words into one register, so each step below works
-    on two weights. E2M1: the nibble is moved to bits 12-15, its sign is then BF16's sign bit and
-    its 3 magnitude bits go to bits 6-8 (exponent LSBs and top mantissa bit): that is the code
-    times 2^-126 (exponent 0 gives the subnormal 0.5), so a multiply by 2^126 makes it exact and a
-    second by the block scale rounds once, as FP32-then-BF16 would. INT4: OR-ing the nibble into
-    the mantissa of 128.0 gives 128 + n; minus (128 + zero) is exact, then times the scale.
+    Inputs: the word, its block scale's BF16 bits ($3), -(128 + zero) as BF16 bits ($4) if asym,
+    then the byte selector, a constant that ptxas folds in (as it does the shift of the whole word,
+    shared by the word's 4 calls). E2M1: a byte permute puts nibble 2m at bits 12-15 and nibble
+    2m + 1 at bits 28-31; each half's sign is then BF16's sign bit and its 3 magnitude bits go to
+    bits 6-8 (exponent LSBs and top mantissa bit): that is the code times 2^-126 (exponent 0 gives
+    the subnormal 0.5), so a multiply by 2^126 makes it exact and a second by the block scale
+    rounds once, as FP32-then-BF16 would. INT4: the nibbles go to bits 0-3 and 16-19; OR-ing them
+    into the mantissa of 128.0 gives 128 + n; minus (128 + zero) is exact, then times the scale.
     About 3 instructions per weight against ~13 for the FP32 route: at decode sizes that issue
-    rate, not DRAM, was the limit.
+    rate, not DRAM, is the limit.
     """
-    sel, sh = ("$5", "$7") if asym else ("$4", "$6")
-    lines = ["{", ".reg .b32 k, z, t, u;", "mov.b32 z, 0x80008000;", f"prmt.b32 t, $1, $2, {sel};"]
+    sel = "$5" if asym else "$4"
+    lines = ["{", ".reg .b32 s, k, z, t, u;", "mov.b32 z, 0x80008000;", "mov.b32 s, {$3, $3};"]
     if int4:
-        lines += [f"shr.b32 t, t, {sh};", "and.b32 t, t, 0x000F000F;", "or.b32 t, t, 0x43004300;",
-                  "mov.b32 u, 0x3F803F80;", "mov.b32 k, $4;" if asym else "mov.b32 k, 0xC308C308;",
-                  "fma.rn.bf16x2 t, t, u, k;"]
+        lines += ["shr.b32 u, $2, 4;", f"prmt.b32 t, $2, u, {sel};", "and.b32 t, t, 0x000F000F;",
+                  "or.b32 t, t, 0x43004300;", "mov.b32 u, 0x3F803F80;",
+                  "mov.b32 k, {$4, $4};" if asym else "mov.b32 k, 0xC308C308;", "fma.rn.bf16x2 t, t, u, k;"]
     else:
-        lines += [f"shl.b32 t, t, {sh};", "shr.b32 u, t, 6;", "and.b32 u, u, 0x01C001C0;", "and.b32 t, t, 0x80008000;",
-                  "or.b32 t, t, u;", "mov.b32 k, 0x7E807E80;", "fma.rn.bf16x2 t, t, k, z;"]  # x 2^126
-    return "\n".join(lines + ["fma.rn.bf16x2 $0, t, $3, z;", "}"])
+        lines += ["shl.b32 u, $2, 4;", f"prmt.b32 t, u, $2, {sel};", "shr.b32 u, t, 6;", "and.b32 u, u, 0x01C001C0;",
+                  "and.b32 t, t, 0x80008000;", "or.b32 t, t, u;", "mov.b32 k, 0x7E807E80;",
+                  "fma.rn.bf16x2 t, t, k, z;"]  # x 2^126
+    return "\n".join(lines + ["fma.rn.bf16x2 t, t, s, z;", "mov.b32 {$0, $1}, t;", "}"])
 
 
-_ASM_FP4 = tl.constexpr(_plane_asm(False, False))
-_ASM_INT4 = tl.constexpr(_plane_asm(True, False))
-_ASM_INT4_ZP = tl.constexpr(_plane_asm(True, True))
+_ASM_FP4 = tl.constexpr(_pair_asm(False, False))
+_ASM_INT4 = tl.constexpr(_pair_asm(True, False))
+_ASM_INT4_ZP = tl.constexpr(_pair_asm(True, True))
 
 
 @triton.jit
-def _asm_plane(words, s, nz, J: tl.constexpr, FMT: tl.constexpr, HAS_ZP: tl.constexpr):
-    """Plane J: byte J // 2 of each word. INT4 wants the nibble at bits 0-3 (byte into bytes 0 and
-    2, high nibble shifted down); E2M1 wants it at bits 12-15 (byte into bytes 1 and 3, low nibble
-    shifted up)."""
-    B: tl.constexpr = J // 2
+def _asm_pair(words, s, nz, M: tl.constexpr, FMT: tl.constexpr, HAS_ZP: tl.constexpr):
+    """Nibbles 2M and 2M + 1 of each word as two COMPUTE tiles. The byte permute reads the word
+    (bytes 0-3) and the word shifted by a nibble (bytes 4-7): INT4 takes byte M of the word into
+    byte 0 and of the shifted word into byte 2; E2M1 (shifted left) into byte 1, the word's own
+    into byte 3."""
     if FMT == INT4:
-        sel = tl.full(words.shape, B | B << 4 | (4 + B) << 8 | (4 + B) << 12, tl.int32)
-        sh = tl.full(words.shape, 4 * (J % 2), tl.int32)
+        sel = tl.full(words.shape, M | (4 + M) << 8, tl.int32)
         if HAS_ZP:
-            plane = tl.inline_asm_elementwise(_ASM_INT4_ZP, "=r,r,r,r,r,r,r,r,r", [words, s, nz, sel, sh],
-                                              tl.bfloat16, True, 2)
+            lo, hi = tl.inline_asm_elementwise(_ASM_INT4_ZP, "=h,=h,r,h,h,r", [words, s, nz, sel],
+                                               (tl.bfloat16, tl.bfloat16), True, 1)
         else:
-            plane = tl.inline_asm_elementwise(_ASM_INT4, "=r,r,r,r,r,r,r,r", [words, s, sel, sh], tl.bfloat16,
-                                              True, 2)
+            lo, hi = tl.inline_asm_elementwise(_ASM_INT4, "=h,=h,r,h,r", [words, s, sel], (tl.bfloat16, tl.bfloat16),
+                                               True, 1)
     else:
-        sel = tl.full(words.shape, B | B << 4 | (4 + B) << 8 | (4 + B) << 12, tl.int32)
-        sh = tl.full(words.shape, 4 - 4 * (J % 2), tl.int32)
-        plane = tl.inline_asm_elementwise(_ASM_FP4, "=r,r,r,r,r,r,r,r", [words, s, sel, sh], tl.bfloat16, True, 2)
-    return plane
+        sel = tl.full(words.shape, M << 4 | (4 + M) << 12, tl.int32)
+        lo, hi = tl.inline_asm_elementwise(_ASM_FP4, "=h,=h,r,h,r", [words, s, sel], (tl.bfloat16, tl.bfloat16),
+                                           True, 1)
+    return lo, hi
 
 
 @triton.jit
@@ -227,14 +228,13 @@ def _dequant(words, scale_raw, zero, FMT: tl.constexpr, HAS_ZP: tl.constexpr, CO
              ASM: tl.constexpr):
     """The 8 nibble planes of a word tile as COMPUTE tiles: plane j holds nibble j of each word."""
     if ASM:
-        # One single-result asm per plane: Triton then keeps the words in the wgmma register-operand
-        # layout (a multi-result asm made it stage every plane through shared memory).
         s = _scale_bf16_bits(scale_raw, FMT)
         nz = (zero | 0xC300).to(tl.int16)  # BF16 bits of -(128 + zero); unused unless HAS_ZP
-        planes = (_asm_plane(words, s, nz, 0, FMT, HAS_ZP), _asm_plane(words, s, nz, 1, FMT, HAS_ZP),
-                  _asm_plane(words, s, nz, 2, FMT, HAS_ZP), _asm_plane(words, s, nz, 3, FMT, HAS_ZP),
-                  _asm_plane(words, s, nz, 4, FMT, HAS_ZP), _asm_plane(words, s, nz, 5, FMT, HAS_ZP),
-                  _asm_plane(words, s, nz, 6, FMT, HAS_ZP), _asm_plane(words, s, nz, 7, FMT, HAS_ZP))
+        p0, p1 = _asm_pair(words, s, nz, 0, FMT, HAS_ZP)
+        p2, p3 = _asm_pair(words, s, nz, 1, FMT, HAS_ZP)
+        p4, p5 = _asm_pair(words, s, nz, 2, FMT, HAS_ZP)
+        p6, p7 = _asm_pair(words, s, nz, 3, FMT, HAS_ZP)
+        planes = (p0, p1, p2, p3, p4, p5, p6, p7)
     else:
         s = _scale_f32(scale_raw, FMT)
         planes = ((_nibble_f32(words & 15, zero, FMT) * s).to(COMPUTE),
