@@ -169,13 +169,13 @@ def _nibble_f32(nib, zero, FMT: tl.constexpr):
     return (bits | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
 
 
-def _pair_asm(int4: bool, asym: bool) -> str:
+def _pair_asm(int4: bool, asym: bool, m: int) -> str:
     """PTX turning byte m of a word ($2) into its two weights, nibble 2m ($0) and 2m + 1 ($1), as
     one bf16x2 (the pair of adjacent K columns that a thread holds of the wgmma register operand).
 
-    Inputs: the word, its block scale's BF16 bits ($3), -(128 + zero) as BF16 bits ($4) if asym,
-    then the byte selector, a constant that ptxas folds in (as it does the shift of the whole word,
-    shared by the word's 4 calls). E2M1: a byte permute puts nibble 2m at bits 12-15 and nibble
+    Inputs: the word, its block scale's BF16 bits ($3), -(128 + zero) as BF16 bits ($4) if asym.
+    The byte permute reads the word (bytes 0-3) and the word shifted by a nibble (bytes 4-7; ptxas
+    computes that shift once for the word's 4 calls). E2M1: the permute puts nibble 2m at bits 12-15 and nibble
     2m + 1 at bits 28-31; each half's sign is then BF16's sign bit and its 3 magnitude bits go to
     bits 6-8 (exponent LSBs and top mantissa bit): that is the code times 2^-126 (exponent 0 gives
     the subnormal 0.5), so a multiply by 2^126 makes it exact and a second by the block scale
@@ -184,42 +184,38 @@ def _pair_asm(int4: bool, asym: bool) -> str:
     About 3 instructions per weight against ~13 for the FP32 route: at decode sizes that issue
     rate, not DRAM, is the limit.
     """
-    sel = "$5" if asym else "$4"
     lines = ["{", ".reg .b32 s, k, z, t, u;", "mov.b32 z, 0x80008000;", "mov.b32 s, {$3, $3};"]
-    if int4:
-        lines += ["shr.b32 u, $2, 4;", f"prmt.b32 t, $2, u, {sel};", "and.b32 t, t, 0x000F000F;",
+    if int4:  # byte m of the word into byte 0, of the word shifted right into byte 2
+        lines += ["shr.b32 u, $2, 4;", f"prmt.b32 t, $2, u, {m | (4 + m) << 8:#x};", "and.b32 t, t, 0x000F000F;",
                   "or.b32 t, t, 0x43004300;", "mov.b32 u, 0x3F803F80;",
                   "mov.b32 k, {$4, $4};" if asym else "mov.b32 k, 0xC308C308;", "fma.rn.bf16x2 t, t, u, k;"]
-    else:
-        lines += ["shl.b32 u, $2, 4;", f"prmt.b32 t, u, $2, {sel};", "shr.b32 u, t, 6;", "and.b32 u, u, 0x01C001C0;",
+    else:  # byte m of the word shifted left into byte 1, of the word itself into byte 3
+        lines += ["shl.b32 u, $2, 4;", f"prmt.b32 t, u, $2, {m << 4 | (4 + m) << 12:#x};", "shr.b32 u, t, 6;",
+                  "and.b32 u, u, 0x01C001C0;",
                   "and.b32 t, t, 0x80008000;", "or.b32 t, t, u;", "mov.b32 k, 0x7E807E80;",
                   "fma.rn.bf16x2 t, t, k, z;"]  # x 2^126
     return "\n".join(lines + ["fma.rn.bf16x2 t, t, s, z;", "mov.b32 {$0, $1}, t;", "}"])
 
 
-_ASM_FP4 = tl.constexpr(_pair_asm(False, False))
-_ASM_INT4 = tl.constexpr(_pair_asm(True, False))
-_ASM_INT4_ZP = tl.constexpr(_pair_asm(True, True))
+# Indexed by the byte m.
+_ASM_FP4 = tl.constexpr(tuple(_pair_asm(False, False, m) for m in range(4)))
+_ASM_INT4 = tl.constexpr(tuple(_pair_asm(True, False, m) for m in range(4)))
+_ASM_INT4_ZP = tl.constexpr(tuple(_pair_asm(True, True, m) for m in range(4)))
 
 
 @triton.jit
 def _asm_pair(words, s, nz, M: tl.constexpr, FMT: tl.constexpr, HAS_ZP: tl.constexpr):
-    """Nibbles 2M and 2M + 1 of each word as two COMPUTE tiles. The byte permute reads the word
-    (bytes 0-3) and the word shifted by a nibble (bytes 4-7): INT4 takes byte M of the word into
-    byte 0 and of the shifted word into byte 2; E2M1 (shifted left) into byte 1, the word's own
-    into byte 3."""
+    """Nibbles 2M and 2M + 1 of each word as two BF16 tiles."""
     if FMT == INT4:
-        sel = tl.full(words.shape, M | (4 + M) << 8, tl.int32)
         if HAS_ZP:
-            lo, hi = tl.inline_asm_elementwise(_ASM_INT4_ZP, "=h,=h,r,h,h,r", [words, s, nz, sel],
+            lo, hi = tl.inline_asm_elementwise(_ASM_INT4_ZP[M], "=h,=h,r,h,h", [words, s, nz],
                                                (tl.bfloat16, tl.bfloat16), True, 1)
         else:
-            lo, hi = tl.inline_asm_elementwise(_ASM_INT4, "=h,=h,r,h,r", [words, s, sel], (tl.bfloat16, tl.bfloat16),
+            lo, hi = tl.inline_asm_elementwise(_ASM_INT4[M], "=h,=h,r,h", [words, s], (tl.bfloat16, tl.bfloat16),
                                                True, 1)
     else:
-        sel = tl.full(words.shape, M << 4 | (4 + M) << 12, tl.int32)
-        lo, hi = tl.inline_asm_elementwise(_ASM_FP4, "=h,=h,r,h,r", [words, s, sel], (tl.bfloat16, tl.bfloat16),
-                                           True, 1)
+        lo, hi = tl.inline_asm_elementwise(_ASM_FP4[M], "=h,=h,r,h", [words, s], (tl.bfloat16, tl.bfloat16), True,
+                                           1)
     return lo, hi
 
 
