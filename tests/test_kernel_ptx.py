@@ -63,6 +63,9 @@ def run_ptx(asm: str, args: dict[int, int]) -> dict[str, int]:
             r = a[0] & a[1]
         elif op == "or.b32":
             r = a[0] | a[1]
+        elif op == "lop3.b32":  # bit i of the result is bit (a_i b_i c_i) of the lookup table
+            r = sum(((a[3] >> ((a[0] >> i & 1) << 2 | (a[1] >> i & 1) << 1 | (a[2] >> i & 1))) & 1) << i
+                    for i in range(32))
         elif op == "prmt.b32":  # default mode: selector nibble i picks output byte i from a's bytes 0-3, b's 4-7
             pool = [(a[0] >> 8 * i) & 0xFF for i in range(4)] + [(a[1] >> 8 * i) & 0xFF for i in range(4)]
             assert all((a[2] >> 4 * i) & 8 == 0 for i in range(4)), "sign-replicating selectors are not modelled"

@@ -186,8 +186,9 @@ def _pair_asm(int4: bool, asym: bool, m: int) -> str:
     """
     lines = ["{", ".reg .b32 s, k, z, t, u;", "mov.b32 z, 0x80008000;", "mov.b32 s, {$3, $3};"]
     if int4:  # byte m of the word into byte 0, of the word shifted right into byte 2
-        lines += ["shr.b32 u, $2, 4;", f"prmt.b32 t, $2, u, {m | (4 + m) << 8:#x};", "and.b32 t, t, 0x000F000F;",
-                  "or.b32 t, t, 0x43004300;", "mov.b32 u, 0x3F803F80;",
+        lines += ["shr.b32 u, $2, 4;", f"prmt.b32 t, $2, u, {m | (4 + m) << 8:#x};",
+                  "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;",  # (t & 0x000F000F) | 0x43004300 in one op
+                  "mov.b32 u, 0x3F803F80;",
                   "mov.b32 k, {$4, $4};" if asym else "mov.b32 k, 0xC308C308;", "fma.rn.bf16x2 t, t, u, k;"]
     else:  # byte m of the word shifted left into byte 1, of the word itself into byte 3
         lines += ["shl.b32 u, $2, 4;", f"prmt.b32 t, u, $2, {m << 4 | (4 + m) << 12:#x};", "shr.b32 u, t, 6;",
