@@ -1,9 +1,10 @@
 """Fused-MoE grouped GEMM over 4-bit expert weights as requant reads and writes them.
 
 Weights stay packed in device memory as int32 words of 8 nibbles; each program dequantizes its
-weight tile in registers (on the GPU with packed bf16x2 PTX, ~3 instructions per weight) and
+weight tile in registers (on the GPU with packed bf16x2 PTX, 2-3 instructions per weight) and
 feeds it to the tensor cores (`tl.dot`, wgmma) against BF16 activations, accumulating in FP32.
-Triton 3.6 stages the dequantized planes through shared memory (vector stores) before wgmma.
+The tile is built in the order of wgmma's register operand (`_mma_tile`), so the dequantized
+weights never pass through shared memory.
 
 The GEMM is computed transposed (weights x activations^T): the token count per expert (often tiny
 when decoding) becomes the MMA's N dimension, which may be as small as 8-16, while the weight rows
@@ -181,8 +182,8 @@ def _pair_asm(int4: bool, asym: bool, m: int) -> str:
     the subnormal 0.5), so a multiply by 2^126 makes it exact and a second by the block scale
     rounds once, as FP32-then-BF16 would. INT4: the nibbles go to bits 0-3 and 16-19; OR-ing them
     into the mantissa of 128.0 gives 128 + n; minus (128 + zero) is exact, then times the scale.
-    About 3 instructions per weight against ~13 for the FP32 route: at decode sizes that issue
-    rate, not DRAM, is the limit.
+    About 3 (E2M1) and 2 (INT4) instructions per weight against ~13 for the FP32 route: at decode
+    sizes that issue rate, not DRAM, is the limit (scripts/bench_moe_results.md, runs 5-6).
     """
     lines = ["{", ".reg .b32 s, k, z, t, u;", "mov.b32 z, 0x80008000;", "mov.b32 s, {$3, $3};"]
     if int4:  # byte m of the word into byte 0, of the word shifted right into byte 2
