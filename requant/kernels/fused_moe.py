@@ -176,12 +176,13 @@ def _pair_asm(int4: bool, asym: bool, m: int) -> str:
 
     Inputs: the word, its block scale's BF16 bits ($3), -(128 + zero) as BF16 bits ($4) if asym.
     The byte permute reads the word (bytes 0-3) and the word shifted by a nibble (bytes 4-7; ptxas
-    computes that shift once for the word's 4 calls). E2M1: the permute puts nibble 2m at bits 12-15 and nibble
-    2m + 1 at bits 28-31; each half's sign is then BF16's sign bit and its 3 magnitude bits go to
-    bits 6-8 (exponent LSBs and top mantissa bit): that is the code times 2^-126 (exponent 0 gives
-    the subnormal 0.5), so a multiply by 2^126 makes it exact and a second by the block scale
-    rounds once, as FP32-then-BF16 would. INT4: the nibbles go to bits 0-3 and 16-19; OR-ing them
-    into the mantissa of 128.0 gives 128 + n; minus (128 + zero) is exact, then times the scale.
+    computes that shift once for the word's 4 calls). E2M1: the permute puts nibble 2m at bits 12-15
+    and nibble 2m + 1 at bits 28-31; each half's sign is then BF16's sign bit and its 3 magnitude
+    bits go to bits 6-8 (exponent LSBs and top mantissa bit): that is the code times 2^-126
+    (exponent 0 gives the subnormal 0.5), so a multiply by 2^126 makes it exact and a second by the
+    block scale rounds once, as FP32-then-BF16 would. INT4: the nibbles go to bits 0-3 and 16-19;
+    OR-ing them into the mantissa of 128.0 gives 128 + n; minus (128 + zero) is exact, then times
+    the scale.
     About 3 (E2M1) and 2 (INT4) instructions per weight against ~13 for the FP32 route: at decode
     sizes that issue rate, not DRAM, is the limit (scripts/bench_moe_results.md, runs 5-6).
     """
@@ -482,7 +483,8 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
     """One GEMM launch; `out` is [pairs, N], or when split (`_split`) FP32 partials [S, pairs, N]
     ([S, 2, pairs, N] for w1/w3). `act` (a SwiGLU) is fused after w1/w3 unless split."""
     if w.k % cfg.block_k or cfg.block_k != 128 or w.group % 8:
-        raise ValueError(f"K={w.k}, group {w.group} do not fit block_k={cfg.block_k}")
+        raise ValueError(f"K={w.k}, group {w.group} do not fit block_k={cfg.block_k} (the kernel takes K tiles of "
+                         "128, the 16 words that `_mma_tile` lays out, and groups of whole words)")
     gated = w3 is not None
     if gated and (w3.format != w.format or w3.packed.shape != w.packed.shape or w3.scale.shape != w.scale.shape
                   or (w3.zero_point is None) != (w.zero_point is None)):
