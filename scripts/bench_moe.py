@@ -6,12 +6,18 @@ the device's copy bandwidth and a BF16 grouped-GEMM baseline, then times the ker
 counts and prints a table. Full results go to $OUT (or --out) as JSON.
 
     python3 scripts/bench_moe.py [--tokens 1,4,...] [--formats nvfp4,int4,mxfp4] [--sweep F1,F2]
+                                 [--compare-with OLD/fused_moe.py]
+
+--compare-with times another version of the kernel module (say, the previous commit's) on the same
+inputs in the same run, with its own default configs, so that a change is judged against noise
+from one device, not across runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
@@ -32,17 +38,18 @@ E, H, I, TOP_K, LIMIT = 256, 4096, 2048, 6, 10.0
 
 
 def sweep_configs(tokens: int) -> list[fm.KernelConfig]:
-    """Candidates around the default for this batch: split-K depths and wider N tiles at decode
-    sizes, M/N tiles and stages at prefill sizes (configs that ran out of shared memory or lost
-    everywhere in earlier runs are left out)."""
+    """Candidates around the default for this batch: split-K depths, deeper pipelines and wider N
+    tiles at decode sizes, M/N tiles and stages at prefill sizes (configs that ran out of shared
+    memory or lost everywhere in earlier runs are left out; N tiles are 16 rows per warp, the shape
+    `_mma_tile` keeps in registers)."""
     if tokens <= 64:
-        return [fm.KernelConfig(16, 64, 128, 4, 4, split_k=s) for s in (1, 2, 4, 8)] + [
-            fm.KernelConfig(16, 128, 128, 4, 4), fm.KernelConfig(16, 128, 128, 4, 4, split_k=2)]
+        return [fm.KernelConfig(16, 64, 128, 4, 4, split_k=s) for s in (1, 2, 4)] + [
+            fm.KernelConfig(16, 64, 128, 4, 6), fm.KernelConfig(16, 128, 128, 8, 4)]
     if tokens <= 1024:
         return [fm.KernelConfig(16, 64, 128, 4, 4), fm.KernelConfig(32, 64, 128, 4, 4),
                 fm.KernelConfig(64, 128, 128, 8, 4)]
-    return [fm.KernelConfig(128, 128, 128, 8, 3), fm.KernelConfig(128, 128, 128, 8, 2),
-            fm.KernelConfig(64, 256, 128, 8, 3), fm.KernelConfig(64, 128, 128, 8, 4)]
+    return [fm.KernelConfig(128, 128, 128, 8, 3), fm.KernelConfig(128, 128, 128, 8, 4),
+            fm.KernelConfig(64, 128, 128, 8, 4)]
 
 
 def random_weights(fmt: str, n: int, k: int, gen: torch.Generator) -> fm.ExpertWeights:
@@ -130,6 +137,7 @@ def main():
     ap.add_argument("--formats", default="nvfp4,int4,mxfp4")
     ap.add_argument("--sweep", default="", help="formats to sweep (sweep_configs) keeping the best; others use "
                     "the default config")
+    ap.add_argument("--compare-with", help="path of another fused_moe.py to time side by side (full time only)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     tokens_list = [int(t) for t in args.tokens.split(",")]
@@ -179,7 +187,8 @@ def main():
             sorted_ids, block_expert = fm.moe_align(ids, E, cfg.block_m)
             x = torch.randn(64, H, device="cuda").bfloat16()
             h = torch.empty(64 * TOP_K, I, device="cuda", dtype=torch.bfloat16)
-            k = fm._launch(x, TOP_K, w1, w3, h, sorted_ids, block_expert, None, 64 * TOP_K, torch.bfloat16, cfg, LIMIT)
+            k = fm._launch(x, TOP_K, w1, w3, h, sorted_ids, block_expert, None, 64 * TOP_K, torch.bfloat16, cfg,
+                           fm.SwiGLU(limit=LIMIT))
             ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
             dots = [ln.strip()[:200] for ln in ttgir.splitlines() if "warp_group_dot " in ln or "tt.dot " in ln]
             print(f"{cfg}: wgmma in ptx: {'wgmma.mma_async' in ptx}; regs {k.n_regs} spills {k.n_spills}; dots:",
@@ -237,7 +246,8 @@ def main():
             pairs = tokens * TOP_K
 
             def gemms():  # the two GEMMs (with split-K's SwiGLU of the partials), no align, no top-k sum
-                h = fm.gate_up(x, TOP_K, w1, w3, sorted_ids, block_expert, pairs, torch.bfloat16, cfg, LIMIT)
+                h = fm.gate_up(x, TOP_K, w1, w3, sorted_ids, block_expert, pairs, torch.bfloat16, cfg,
+                               fm.SwiGLU(limit=LIMIT))
                 fm.down(h, w2, sorted_ids, block_expert, rwf, pairs, torch.bfloat16, cfg)
             t_gemm = do_bench_cudagraph(gemms, rep=200, return_mode="median")
             row = {"format": f, "tokens": tokens, "config": str(cfg), "ms_full": t_full, "ms_gemms": t_gemm,
@@ -246,12 +256,31 @@ def main():
             save()
             print(f"{f} {tokens} {cfg}: full {t_full * 1e3:.1f} us, gemms {t_gemm * 1e3:.1f} us", flush=True)
 
+    if args.compare_with:
+        spec = importlib.util.spec_from_file_location("fused_moe_compared", args.compare_with)
+        other = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = other  # its dataclasses look their module up
+        spec.loader.exec_module(other)
+        for f in formats:
+            w1, w3, w2 = weights[f]
+            for tokens in tokens_list:
+                ids, rw = routing(tokens, gen)
+                x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
+                t_full = do_bench_cudagraph(lambda: other.fused_moe(x, ids, rw, w1, w3, w2), rep=200,
+                                            return_mode="median")
+                results["timings"].append({"format": f"{f} (compared)", "tokens": tokens, "ms_full": t_full,
+                                           "ms_gemms": None, "bytes": layer_bytes((w1, w3, w2), ids),
+                                           "flops": 2 * tokens * TOP_K * 3 * H * I})
+                save()
+                print(f"{f} (compared) {tokens}: full {t_full * 1e3:.1f} us", flush=True)
+
     save()
     print(f"\ndevice {props.name}, copy {copy_bw / 1e12:.2f} TB/s; time in us (CUDA graph replay, median)")
     print(f"{'format':16s} {'tokens':>6s} {'full us':>9s} {'gemm us':>9s} {'GB/s':>7s} {'%copy':>6s} {'TFLOP/s':>8s}")
     for r in results["timings"]:
-        bw = r["bytes"] / (r["ms_gemms"] * 1e-3)
-        print(f"{r['format']:16s} {r['tokens']:6d} {r['ms_full'] * 1e3:9.1f} {r['ms_gemms'] * 1e3:9.1f} "
+        ms = r["ms_gemms"] or r["ms_full"]  # compared rows: full time only
+        bw = r["bytes"] / (ms * 1e-3)
+        print(f"{r['format']:16s} {r['tokens']:6d} {r['ms_full'] * 1e3:9.1f} {ms * 1e3:9.1f} "
               f"{bw / 1e9:7.0f} {100 * bw / copy_bw:5.0f}% {r['flops'] / (r['ms_full'] * 1e-3) / 1e12:8.1f}")
 
 

@@ -15,10 +15,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="requant's kernel needs triton (Linux wheels only): pip install 'requant[gpu]'")
-from moe_fixtures import make_layer, nvfp4_dense  # noqa: E402
+from moe_fixtures import make_layer, nvfp4_dense, random_mxfp4  # noqa: E402
 from requant.errors import FormatError  # noqa: E402
+from requant.formats import mxfp4  # noqa: E402
 from requant.formats.engine_numerics import fake_quantize_activations  # noqa: E402
-from requant.kernels.fused_moe import ExpertWeights, KernelConfig, fused_moe, moe_align  # noqa: E402
+from requant.kernels.fused_moe import ExpertWeights, KernelConfig, _words, fused_moe, moe_align  # noqa: E402
 from requant.moe import MoEConfig, MoELayer, route, routed_experts  # noqa: E402
 
 EXPERTS, HIDDEN, INTER, LIMIT = 8, 256, 128, 10.0
@@ -175,3 +176,85 @@ def test_split_k_matches_reference():
     cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=4)
     y = fused_moe(x, ids, weights, w1, w3, w2, config=cfg)
     assert_matches(y, routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), LIMIT))
+
+
+def gated_experts(x, ids, weights, d13, b13, d2, b2, limit, *, kind="swiglu_oai", alpha=1.702, gate_rows=0,
+                  interleaved=True, plus_one=True, b13_after_clamp=False, b2_after_weight=False):
+    """sum_k w_k * expert(x) written out in FP32 for fused gate/up weights d13 [E, 2I, H] and biases
+    b13 [E, 2I], as gpt-oss's model code has it (rows 2i gate, 2i+1 up; biases before the clamp;
+    b2 before the routing weight). The keyword switches give the plausible mistakes."""
+    inter = d13.shape[1] // 2
+    gu = torch.einsum("th,tkoh->tko", x.float(), d13[ids])
+    if not b13_after_clamp:
+        gu = gu + b13[ids].float()
+    if interleaved:
+        g, u = gu[..., gate_rows::2], gu[..., 1 - gate_rows::2]
+    else:
+        g, u = gu[..., :inter], gu[..., inter:]
+    g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    if b13_after_clamp:
+        g, u = g + b13[ids, 0::2].float(), u + b13[ids, 1::2].float()
+    if kind == "swiglu_oai":
+        h = (u + 1 if plus_one else u) * g * torch.sigmoid(alpha * g)
+    else:
+        h = torch.nn.functional.silu(g) * u
+    out = torch.einsum("tki,tkhi->tkh", h, d2[ids])
+    if b2_after_weight:
+        return (out * weights[..., None] + b2[ids].float()).sum(1)
+    return ((out + b2[ids].float()) * weights[..., None]).sum(1)
+
+
+@pytest.mark.parametrize("kind,split", [("swiglu_oai", 1), ("swiglu_oai", 2), ("swiglu_clamp", 2)])
+def test_fused_interleaved_gate_up_with_biases(kind, split):
+    """gpt-oss: MXFP4 gate/up fused in one [E, 2I, H] matrix with interleaved rows, passed as row
+    views (not copied), BF16 biases on all three projections. Split-K must add each bias once."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}/{split}".encode()))
+    experts, hidden, inter, limit = 4, 256, 256, 7.0  # w1/w3 and w2: 2 K tiles each
+    p13, s13 = random_mxfp4(experts, 2 * inter, hidden, gen)
+    p2, s2 = random_mxfp4(experts, hidden, inter, gen)
+    d13 = torch.stack([mxfp4.decode(p, s) for p, s in zip(p13, s13)])
+    d2 = torch.stack([mxfp4.decode(p, s) for p, s in zip(p2, s2)])
+    ids, weights = random_routing(6, 2, gen)
+    ids = ids % experts
+    x = torch.randn(6, hidden, generator=gen)
+    # About a tenth of the gate and up values beyond the limit; the rest where alpha and +1 matter.
+    x = (x * (limit / float(torch.einsum("th,oh->to", x, d13.flatten(0, 1)).abs().quantile(0.9)))).bfloat16()
+    gu = torch.einsum("th,eoh->teo", x.float(), d13)
+    b13 = (torch.randn(experts, 2 * inter, generator=gen) * 0.5 * float(gu.std())).bfloat16()
+    unbiased_out = gated_experts(x, ids, weights, d13, b13, d2, torch.zeros(experts, hidden), limit, kind=kind)
+    b2 = (torch.randn(experts, hidden, generator=gen) * float(unbiased_out.std())).bfloat16()
+    w1 = ExpertWeights("mxfp4", p13[:, 0::2], s13[:, 0::2])
+    w3 = ExpertWeights("mxfp4", p13[:, 1::2], s13[:, 1::2])
+    w2 = ExpertWeights("mxfp4", p2, s2)
+    assert _words(w3.packed).untyped_storage().data_ptr() == p13.untyped_storage().data_ptr()
+    cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=split)
+    alpha = 1.702 if kind == "swiglu_oai" else None
+    y = fused_moe(x, ids, weights, w1, w3, w2, swiglu_limit=limit, activation=kind, swiglu_alpha=alpha,
+                  b1=b13[:, 0::2], b3=b13[:, 1::2], b2=b2, config=cfg)
+    expect = lambda **wrong: gated_experts(x, ids, weights, d13, b13, d2, b2, limit, kind=kind, **wrong)  # noqa: E731
+    ref = expect()
+    assert_matches(y, ref)
+    g = (gu + b13.float())[..., 0::2]
+    assert (g > limit).float().mean() > 0.05, "the gate clamp must be exercised"
+    mistakes = [dict(gate_rows=1), dict(interleaved=False), dict(b13_after_clamp=True), dict(b2_after_weight=True)]
+    if kind == "swiglu_oai":
+        mistakes += [dict(alpha=1.0), dict(plus_one=False)]
+    for wrong in mistakes:
+        other = expect(**wrong)
+        assert (y.float() - other).norm() > 0.02 * other.norm(), f"kernel indistinguishable from {wrong}"
+
+
+def test_activation_arguments_are_checked():
+    gen = torch.Generator().manual_seed(13)
+    (w1, _), (w3, _), (w2, _) = make_layer("mxfp4", EXPERTS, HIDDEN, INTER, gen)
+    x, ids, weights = torch.randn(2, HIDDEN).bfloat16(), torch.tensor([[0], [1]]), torch.ones(2, 1)
+    with pytest.raises(ValueError, match="swiglu_alpha"):
+        fused_moe(x, ids, weights, w1, w3, w2, swiglu_alpha=1.702)
+    with pytest.raises(ValueError, match="swiglu_alpha"):
+        fused_moe(x, ids, weights, w1, w3, w2, activation="swiglu_oai")
+    with pytest.raises(ValueError, match="unknown activation"):
+        fused_moe(x, ids, weights, w1, w3, w2, activation="gelu")
+    with pytest.raises(FormatError, match="b1 and b3"):
+        fused_moe(x, ids, weights, w1, w3, w2, b1=torch.zeros(EXPERTS, INTER))
+    with pytest.raises(FormatError, match="b2 must be"):
+        fused_moe(x, ids, weights, w1, w3, w2, b2=torch.zeros(EXPERTS, INTER))

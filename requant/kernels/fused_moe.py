@@ -1,17 +1,19 @@
 """Fused-MoE grouped GEMM over 4-bit expert weights as requant reads and writes them.
 
 Weights stay packed in device memory as int32 words of 8 nibbles; each program dequantizes its
-weight tile in registers (on the GPU with packed bf16x2 PTX, ~3 instructions per weight) and
+weight tile in registers (on the GPU with packed bf16x2 PTX, 2-3 instructions per weight) and
 feeds it to the tensor cores (`tl.dot`, wgmma) against BF16 activations, accumulating in FP32.
-Triton 3.6 stages the dequantized planes through shared memory (vector stores) before wgmma.
+The tile is built in the order of wgmma's register operand (`_mma_tile`), so the dequantized
+weights never pass through shared memory.
 
 The GEMM is computed transposed (weights x activations^T): the token count per expert (often tiny
 when decoding) becomes the MMA's N dimension, which may be as small as 8-16, while the weight rows
 fill the 64-row M dimension.
 
 Pairs (token, k) are sorted by expert and padded per expert to the M tile (`moe_align`), as
-serving engines do. Two launches: w1/w3 with the SwiGLU clamp fused, then w2 with the routing
-weight; the top-k sum is a torch reduction.
+serving engines do. Two launches: w1/w3 with their biases and the gated activation fused (`SwiGLU`:
+DeepSeek's clamped SwiGLU or gpt-oss's), then w2 with its bias and the routing weight; the top-k
+sum is a torch reduction.
 
 Under TRITON_INTERPRET=1 (CPU) bf16 dots and arithmetic are wrong, so everything takes a compute
 dtype: float32 there, bfloat16 on the GPU.
@@ -35,6 +37,10 @@ NVFP4 = tl.constexpr(nvfp4.CODEC.kernel_code)
 MXFP4 = tl.constexpr(mxfp4.CODEC.kernel_code)
 INT4 = tl.constexpr(int4.CODEC.kernel_code)
 
+SWIGLU_CLAMP = tl.constexpr(0)
+SWIGLU_OAI = tl.constexpr(1)
+_ACTIVATION_CODES = {"swiglu_clamp": 0, "swiglu_oai": 1}
+
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -48,6 +54,22 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1  # programs per output tile along K, FP32 partial sums combined afterwards
+
+
+@dataclass(frozen=True)
+class SwiGLU:
+    """The gated activation between the two GEMMs, gate g and up u clamped by `limit` first
+    (g from above, u on both sides):
+    "swiglu_clamp" (DeepSeek-V4): silu(g) * u;
+    "swiglu_oai" (gpt-oss): (u + 1) * g * sigmoid(alpha * g)."""
+
+    kind: str = "swiglu_clamp"
+    limit: float = 10.0
+    alpha: float = 1.0  # swiglu_oai only
+
+    def __post_init__(self):
+        if self.kind not in _ACTIVATION_CODES:
+            raise ValueError(f"unknown activation {self.kind!r}; expected one of {sorted(_ACTIVATION_CODES)}")
 
 
 def default_config(pairs: int, experts: int) -> KernelConfig:
@@ -148,57 +170,56 @@ def _nibble_f32(nib, zero, FMT: tl.constexpr):
     return (bits | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
 
 
-def _plane_asm(int4: bool, asym: bool) -> str:
-    """PTX for one nibble plane of two words ($1, $2) at once, as one bf16x2 ($0).
+def _pair_asm(int4: bool, asym: bool, m: int) -> str:
+    """PTX turning byte m of a word ($2) into its two weights, nibble 2m ($0) and 2m + 1 ($1), as
+    one bf16x2 (the pair of adjacent K columns that a thread holds of the wgmma register operand).
 
-    With pack=2, 16-bit inputs arrive paired in one register: scales $3, then -(128 + zero) $4 if
-    asym; then the plane's byte selector and shift, constants that ptxas folds in. A byte permute
-    gathers the byte holding the nibble of both words into one register, so each step below works
-    on two weights. E2M1: the nibble is moved to bits 12-15, its sign is then BF16's sign bit and
-    its 3 magnitude bits go to bits 6-8 (exponent LSBs and top mantissa bit): that is the code
-    times 2^-126 (exponent 0 gives the subnormal 0.5), so a multiply by 2^126 makes it exact and a
-    second by the block scale rounds once, as FP32-then-BF16 would. INT4: OR-ing the nibble into
-    the mantissa of 128.0 gives 128 + n; minus (128 + zero) is exact, then times the scale.
-    About 3 instructions per weight against ~13 for the FP32 route: at decode sizes that issue
-    rate, not DRAM, was the limit.
+    Inputs: the word, its block scale's BF16 bits ($3), -(128 + zero) as BF16 bits ($4) if asym.
+    The byte permute reads the word (bytes 0-3) and the word shifted by a nibble (bytes 4-7; ptxas
+    computes that shift once for the word's 4 calls). E2M1: the permute puts nibble 2m at bits 12-15
+    and nibble 2m + 1 at bits 28-31; each half's sign is then BF16's sign bit and its 3 magnitude
+    bits go to bits 6-8 (exponent LSBs and top mantissa bit): that is the code times 2^-126
+    (exponent 0 gives the subnormal 0.5), so a multiply by 2^126 makes it exact and a second by the
+    block scale rounds once, as FP32-then-BF16 would. INT4: the nibbles go to bits 0-3 and 16-19;
+    OR-ing them into the mantissa of 128.0 gives 128 + n; minus (128 + zero) is exact, then times
+    the scale.
+    About 3 (E2M1) and 2 (INT4) instructions per weight against ~13 for the FP32 route: at decode
+    sizes that issue rate, not DRAM, is the limit (scripts/bench_moe_results.md, runs 5-6).
     """
-    sel, sh = ("$5", "$7") if asym else ("$4", "$6")
-    lines = ["{", ".reg .b32 k, z, t, u;", "mov.b32 z, 0x80008000;", f"prmt.b32 t, $1, $2, {sel};"]
-    if int4:
-        lines += [f"shr.b32 t, t, {sh};", "and.b32 t, t, 0x000F000F;", "or.b32 t, t, 0x43004300;",
-                  "mov.b32 u, 0x3F803F80;", "mov.b32 k, $4;" if asym else "mov.b32 k, 0xC308C308;",
-                  "fma.rn.bf16x2 t, t, u, k;"]
-    else:
-        lines += [f"shl.b32 t, t, {sh};", "shr.b32 u, t, 6;", "and.b32 u, u, 0x01C001C0;", "and.b32 t, t, 0x80008000;",
-                  "or.b32 t, t, u;", "mov.b32 k, 0x7E807E80;", "fma.rn.bf16x2 t, t, k, z;"]  # x 2^126
-    return "\n".join(lines + ["fma.rn.bf16x2 $0, t, $3, z;", "}"])
+    lines = ["{", ".reg .b32 s, k, z, t, u;", "mov.b32 z, 0x80008000;", "mov.b32 s, {$3, $3};"]
+    if int4:  # byte m of the word into byte 0, of the word shifted right into byte 2
+        lines += ["shr.b32 u, $2, 4;", f"prmt.b32 t, $2, u, {m | (4 + m) << 8:#x};",
+                  "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;",  # (t & 0x000F000F) | 0x43004300 in one op
+                  "mov.b32 u, 0x3F803F80;",
+                  "mov.b32 k, {$4, $4};" if asym else "mov.b32 k, 0xC308C308;", "fma.rn.bf16x2 t, t, u, k;"]
+    else:  # byte m of the word shifted left into byte 1, of the word itself into byte 3
+        lines += ["shl.b32 u, $2, 4;", f"prmt.b32 t, u, $2, {m << 4 | (4 + m) << 12:#x};", "shr.b32 u, t, 6;",
+                  "and.b32 u, u, 0x01C001C0;",
+                  "and.b32 t, t, 0x80008000;", "or.b32 t, t, u;", "mov.b32 k, 0x7E807E80;",
+                  "fma.rn.bf16x2 t, t, k, z;"]  # x 2^126
+    return "\n".join(lines + ["fma.rn.bf16x2 t, t, s, z;", "mov.b32 {$0, $1}, t;", "}"])
 
 
-_ASM_FP4 = tl.constexpr(_plane_asm(False, False))
-_ASM_INT4 = tl.constexpr(_plane_asm(True, False))
-_ASM_INT4_ZP = tl.constexpr(_plane_asm(True, True))
+# Indexed by the byte m.
+_ASM_FP4 = tl.constexpr(tuple(_pair_asm(False, False, m) for m in range(4)))
+_ASM_INT4 = tl.constexpr(tuple(_pair_asm(True, False, m) for m in range(4)))
+_ASM_INT4_ZP = tl.constexpr(tuple(_pair_asm(True, True, m) for m in range(4)))
 
 
 @triton.jit
-def _asm_plane(words, s, nz, J: tl.constexpr, FMT: tl.constexpr, HAS_ZP: tl.constexpr):
-    """Plane J: byte J // 2 of each word. INT4 wants the nibble at bits 0-3 (byte into bytes 0 and
-    2, high nibble shifted down); E2M1 wants it at bits 12-15 (byte into bytes 1 and 3, low nibble
-    shifted up)."""
-    B: tl.constexpr = J // 2
+def _asm_pair(words, s, nz, M: tl.constexpr, FMT: tl.constexpr, HAS_ZP: tl.constexpr):
+    """Nibbles 2M and 2M + 1 of each word as two BF16 tiles."""
     if FMT == INT4:
-        sel = tl.full(words.shape, B | B << 4 | (4 + B) << 8 | (4 + B) << 12, tl.int32)
-        sh = tl.full(words.shape, 4 * (J % 2), tl.int32)
         if HAS_ZP:
-            plane = tl.inline_asm_elementwise(_ASM_INT4_ZP, "=r,r,r,r,r,r,r,r,r", [words, s, nz, sel, sh],
-                                              tl.bfloat16, True, 2)
+            lo, hi = tl.inline_asm_elementwise(_ASM_INT4_ZP[M], "=h,=h,r,h,h", [words, s, nz],
+                                               (tl.bfloat16, tl.bfloat16), True, 1)
         else:
-            plane = tl.inline_asm_elementwise(_ASM_INT4, "=r,r,r,r,r,r,r,r", [words, s, sel, sh], tl.bfloat16,
-                                              True, 2)
+            lo, hi = tl.inline_asm_elementwise(_ASM_INT4[M], "=h,=h,r,h", [words, s], (tl.bfloat16, tl.bfloat16),
+                                               True, 1)
     else:
-        sel = tl.full(words.shape, B | B << 4 | (4 + B) << 8 | (4 + B) << 12, tl.int32)
-        sh = tl.full(words.shape, 4 - 4 * (J % 2), tl.int32)
-        plane = tl.inline_asm_elementwise(_ASM_FP4, "=r,r,r,r,r,r,r,r", [words, s, sel, sh], tl.bfloat16, True, 2)
-    return plane
+        lo, hi = tl.inline_asm_elementwise(_ASM_FP4[M], "=h,=h,r,h", [words, s], (tl.bfloat16, tl.bfloat16), True,
+                                           1)
+    return lo, hi
 
 
 @triton.jit
@@ -206,14 +227,13 @@ def _dequant(words, scale_raw, zero, FMT: tl.constexpr, HAS_ZP: tl.constexpr, CO
              ASM: tl.constexpr):
     """The 8 nibble planes of a word tile as COMPUTE tiles: plane j holds nibble j of each word."""
     if ASM:
-        # One single-result asm per plane: Triton then keeps the words in the wgmma register-operand
-        # layout (a multi-result asm made it stage every plane through shared memory).
         s = _scale_bf16_bits(scale_raw, FMT)
         nz = (zero | 0xC300).to(tl.int16)  # BF16 bits of -(128 + zero); unused unless HAS_ZP
-        planes = (_asm_plane(words, s, nz, 0, FMT, HAS_ZP), _asm_plane(words, s, nz, 1, FMT, HAS_ZP),
-                  _asm_plane(words, s, nz, 2, FMT, HAS_ZP), _asm_plane(words, s, nz, 3, FMT, HAS_ZP),
-                  _asm_plane(words, s, nz, 4, FMT, HAS_ZP), _asm_plane(words, s, nz, 5, FMT, HAS_ZP),
-                  _asm_plane(words, s, nz, 6, FMT, HAS_ZP), _asm_plane(words, s, nz, 7, FMT, HAS_ZP))
+        p0, p1 = _asm_pair(words, s, nz, 0, FMT, HAS_ZP)
+        p2, p3 = _asm_pair(words, s, nz, 1, FMT, HAS_ZP)
+        p4, p5 = _asm_pair(words, s, nz, 2, FMT, HAS_ZP)
+        p6, p7 = _asm_pair(words, s, nz, 3, FMT, HAS_ZP)
+        planes = (p0, p1, p2, p3, p4, p5, p6, p7)
     else:
         s = _scale_f32(scale_raw, FMT)
         planes = ((_nibble_f32(words & 15, zero, FMT) * s).to(COMPUTE),
@@ -225,6 +245,35 @@ def _dequant(words, scale_raw, zero, FMT: tl.constexpr, HAS_ZP: tl.constexpr, CO
                   (_nibble_f32((words >> 24) & 15, zero, FMT) * s).to(COMPUTE),
                   (_nibble_f32((words >> 28) & 15, zero, FMT) * s).to(COMPUTE))
     return planes
+
+
+@triton.jit
+def _mma_tile(p, BLOCK_N: tl.constexpr):
+    """The 8 planes [BLOCK_N, 16 words] of a K tile as one [BLOCK_N, 128] MMA operand, its rows and
+    columns ordered so that every thread already holds its share of the wgmma register operand.
+
+    A thread holds 4 consecutive words (one 16-byte load) of a row: words 4l..4l+3 in lane l of its
+    quad; the MMA wants lane l at columns 2l, 2l + 1 (+ multiples of 8). Column d = 32q + 8m + 2l +
+    n0 therefore takes nibble 2m + n0 of word 4l + q (`permute_k` orders the activations the same
+    way). Rows: the load spreads warps over 8-row groups and repeats at BLOCK_N / 2; the MMA wants
+    16-row groups per warp with the 8-row halves in registers, so tile row 16w + 8h + i holds
+    weight row h * BLOCK_N / 2 + 8w + i (`_mma_rows`). Planned with Triton 3.6's layouts for
+    16-word tiles and BLOCK_N = 16 * num_warps; otherwise Triton converts through shared memory.
+    """
+    G: tl.constexpr = BLOCK_N // 16
+    j0 = tl.join(tl.reshape(p[0], (2, G, 8, 4, 4)), tl.reshape(p[1], (2, G, 8, 4, 4)))  # [h, w, i, l, q, n0]
+    j1 = tl.join(tl.reshape(p[2], (2, G, 8, 4, 4)), tl.reshape(p[3], (2, G, 8, 4, 4)))
+    j2 = tl.join(tl.reshape(p[4], (2, G, 8, 4, 4)), tl.reshape(p[5], (2, G, 8, 4, 4)))
+    j3 = tl.join(tl.reshape(p[6], (2, G, 8, 4, 4)), tl.reshape(p[7], (2, G, 8, 4, 4)))
+    tile = tl.join(tl.join(j0, j1), tl.join(j2, j3))  # [h, w, i, l, q, n0, m0, m1]
+    return tl.reshape(tl.permute(tile, (1, 0, 2, 4, 7, 6, 3, 5)), (BLOCK_N, 128))
+
+
+@triton.jit
+def _mma_rows(BLOCK_N: tl.constexpr):
+    """Weight row (within the N tile) of each row of `_mma_tile`."""
+    r = tl.arange(0, BLOCK_N)
+    return ((r >> 3) & 1) * (BLOCK_N // 2) + (r >> 4) * 8 + (r & 7)
 
 
 @triton.jit
@@ -256,25 +305,27 @@ def _moe_gemm_kernel(
     w_ptr, s_ptr, gs_ptr, z_ptr,
     w3_ptr, s3_ptr, gs3_ptr, z3_ptr,
     stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn,
+    b_ptr, b3_ptr, stride_be, stride_bn,
     out_ptr, stride_om, stride_os, stride_og,
     sorted_ids_ptr, block_expert_ptr, route_w_ptr,
     num_pairs, N, K,
     A_ROW_DIV: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
-    HAS_ZP: tl.constexpr, HAS_GLOBAL: tl.constexpr, GATED: tl.constexpr, ROUTE_WEIGHT: tl.constexpr,
-    LIMIT: tl.constexpr, COMPUTE: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ZP: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+    ROUTE_WEIGHT: tl.constexpr, ACTIVATION: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+    COMPUTE: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PERM_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
     """out[pair, n] for the pairs of one M block (one expert) and one N tile.
 
-    GATED: out = silu(min(x@w1.T, L)) * clamp(x@w3.T, -L, L), with A row = pair // top_k.
-    Otherwise: out = (h @ w2.T) * routing weight, with A row = pair.
+    GATED: out = act(x@w1.T + b1, x@w3.T + b3) (`SwiGLU`), with A row = pair // top_k.
+    Otherwise: out = (h @ w2.T + b2) * routing weight, with A row = pair.
+    Biases (HAS_BIAS) are per expert and output row, at b + e * stride_be + n * stride_bn.
 
     Weights are int32 words of 8 nibbles (FP4 bytes viewed as int32 have the INT4 nibble order:
-    element 8w + j in bits 4j). A's columns come permuted within each BLOCK_K tile (`permute_k`):
-    nibble j of every word meets a contiguous run of A, so each of the 8 nibble planes is its own
-    dot and the unpacked weights never need an interleaving reshape. With PERM_OUT the output is
-    stored in that permuted order for the next GEMM.
+    element 8w + j in bits 4j). The 8 nibble planes of each K tile are arranged into one MMA operand
+    in the order the tensor cores take it from registers (`_mma_tile`); A's columns come permuted to
+    match (`permute_k`), and with PERM_OUT the output is stored in that order for the next GEMM.
 
     SPLIT_K > 1: program (n, m, s) sums the s-th K slice only and stores FP32 partials at
     out + s * stride_os (w1's at +0, w3's at + stride_og when GATED, before the SwiGLU, which
@@ -293,7 +344,7 @@ def _moe_gemm_kernel(
     n_mask = offs_n < N
     KW: tl.constexpr = BLOCK_K // 8
     offs_w = tl.arange(0, KW)
-    a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[None, :] * stride_am + offs_w[:, None]  # [KW, BM]
+    a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[None, :] * stride_am + tl.arange(0, BLOCK_K)[:, None]
     w_offs = offs_n[:, None] * stride_wn + offs_w[None, :]
 
     e = expert.to(tl.int64)
@@ -318,32 +369,37 @@ def _moe_gemm_kernel(
         kw = k0 // 8
         kw_next = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K) // 8  # the last tile reloads itself
         words = tl.load(w_ptr + w_offs + kw, mask=n_mask[:, None], other=0)
-        planes = _dequant(words, s1, z1, FMT, HAS_ZP, COMPUTE, ASM)
+        w_tile = _mma_tile(_dequant(words, s1, z1, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
         s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, BLOCK_N, KW, GROUP,
                               HAS_ZP)
         if GATED:
             words3 = tl.load(w3_ptr + w_offs + kw, mask=n_mask[:, None], other=0)
-            planes3 = _dequant(words3, s3, z3, FMT, HAS_ZP, COMPUTE, ASM)
+            w3_tile = _mma_tile(_dequant(words3, s3, z3, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
             s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, BLOCK_N, KW,
                                   GROUP, HAS_ZP)
-        for j in tl.static_range(8):
-            a = tl.load(a_ptrs + (k0 + j * KW), mask=row_mask[None, :], other=0.0)
-            acc = tl.dot(planes[j], a, acc, input_precision=DOT_PRECISION)
-            if GATED:
-                acc3 = tl.dot(planes3[j], a, acc3, input_precision=DOT_PRECISION)
+        a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
+        acc = tl.dot(w_tile, a, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            acc3 = tl.dot(w3_tile, a, acc3, input_precision=DOT_PRECISION)
 
+    offs_n = pid_n * BLOCK_N + _mma_rows(BLOCK_N)  # the accumulator's rows
+    n_mask = offs_n < N
     if HAS_GLOBAL:
         acc *= tl.load(gs_ptr + e)
+    if HAS_BIAS:
+        acc += _bias(b_ptr, e, stride_be, stride_bn, offs_n, n_mask, pid_k, SPLIT_K)
     out_ptr += pid_k * stride_os
     out_mask = row_mask[None, :] & n_mask[:, None]
     if GATED:
         if HAS_GLOBAL:
             acc3 *= tl.load(gs3_ptr + e)  # w3's own global scale, never w1's
+        if HAS_BIAS:
+            acc3 += _bias(b3_ptr, e, stride_be, stride_bn, offs_n, n_mask, pid_k, SPLIT_K)
         if SPLIT_K > 1:
             tl.store(out_ptr + stride_og + pairs.to(tl.int64)[None, :] * stride_om + offs_n[:, None], acc3,
                      mask=out_mask)
         else:
-            acc = _swiglu(acc, acc3, LIMIT)
+            acc = _swiglu(acc, acc3, ACTIVATION, LIMIT, ALPHA)
     if ROUTE_WEIGHT:
         acc *= tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[None, :]
     cols = _out_columns(offs_n, PERM_OUT and SPLIT_K == 1, BLOCK_K)
@@ -352,26 +408,42 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
-def _swiglu(g, u, LIMIT: tl.constexpr):
+def _bias(b_ptr, e, stride_be, stride_bn, offs_n, n_mask, pid_k, SPLIT_K: tl.constexpr):
+    """FP32 bias column [BLOCK_N, 1] of expert e; under split-K only slice 0 adds it, since the
+    slices' partial sums are added up afterwards."""
+    b = tl.load(b_ptr + e * stride_be + offs_n * stride_bn, mask=n_mask, other=0.0).to(tl.float32)
+    if SPLIT_K > 1:
+        b = tl.where(pid_k == 0, b, 0.0)
+    return b[:, None]
+
+
+@triton.jit
+def _swiglu(g, u, ACTIVATION: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
     g = tl.minimum(g, LIMIT)
     u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
-    return g * tl.sigmoid(g) * u
+    if ACTIVATION == SWIGLU_OAI:
+        h = (u + 1) * (g * tl.sigmoid(ALPHA * g))
+    else:
+        h = g * tl.sigmoid(g) * u
+    return h
 
 
 @triton.jit
 def _out_columns(offs_n, PERM_OUT: tl.constexpr, BLOCK_K: tl.constexpr):
-    if PERM_OUT:  # column n of a BLOCK_K tile goes to plane n % 8, word n // 8
-        cols = (offs_n // BLOCK_K) * BLOCK_K + (offs_n % 8) * (BLOCK_K // 8) + (offs_n % BLOCK_K) // 8
+    if PERM_OUT:  # column 32l + 8q + n of a tile (nibble n of word 4l + q) goes to 32q + 8(n // 2) + 2l + n % 2
+        t = offs_n % BLOCK_K
+        cols = (offs_n - t) + ((t >> 3) & 3) * 32 + ((t >> 1) & 3) * 8 + (t >> 5) * 2 + (t & 1)
     else:
         cols = offs_n
     return cols
 
 
 @triton.jit
-def _swiglu_partials_kernel(part_ptr, stride_ps, stride_pg, h_ptr, stride_hm, N, LIMIT: tl.constexpr,
-                            SPLIT_K: tl.constexpr, PERM_OUT: tl.constexpr, BLOCK_K: tl.constexpr,
-                            BLOCK: tl.constexpr):
-    """h[pair] = SwiGLU of the summed split-K partials of w1 and w3 (row `pair` of each)."""
+def _swiglu_partials_kernel(part_ptr, stride_ps, stride_pg, h_ptr, stride_hm, N, ACTIVATION: tl.constexpr,
+                            LIMIT: tl.constexpr, ALPHA: tl.constexpr, SPLIT_K: tl.constexpr,
+                            PERM_OUT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
+    """h[pair] = the gated activation of the summed split-K partials of w1 and w3 (row `pair` of
+    each; their biases are already in slice 0)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -381,36 +453,38 @@ def _swiglu_partials_kernel(part_ptr, stride_ps, stride_pg, h_ptr, stride_hm, N,
     for s in tl.static_range(SPLIT_K):
         g += tl.load(ptrs + s * stride_ps, mask=mask, other=0.0)
         u += tl.load(ptrs + s * stride_ps + stride_pg, mask=mask, other=0.0)
-    h = _swiglu(g, u, LIMIT)
+    h = _swiglu(g, u, ACTIVATION, LIMIT, ALPHA)
     tl.store(h_ptr + row * stride_hm + _out_columns(offs, PERM_OUT, BLOCK_K), h.to(h_ptr.dtype.element_ty),
              mask=mask)
 
 
 def permute_k(x: torch.Tensor, block_k: int) -> torch.Tensor:
-    """Columns of x reordered within each block_k tile so nibble plane j of the packed words is
-    contiguous: new column j * (block_k / 8) + w holds old column 8 * w + j."""
+    """Columns of x reordered within each 128-column tile as `_mma_tile` orders the weights: new
+    column 32q + 8m + 2l + n0 holds old column 32l + 8q + 2m + n0."""
     rows, k = x.shape
-    return x.view(rows, k // block_k, block_k // 8, 8).transpose(-1, -2).reshape(rows, k)
+    return x.view(rows, k // block_k, 4, 4, 4, 2).permute(0, 1, 3, 4, 2, 5).reshape(rows, k)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
-    """FP4 bytes as int32 words: little-endian, so nibble j of word w is element 8w + j, as for INT4."""
+    """FP4 bytes as int32 words: little-endian, so nibble j of word w is element 8w + j, as for INT4.
+    Row views (gpt-oss's interleaved gate/up rows, `packed[:, 0::2]`) are viewed, not copied."""
     if packed.dtype == torch.int32:
         return packed
     if packed.shape[-1] % 4:
         raise FormatError(f"K/2={packed.shape[-1]} bytes is not a whole number of int32 words")
-    return packed.contiguous().view(torch.int32)
+    return (packed if packed.stride(-1) == 1 else packed.contiguous()).view(torch.int32)
 
 
-def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pairs, compute, cfg, limit,
-            perm_out=False):
+def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pairs, compute, cfg, act,
+            bias=None, bias3=None, perm_out=False):
     """One GEMM launch; `out` is [pairs, N], or when split (`_split`) FP32 partials [S, pairs, N]
-    ([S, 2, pairs, N] for w1/w3)."""
-    if w.k % cfg.block_k or cfg.block_k < 128 or w.group % 8:
-        raise ValueError(f"K={w.k}, group {w.group} do not fit block_k={cfg.block_k}")
+    ([S, 2, pairs, N] for w1/w3). `act` (a SwiGLU) is fused after w1/w3 unless split."""
+    if w.k % cfg.block_k or cfg.block_k != 128 or w.group % 8:
+        raise ValueError(f"K={w.k}, group {w.group} do not fit block_k={cfg.block_k} (the kernel takes K tiles of "
+                         "128, the 16 words that `_mma_tile` lays out, and groups of whole words)")
     gated = w3 is not None
     if gated and (w3.format != w.format or w3.packed.shape != w.packed.shape or w3.scale.shape != w.scale.shape
                   or (w3.zero_point is None) != (w.zero_point is None)):
@@ -422,6 +496,8 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
     dummy = words
     zp, zp3 = (w.zero_point, w3.zero_point) if w.zero_point is not None else (dummy, dummy)
     gs, gs3 = (w.global_scale, w3.global_scale) if w.global_scale is not None else (dummy, dummy)
+    b, b3 = (bias, bias3 if gated else bias) if bias is not None else (dummy, dummy)
+    act = act or SwiGLU()
     split = _split(cfg, w.k)
     grid = (triton.cdiv(w.n, cfg.block_n), block_expert.numel(), split)
     return _moe_gemm_kernel[grid](
@@ -430,12 +506,14 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         words3, w3.scale, gs3, zp3,
         words.stride(0), words.stride(1), w.scale.stride(0), w.scale.stride(1),
         zp.stride(0), zp.stride(1),
+        b, b3, b.stride(0), b.stride(1),
         out, out.stride(-2), out.stride(0) if split > 1 else 0, out.stride(1) if gated and split > 1 else 0,
         sorted_ids, block_expert, route_w if route_w is not None else out,
         num_pairs, w.n, w.k,
         A_ROW_DIV=a_row_div, FMT=w.codec.kernel_code, GROUP=w.group, HAS_ZP=w.zero_point is not None,
-        HAS_GLOBAL=w.global_scale is not None, GATED=gated, ROUTE_WEIGHT=route_w is not None,
-        LIMIT=float(limit), COMPUTE=_TL_DTYPES[compute], ASM=compute == torch.bfloat16,
+        HAS_GLOBAL=w.global_scale is not None, HAS_BIAS=bias is not None, GATED=gated,
+        ROUTE_WEIGHT=route_w is not None, ACTIVATION=_ACTIVATION_CODES[act.kind], LIMIT=float(act.limit),
+        ALPHA=float(act.alpha), COMPUTE=_TL_DTYPES[compute], ASM=compute == torch.bfloat16,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", PERM_OUT=perm_out,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -447,40 +525,64 @@ def _split(cfg: KernelConfig, k: int) -> int:
     return max(s for s in range(1, cfg.split_k + 1) if (k // cfg.block_k) % s == 0)
 
 
-def gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, limit, perm_out=True) -> torch.Tensor:
-    """The intermediate h [pairs, I] (compute dtype) = SwiGLU of a's rows through w1 and w3, its
-    columns permuted for `down` when perm_out."""
+def gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act, b1=None, b3=None,
+            perm_out=True) -> torch.Tensor:
+    """The intermediate h [pairs, I] (compute dtype) = act(a W1.T + b1, a W3.T + b3) for a's rows,
+    its columns permuted for `down` when perm_out."""
     h = torch.empty(pairs, w1.n, dtype=compute, device=a.device)
     split = _split(cfg, w1.k)
     if split == 1:
-        _launch(a, top_k, w1, w3, h, sorted_ids, block_expert, None, pairs, compute, cfg, limit, perm_out=perm_out)
+        _launch(a, top_k, w1, w3, h, sorted_ids, block_expert, None, pairs, compute, cfg, act, b1, b3,
+                perm_out=perm_out)
         return h
     part = torch.empty(split, 2, pairs, w1.n, dtype=torch.float32, device=a.device)
-    _launch(a, top_k, w1, w3, part, sorted_ids, block_expert, None, pairs, compute, cfg, limit)
+    _launch(a, top_k, w1, w3, part, sorted_ids, block_expert, None, pairs, compute, cfg, act, b1, b3)
     block = 1024
     _swiglu_partials_kernel[(pairs, triton.cdiv(w1.n, block))](
-        part, part.stride(0), part.stride(1), h, h.stride(0), w1.n, LIMIT=float(limit), SPLIT_K=split,
-        PERM_OUT=perm_out, BLOCK_K=cfg.block_k, BLOCK=block, num_warps=4)
+        part, part.stride(0), part.stride(1), h, h.stride(0), w1.n, ACTIVATION=_ACTIVATION_CODES[act.kind],
+        LIMIT=float(act.limit), ALPHA=float(act.alpha), SPLIT_K=split, PERM_OUT=perm_out, BLOCK_K=cfg.block_k,
+        BLOCK=block, num_warps=4)
     return h
 
 
-def down(h, w2, sorted_ids, block_expert, route_w, pairs, compute, cfg) -> torch.Tensor:
-    """Per-pair outputs h W2.T * routing weight: [S, pairs, H], FP32 partials when split (S slices),
-    else the compute dtype (BF16 on the GPU halves this buffer's traffic)."""
+def down(h, w2, sorted_ids, block_expert, route_w, pairs, compute, cfg, b2=None) -> torch.Tensor:
+    """Per-pair outputs (h W2.T + b2) * routing weight: [S, pairs, H], FP32 partials when split (S
+    slices), else the compute dtype (BF16 on the GPU halves this buffer's traffic)."""
     split = _split(cfg, w2.k)
     y = torch.empty(split, pairs, w2.n, dtype=torch.float32 if split > 1 else compute, device=h.device)
-    _launch(h, 1, w2, None, y if split > 1 else y[0], sorted_ids, block_expert, route_w, pairs, compute, cfg, 0.0)
+    _launch(h, 1, w2, None, y if split > 1 else y[0], sorted_ids, block_expert, route_w, pairs, compute, cfg, None,
+            b2)
     return y
+
+
+def _check_biases(b1, b3, b2, w1, w2):
+    if (b1 is None) != (b3 is None):
+        raise FormatError("gate and up biases come together: give both b1 and b3 or neither")
+    for name, b, n in (("b1", b1, w1.n), ("b3", b3, w1.n), ("b2", b2, w2.n)):
+        if b is not None and tuple(b.shape) != (w1.experts, n):
+            raise FormatError(f"{name} must be [E, N]=[{w1.experts}, {n}], got {list(b.shape)}")
+    if b1 is not None and b1.stride() != b3.stride():
+        raise FormatError("b1 and b3 must share strides")
 
 
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
               w1: ExpertWeights, w3: ExpertWeights, w2: ExpertWeights, *, swiglu_limit: float = 10.0,
+              activation: str = "swiglu_clamp", swiglu_alpha: float | None = None,
+              b1: torch.Tensor | None = None, b3: torch.Tensor | None = None, b2: torch.Tensor | None = None,
               compute_dtype: torch.dtype | None = None, config: KernelConfig | None = None,
               activation_scales: tuple[float, float] | None = None) -> torch.Tensor:
-    """Routed-expert output [T, H] (BF16): sum_k w_k * (silu(min(x W1_e.T, L)) * clamp(x W3_e.T, L)) W2_e.T.
+    """Routed-expert output [T, H] (BF16): sum_k w_k * (act(x W1_e.T + b1_e, x W3_e.T + b3_e) W2_e.T + b2_e).
 
     x: [T, H] activations; topk_ids: [T, top_k] expert indices; topk_weights: [T, top_k] routing
     weights. w1 (gate), w3 (up): N = intermediate, K = H; w2 (down): N = H, K = intermediate.
+    activation: "swiglu_clamp" (DeepSeek-V4: silu(min(g, L)) * clamp(u, -L, L)) or "swiglu_oai"
+    (gpt-oss: (clamp(u, -L, L) + 1) * g' * sigmoid(swiglu_alpha * g'), g' = min(g, L)), L = swiglu_limit.
+    b1, b3: [E, I] and b2: [E, H] per-expert biases (any float dtype, any strides), optional; b2 is
+    added before the routing weight multiplies the expert's output.
+    gpt-oss's fused, interleaved gate/up (rows 2i gate, 2i+1 up) needs no copy: pass row views,
+    w1 = ExpertWeights(fmt, packed[:, 0::2], scale[:, 0::2]), w3 the same with 1::2, and likewise
+    b1 = bias[:, 0::2], b3 = bias[:, 1::2] (INT4 zero points, packed 8 rows to a word, cannot be
+    split so: de-interleave those first).
     activation_scales: (input_scale of w1/w3, of w2) to emulate a W4A4 engine: each GEMM's input
     (x, then the BF16 intermediate) is quantized to NVFP4 and decoded before the weights meet it.
     """
@@ -491,16 +593,22 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     if (w1.k, w2.n, w2.k) != (hidden, hidden, w1.n) or w1.experts != w2.experts:
         raise FormatError(f"expert shapes w1 {list(w1.packed.shape)} w2 {list(w2.packed.shape)} "
                           f"do not fit hidden size {hidden}")
+    _check_biases(b1, b3, b2, w1, w2)
+    if (activation == "swiglu_oai") != (swiglu_alpha is not None):
+        raise ValueError("swiglu_alpha is the gpt-oss activation's sigmoid slope: give it with "
+                         "activation='swiglu_oai' and only then")
+    act = SwiGLU(activation, swiglu_limit, 1.0 if swiglu_alpha is None else swiglu_alpha)
     cfg = config or default_config(pairs, w1.experts)
     sorted_ids, block_expert = moe_align(topk_ids, w1.experts, cfg.block_m)
     if activation_scales is not None:
         x = fake_quantize_activations(x.bfloat16(), activation_scales[0])
     a = permute_k(x.to(compute), cfg.block_k)
     quantize_h = activation_scales is not None  # in the natural column order, then permuted here
-    h = gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, swiglu_limit, perm_out=not quantize_h)
+    h = gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act, b1, b3,
+                perm_out=not quantize_h)
     if quantize_h:
         h = permute_k(fake_quantize_activations(h.bfloat16(), activation_scales[1]).to(compute), cfg.block_k)
     route_w = topk_weights.to(torch.float32).flatten().contiguous()
-    y = down(h, w2, sorted_ids, block_expert, route_w, pairs, compute, cfg)
+    y = down(h, w2, sorted_ids, block_expert, route_w, pairs, compute, cfg, b2)
     # The top-k (and split-K) sum accumulates in FP32.
     return y.view(-1, tokens, top_k, hidden).sum((0, 2), dtype=torch.float32).to(torch.bfloat16)

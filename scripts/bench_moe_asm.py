@@ -1,0 +1,109 @@
+"""Compile the MoE kernel for sm_90 without a GPU and print what its K loop costs (SASS).
+
+Device time is scarce; most questions about a kernel change (are the weight loads 16 bytes wide,
+does the dequantized tile pass through shared memory, are the wgmmas waited for one by one, how
+many instructions per K tile) are answered by the compiler's output. This compiles
+`_moe_gemm_kernel` for a few configs with the installed Triton and its bundled ptxas and
+cuobjdump, then reports registers, stack, shared memory and the instruction mix of the innermost
+loop (the longest backward branch).
+
+Use the device's Triton version (3.6.0 for runs 3-6 in bench_moe_results.md), for example:
+
+    pip install --no-deps --target /tmp/triton36 triton==3.6.0
+    PYTHONPATH=/tmp/triton36 python scripts/bench_moe_asm.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from requant.kernels import fused_moe as fm  # noqa: E402
+
+SCALE_TYPES = {"nvfp4": ("*u8", 16), "mxfp4": ("*u8", 32), "int4": ("*bf16", 128)}
+# Arguments that are multiples of 16 at run time for this model's shapes (Triton specializes on it).
+DIVISIBLE = {"stride_am", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_om", "stride_os", "stride_og",
+             "N", "K"}
+COUNTED = ("HGMMA", "WARPGROUP", "LDSM", "STS", "LDS", "BAR", "LDGSTS", "PRMT", "LOP3", "SHF", "HMUL2", "HFMA2", "IMAD",
+           "LDL", "STL")
+
+
+def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig):
+    kernel = fm._moe_gemm_kernel
+    scale_type, group = SCALE_TYPES[fmt]
+    signature = {name: "i32" for name in kernel.arg_names}
+    for name in kernel.arg_names:
+        if name.endswith("_ptr"):
+            signature[name] = "*fp32"
+    signature.update({"a_ptr": "*bf16", "out_ptr": "*bf16" if cfg.split_k == 1 else "*fp32", "w_ptr": "*i32",
+                      "w3_ptr": "*i32", "z_ptr": "*i32", "z3_ptr": "*i32", "sorted_ids_ptr": "*i32",
+                      "block_expert_ptr": "*i32", "s_ptr": scale_type, "s3_ptr": scale_type})
+    constants = dict(A_ROW_DIV=6 if gated else 1, FMT=fm._FORMAT_CODES[fmt], GROUP=group, HAS_ZP=False,
+                     HAS_GLOBAL=fmt == "nvfp4", HAS_BIAS=False, GATED=gated, ROUTE_WEIGHT=not gated, ACTIVATION=0,
+                     LIMIT=10.0, ALPHA=1.0, COMPUTE=tl.bfloat16, ASM=True, DOT_PRECISION="tf32", PERM_OUT=gated,
+                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k)
+    signature.update({name: "constexpr" for name in constants})
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in kernel.arg_names
+             if signature[name].startswith("*") or name in DIVISIBLE}
+    target = GPUTarget("cuda", 90, 32)
+    options = make_backend(target).parse_options({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return triton.compile(ASTSource(kernel, signature, constants, attrs), target=target, options=options.__dict__)
+
+
+def cuobjdump(args: list[str]) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return subprocess.run([tool, *args], capture_output=True, text=True, check=True).stdout
+
+
+def loop_mix(sass: str) -> tuple[int, collections.Counter]:
+    """Instruction count and opcode mix between the longest backward branch and its target."""
+    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = [(addr - int(m.group(1), 16), int(m.group(1), 16), addr) for addr, text in lines
+             if (m := re.search(r"\bBRA (0x[0-9a-f]+)", text)) and int(m.group(1), 16) < addr]
+    _, start, end = max(loops)
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for addr, text in lines if start <= addr <= end]
+    return len(ops), collections.Counter(ops)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="folder for each kernel's TTGIR, PTX and SASS")
+    args = ap.parse_args()
+    print(f"Triton {triton.__version__}, target sm_90")
+    decode, prefill = fm.KernelConfig(16, 64, 128, 4, 4), fm.KernelConfig(128, 128, 128, 8, 3)
+    for fmt in SCALE_TYPES:
+        for gated in (True, False):
+            for name, cfg in (("decode", decode), ("prefill", prefill)):
+                compiled = compile_gemm(fmt, gated, cfg)
+                tag = f"{fmt}_{'w13' if gated else 'w2'}_{name}"
+                if args.out:
+                    os.makedirs(args.out, exist_ok=True)
+                    for ext in ("ttgir", "ptx"):
+                        with open(os.path.join(args.out, f"{tag}.{ext}"), "w") as f:
+                            f.write(compiled.asm[ext])
+                cubin = os.path.join(args.out or "/tmp", f"{tag}.cubin")
+                with open(cubin, "wb") as f:
+                    f.write(compiled.asm["cubin"])
+                sass = cuobjdump(["--dump-sass", cubin])
+                usage = re.search(r"REG:(\d+) STACK:(\d+)", cuobjdump(["--dump-resource-usage", cubin]))
+                if args.out:
+                    with open(os.path.join(args.out, f"{tag}.sass"), "w") as out:
+                        out.write(sass)
+                count, mix = loop_mix(sass)
+                print(f"{tag:24s} regs {usage[1]:>3s} stack {usage[2]:>3s} smem {compiled.metadata.shared:6d}  "
+                      f"K loop {count} instructions: " + ", ".join(f"{op} {mix[op]}" for op in COUNTED if mix[op]),
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
