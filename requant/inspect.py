@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
+from requant import sources
 from requant.errors import RequantError
 from requant.card import recorded_engine
 from requant.io.checkpoint import Checkpoint
@@ -23,7 +24,7 @@ def inspect_checkpoint(path: str) -> dict:
             model = ModelSpec.for_config(ck.config)
         except RequantError:
             model = None
-        experts = model.group_experts(ck.names) if model else []
+        experts = sources.reader(model).experts(ck.names) if model else []
         blocks = defaultdict(set)
         for e in experts:
             fmt = expert_format(model, ck, [e])
