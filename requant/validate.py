@@ -387,7 +387,9 @@ class _Runner:
                               intermediate=lambda h: quantize(h.bfloat16(), a2).float())
 
     def marlin(self) -> tuple[torch.Tensor, int]:
-        *ws, flushed = serve.marlin_weights(*self._weights())
+        model = self.side.model
+        served, flushed = serve.marlin_weights(dict(zip(model.projections, self._weights())), model.fused_projections)
+        ws = list(served.values())
         if not flushed:
             return self.y_bf16, 0
         if self.fm is not None:
