@@ -35,6 +35,7 @@ def provenance(plan, stats, source_label: str) -> dict:
     return {
         "producer": {"name": "requant", "version": __version__},
         "source": source_label,
+        "model": model.model_name,
         "source_format": plan.source_format,
         "target_format": target.name,
         "options": target.describe_options(),

@@ -34,6 +34,7 @@ def inspect_checkpoint(path: str) -> dict:
             "path": os.path.abspath(path),
             "model_type": ck.config.get("model_type"),
             "recipe": model.name if model else None,
+            "model": model.model_name if model else None,
             "expert_format": expert_format(model, ck, experts) if experts else None,
             "expert_blocks_by_format": {fmt: len(b) for fmt, b in sorted(blocks.items())},
             "routed_experts": len(experts),
@@ -61,7 +62,7 @@ def _made_for(path: str) -> str | None:
 def format_report(info: dict) -> str:
     lines = [
         f"checkpoint     {info['path']}",
-        f"model          {info['model_type']} (recipe: {info['recipe'] or 'none'})",
+        f"model          {info['model'] or info['model_type']} (recipe: {info['recipe'] or 'none'})",
         f"experts        {info['routed_experts']:,} routed experts, format {info['expert_format'] or 'unknown'}"
         + "".join(f"; {n} layers {fmt}" for fmt, n in info["expert_blocks_by_format"].items()),
         f"shards         {info['shards']}  tensors {info['tensors']:,}  bytes {info['tensor_bytes']:,}",

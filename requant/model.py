@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from requant import engines, moe
+from requant import engines, expressions, moe
 from requant.errors import FormatError, RequantError, UnsupportedError
 
 
@@ -35,6 +35,16 @@ def _recipe_files():
 def load_recipes() -> list[dict]:
     return [json.loads(entry.read_text()) for entry in sorted(_recipe_files(), key=lambda p: p.name)
             if entry.name.endswith(".json")]
+
+
+def named_models() -> dict[str, tuple[dict, dict]]:
+    """Every recipe's named models (its `models` section): name -> (recipe, {"dims", "source"})."""
+    return {name: (recipe, entry) for recipe in load_recipes() for name, entry in recipe.get("models", {}).items()}
+
+
+def default_model_name() -> str:
+    """The named model `requant synth` builds unless told otherwise."""
+    return next(name for name, (_, entry) in named_models().items() if entry.get("default"))
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,17 @@ class Expert:
     prefixes: dict[str, str]           # proj -> name prefix
 
 
+def expand_template(value, evaluate):
+    """A file template (recipe `synth.files`) with each "=expr" string replaced by its value."""
+    if isinstance(value, dict):
+        return {k: expand_template(v, evaluate) for k, v in value.items()}
+    if isinstance(value, list):
+        return [expand_template(v, evaluate) for v in value]
+    if isinstance(value, str) and value.startswith("="):
+        return evaluate(value[1:])
+    return value
+
+
 class ModelSpec:
     def __init__(self, recipe: dict, config: dict):
         self.recipe = recipe
@@ -78,6 +99,24 @@ class ModelSpec:
     @property
     def name(self) -> str:
         return self.recipe["name"]
+
+    @property
+    def synth_template(self) -> dict:
+        """The recipe's `synth` section: a synthetic checkpoint's tensors and files (synth.py)."""
+        return self.recipe["synth"]
+
+    @property
+    def model_name(self) -> str | None:
+        """The named model (e.g. deepseek-v4-pro) whose config.json this is, going by the values of
+        every config role; None for other dimensions."""
+        config_template = self.synth_template["files"]["config.json"]
+        for name, entry in self.recipe.get("models", {}).items():
+            dims = {**self.synth_template["derived"], **entry["dims"]}
+            evaluate = lambda expr: expressions.evaluate(expr, dims)  # noqa: E731
+            if all(self.config.get(key) == expand_template(config_template[key], evaluate)
+                   for key in self.recipe["config_keys"].values()):
+                return name
+        return None
 
     def value(self, key: str):
         """A config value by its recipe role (e.g. "hidden_size")."""
@@ -130,9 +169,12 @@ class ModelSpec:
     def engine_names(self) -> list[str]:
         return engines.available(self.recipe)
 
+    def block_name(self, kind: str, index: int) -> str:
+        """The name of block `index` of `kind` ("layer": `layers.3`, "mtp": `mtp.0`)."""
+        return self.recipe["blocks"][kind].format(index=index)
+
     def layer_block(self, index: int) -> str:
-        """The name of transformer layer `index`'s block (`layers.3`)."""
-        return self.recipe["blocks"]["layer"].format(index=index)
+        return self.block_name("layer", index)
 
     def block_position(self, block: str) -> tuple[bool, int]:
         """(is an MTP block, index): sorts blocks in layer order, the MTP blocks last."""
