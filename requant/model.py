@@ -260,6 +260,11 @@ class ModelSpec:
                 raise FormatError(f"config.json: {config_key} is {value!r}, not a "
                                   f"{'positive number' if role in real else 'count'}")
 
+    def quantization_ignore(self, fmt: str, mtp_converted: bool) -> list[str]:
+        """Module patterns an output whose experts are `fmt` lists as left unquantized
+        (quantization_config.ignore); the MTP block's experts leave the list when converted too."""
+        return list(self.recipe[f"{fmt}_ignore_mtp_converted" if mtp_converted else f"{fmt}_ignore"])
+
     def ignored(self, module: str, patterns) -> bool:
         return any(fnmatch.fnmatchcase(module, p) for p in patterns)
 

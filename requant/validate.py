@@ -1,4 +1,5 @@
-"""requant validate: run the same hidden states through one MoE layer of two checkpoints.
+"""requant validate, a forward comparison (verify is the static lint): the same hidden states
+through one MoE layer of two checkpoints.
 
 On a GPU both layers' routed experts go through requant's fused-MoE kernel, each in its stored
 format (no full-precision copy of the experts is made); the router and the shared expert run in

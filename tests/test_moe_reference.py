@@ -55,12 +55,18 @@ def random_layer(gen, experts=16, hidden=32, hash_vocab=None, top_k=4):
                     experts=None)
 
 
-def test_routing_invariants():
-    gen = torch.Generator().manual_seed(0)
-    cfg = MoEConfig(32, 8, 16, *DEEPSEEK)
+def route_random_tokens(seed: int, kinds: tuple, tokens: int):
+    """(layer, x, ids, weights): `tokens` random tokens routed by a random 16-expert layer."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = MoEConfig(32, 8, 16, *kinds)
     layer = random_layer(gen)
-    x = torch.randn(50, 32, generator=gen)
-    ids, weights = route(x, layer, cfg)
+    x = torch.randn(tokens, 32, generator=gen)
+    return layer, x, *route(x, layer, cfg)
+
+
+def test_routing_invariants():
+    layer, x, ids, weights = route_random_tokens(0, DEEPSEEK, 50)
+    cfg = MoEConfig(32, 8, 16, *DEEPSEEK)
     scores = torch.sqrt(torch.nn.functional.softplus(x @ layer.gate_weight.T))
     assert ids.shape == (50, 4)
     assert all(len(set(row)) == 4 for row in ids.tolist())
@@ -107,11 +113,7 @@ GPT_OSS = (Router("softmax_topk", 4), Activation("swiglu_oai", 7.0, 1.702))
 
 
 def test_softmax_topk_router_matches_its_definition():
-    gen = torch.Generator().manual_seed(2)
-    cfg = MoEConfig(32, 8, 16, *GPT_OSS)
-    layer = random_layer(gen)
-    x = torch.randn(40, 32, generator=gen)
-    ids, weights = route(x, layer, cfg)
+    layer, x, ids, weights = route_random_tokens(2, GPT_OSS, 40)
     for t in range(40):
         logits = [float(v) for v in x[t] @ layer.gate_weight.T + layer.gate_bias]
         top = sorted(range(16), key=lambda e: -logits[e])[:4]
