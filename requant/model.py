@@ -109,8 +109,8 @@ class ModelSpec:
     def model_name(self) -> str | None:
         """The named model (e.g. deepseek-v4-pro) whose config.json this is, going by the values of
         every config role; None for other dimensions."""
-        config_template = self.synth_template["files"]["config.json"]
         for name, entry in self.recipe.get("models", {}).items():
+            config_template = self.synth_template["files"]["config.json"]
             dims = {**self.synth_template["derived"], **entry["dims"]}
             evaluate = lambda expr: expressions.evaluate(expr, dims)  # noqa: E731
             if all(self.config.get(key) == expand_template(config_template[key], evaluate)

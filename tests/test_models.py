@@ -81,3 +81,6 @@ def test_pro_converts_verifies_and_validates(pro_pair):
     assert all(r.rel_err == 0.0 and r.routing_agreement == 1.0 for r in checked.layers)
     with open(os.path.join(dst, "requant.json"), encoding="utf-8") as f:
         assert json.load(f)["model"] is None   # reduced dimensions: no named model's
+    with Checkpoint.open(dst) as ck:   # vLLM (the default engine) loads the MTP experts converted
+        ignore = ModelSpec.for_config(ck.config).quantization_ignore("nvfp4", mtp_converted=True)
+        assert ck.config["quantization_config"]["ignore"] == ignore
