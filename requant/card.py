@@ -11,7 +11,7 @@ import json
 import math
 import os
 
-from requant import __version__
+from requant import __version__, sources
 from requant.engines import EngineRules
 
 CARD_MARK = "<!-- written by requant: the model card of a converted checkpoint -->"
@@ -26,7 +26,7 @@ def provenance(plan, stats, source_label: str) -> dict:
     target, model = plan.target, plan.model
     rules = target.engine
     blocks = set(plan.blocks)
-    mtp_blocks = sorted({e.block for e in model.group_experts(plan.source.names) if model.is_mtp(e.block)})
+    mtp_blocks = sorted({e.block for e in sources.reader(model).experts(plan.source.names) if model.is_mtp(e.block)})
     groups = {"routed experts (main layers)": target.format_label}
     if mtp_blocks:
         groups["routed experts (MTP block)"] = (target.format_label if set(mtp_blocks) <= blocks
@@ -35,6 +35,7 @@ def provenance(plan, stats, source_label: str) -> dict:
     return {
         "producer": {"name": "requant", "version": __version__},
         "source": source_label,
+        "model": model.model_name,
         "source_format": plan.source_format,
         "target_format": target.name,
         "options": target.describe_options(),

@@ -45,6 +45,18 @@ GROUP_SIZES = [str(g) for g in sorted({g for t in TARGETS.values() for g in t.co
                                        if "group_size" in {f.name for f in dataclasses.fields(t.options_type)}})]
 
 
+def _model_names() -> list[str]:
+    from requant.model import named_models
+
+    return sorted(named_models())
+
+
+def _default_model_name() -> str:
+    from requant.model import default_model_name
+
+    return default_model_name()
+
+
 DRY_RUN_SHORT_OF_SPACE = 3   # convert --dry-run: the plan is fine, the disk is too small for it
 
 
@@ -89,12 +101,16 @@ def cli():
 
 @cli.command()
 @click.argument("dest", type=click.Path(file_okay=False))
-@click.option("--layers", type=int, help="Transformer layers (default 5; 43 at full scale).")
-@click.option("--experts", type=int, help="Routed experts per layer (default 8; 256 at full scale).")
-@click.option("--hidden", type=int, help="hidden_size, a multiple of 128 (default 256; 4096 at full scale).")
-@click.option("--intermediate", type=int, help="moe_intermediate_size, a multiple of 128 (default 128; 2048).")
+@click.option("--model", "model_name", type=click.Choice(_model_names()), default=_default_model_name(),
+              show_default=True, help="Named model (from the recipes) whose layout and dimensions to build.")
+@click.option("--layers", type=int, help="Transformer layers (default 5; the model's own at full scale).")
+@click.option("--experts", type=int, help="Routed experts per layer (default 8; the model's own at full scale).")
+@click.option("--hidden", type=int, help="hidden_size, a multiple of 128 (default 256; the model's own at full scale).")
+@click.option("--intermediate", type=int,
+              help="moe_intermediate_size, a multiple of 128 (default 128; the model's own at full scale).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed; same seed, same bytes.")
-@click.option("--full-scale", is_flag=True, help="The real release's dimensions: 46 shards, 69,187 tensors, ~160 GB.")
+@click.option("--full-scale", is_flag=True, help="The named model's own dimensions, as released "
+              "(hundreds of GB; --sparse writes the layout alone).")
 @click.option("--sparse", is_flag=True, help="Leave tensor data as holes (zeros): the layout costs almost no disk.")
 @click.option("--out-of-window", type=int, default=0, show_default=True,
               help="Per expert projection, scale blocks whose exponent lies below NVFP4's lossless window.")
@@ -102,21 +118,20 @@ def cli():
 @click.option("--neg-zero-blocks", type=int, default=0, show_default=True,
               help="Per projection, scale blocks made only of -0 codes.")
 @reports_errors
-def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse, out_of_window, zero_blocks,
-          neg_zero_blocks):
-    """Write a synthetic DeepSeek-V4-Flash checkpoint (MXFP4 experts) to DEST.
+def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_scale, sparse, out_of_window,
+          zero_blocks, neg_zero_blocks):
+    """Write a synthetic checkpoint of a named model (MXFP4 experts) to DEST.
 
-    The layout is the release's: tensor names, dtypes, shapes, shard and index layout, config.json,
-    generation config, tokenizer and inference/ files. Expert weights are MXFP4 encodings of
-    heavy-tailed continuous weights, so block exponents spread as in a trained model.
+    The layout is the release's, from the model's recipe: tensor names, dtypes, shapes, shard and
+    index layout, config.json and the other metadata files, a tokenizer. Expert weights are MXFP4
+    encodings of heavy-tailed continuous weights, so block exponents spread as in a trained model.
     """
     from requant import synth as synth_lib
 
     if os.path.exists(dest) and os.listdir(dest):
         raise RequantError(f"{dest} exists and is not empty")
-    base = synth_lib.FULL_SCALE if full_scale else synth_lib.Dims()
-    dims = synth_lib.dims_with(base, layers=layers, experts=experts, hidden=hidden, intermediate=intermediate)
-    dims = synth_lib.dims_with(dims, hash_layers=min(3, dims.layers))
+    dims = synth_lib.Dims(model_name, full_scale, layers=layers, experts=experts, hidden=hidden,
+                          intermediate=intermediate)
     try:
         dims.check()
     except ValueError as e:
@@ -126,7 +141,7 @@ def synth(dest, layers, experts, hidden, intermediate, seed, full_scale, sparse,
     with tqdm(total=len(synth_lib.layout(dims)), unit="shard", desc="synth") as bar:
         shards = synth_lib.write_checkpoint(dest, dims, seed, hard, sparse,
                                             progress=lambda done, total: bar.update(1))
-    click.echo(f"wrote {dest}: {len(shards)} shards, {dims.layers} layers x {dims.experts} experts, "
+    click.echo(f"wrote {dest}: {dims.model}, {len(shards)} shards, {dims.layers} layers x {dims.experts} experts, "
                f"hidden {dims.hidden}, intermediate {dims.intermediate}{' (sparse)' if sparse else ''}")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
+from requant import sources
 from requant.errors import RequantError
 from requant.card import recorded_engine
 from requant.io.checkpoint import Checkpoint
@@ -23,7 +24,7 @@ def inspect_checkpoint(path: str) -> dict:
             model = ModelSpec.for_config(ck.config)
         except RequantError:
             model = None
-        experts = model.group_experts(ck.names) if model else []
+        experts = sources.reader(model).experts(ck.names) if model else []
         blocks = defaultdict(set)
         for e in experts:
             codec = expert_codec(model, ck, [e])
@@ -34,6 +35,7 @@ def inspect_checkpoint(path: str) -> dict:
             "path": os.path.abspath(path),
             "model_type": ck.config.get("model_type"),
             "recipe": model.name if model else None,
+            "model": model.model_name if model else None,
             "expert_format": main.name if main else None,
             "expert_blocks_by_format": {fmt: len(b) for fmt, b in sorted(blocks.items())},
             "routed_experts": len(experts),
@@ -61,7 +63,7 @@ def _made_for(path: str) -> str | None:
 def format_report(info: dict) -> str:
     lines = [
         f"checkpoint     {info['path']}",
-        f"model          {info['model_type']} (recipe: {info['recipe'] or 'none'})",
+        f"model          {info['model'] or info['model_type']} (recipe: {info['recipe'] or 'none'})",
         f"experts        {info['routed_experts']:,} routed experts, format {info['expert_format'] or 'unknown'}"
         + "".join(f"; {n} layers {fmt}" for fmt, n in info["expert_blocks_by_format"].items()),
         f"shards         {info['shards']}  tensors {info['tensors']:,}  bytes {info['tensor_bytes']:,}",

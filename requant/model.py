@@ -3,6 +3,10 @@
 Everything specific to a model family lives in its recipe (recipes/*.json); this module reads
 recipes and answers questions about tensor names and config values. The pipeline and the formats
 never look at tensor names themselves.
+
+In a recipe, a name template holds `{block}` (a block name such as `layers.3`), `{index}`, `{proj}`
+or `{expert}`; a parameter of the router or activation given as a string names a config role
+(a key of `config_keys`), a number is a constant of the model family.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from requant import engines
-from requant.errors import UnsupportedError
+from requant import engines, expressions, moe
+from requant.errors import FormatError, RequantError, UnsupportedError
 
 
 def _recipe_files():
@@ -31,6 +35,16 @@ def _recipe_files():
 def load_recipes() -> list[dict]:
     return [json.loads(entry.read_text()) for entry in sorted(_recipe_files(), key=lambda p: p.name)
             if entry.name.endswith(".json")]
+
+
+def named_models() -> dict[str, tuple[dict, dict]]:
+    """Every recipe's named models (its `models` section): name -> (recipe, {"dims", "source"})."""
+    return {name: (recipe, entry) for recipe in load_recipes() for name, entry in recipe.get("models", {}).items()}
+
+
+def default_model_name() -> str:
+    """The named model `requant synth` builds unless told otherwise."""
+    return next(name for name, (_, entry) in named_models().items() if entry.get("default"))
 
 
 @dataclass(frozen=True)
@@ -54,11 +68,24 @@ class Expert:
     prefixes: dict[str, str]           # proj -> name prefix
 
 
+def expand_template(value, evaluate):
+    """A file template (recipe `synth.files`) with each "=expr" string replaced by its value."""
+    if isinstance(value, dict):
+        return {k: expand_template(v, evaluate) for k, v in value.items()}
+    if isinstance(value, list):
+        return [expand_template(v, evaluate) for v in value]
+    if isinstance(value, str) and value.startswith("="):
+        return evaluate(value[1:])
+    return value
+
+
 class ModelSpec:
     def __init__(self, recipe: dict, config: dict):
         self.recipe = recipe
         self.config = config
         self._expert_re = re.compile(recipe["routed_expert"])
+        self._block_re = {kind: re.compile("^" + re.escape(template).replace(re.escape("{index}"), r"(\d+)") + "$")
+                          for kind, template in recipe["blocks"].items()}
 
     @classmethod
     def for_config(cls, config: dict, where: str = "config.json") -> "ModelSpec":
@@ -72,6 +99,24 @@ class ModelSpec:
     @property
     def name(self) -> str:
         return self.recipe["name"]
+
+    @property
+    def synth_template(self) -> dict:
+        """The recipe's `synth` section: a synthetic checkpoint's tensors and files (synth.py)."""
+        return self.recipe["synth"]
+
+    @property
+    def model_name(self) -> str | None:
+        """The named model (e.g. deepseek-v4-pro) whose config.json this is, going by the values of
+        every config role; None for other dimensions."""
+        for name, entry in self.recipe.get("models", {}).items():
+            config_template = self.synth_template["files"]["config.json"]
+            dims = {**self.synth_template["derived"], **entry["dims"]}
+            evaluate = lambda expr: expressions.evaluate(expr, dims)  # noqa: E731
+            if all(self.config.get(key) == expand_template(config_template[key], evaluate)
+                   for key in self.recipe["config_keys"].values()):
+                return name
+        return None
 
     def value(self, key: str):
         """A config value by its recipe role (e.g. "hidden_size")."""
@@ -88,20 +133,27 @@ class ModelSpec:
         return ExpertTensor(m["block"], int(m["expert"]), m["proj"], part, name[: -len(part) - 1])
 
     def group_experts(self, names) -> list[Expert]:
-        """Group routed-expert tensor names by expert, in order of first appearance."""
-        experts: dict[tuple[str, int], Expert] = {}
-        for name in names:
-            ref = self.expert_tensor(name)
-            if ref is None:
-                continue
-            expert = experts.setdefault((ref.block, ref.expert), Expert(ref.block, ref.expert, {}, {}))
-            expert.parts.setdefault(ref.proj, {})[ref.part] = name
-            expert.prefixes[ref.proj] = ref.prefix
-        return list(experts.values())
+        """The routed experts among `names`, through the reader of the recipe's expert layout.
+        Kept for verify and the targets until they ask `requant.sources` themselves."""
+        from requant import sources
+        return sources.reader(self).experts(names)
+
+    @property
+    def expert_layout(self) -> str:
+        return self.recipe["expert_layout"]
 
     @property
     def projections(self) -> list[str]:
         return list(self.recipe["projections"])
+
+    @property
+    def down_projection(self) -> str:
+        return self.recipe["down_projection"]
+
+    @property
+    def fused_projections(self) -> list[list[str]]:
+        """Projections an engine loads as one tensor (DeepSeek-V4's w1 and w3 as w13)."""
+        return [list(group) for group in self.recipe["fused_projections"]]
 
     def fused_partner(self, proj: str) -> str | None:
         for group in self.recipe["fused_projections"]:
@@ -117,14 +169,101 @@ class ModelSpec:
     def engine_names(self) -> list[str]:
         return engines.available(self.recipe)
 
+    def block_name(self, kind: str, index: int) -> str:
+        """The name of block `index` of `kind` ("layer": `layers.3`, "mtp": `mtp.0`)."""
+        return self.recipe["blocks"][kind].format(index=index)
+
+    def layer_block(self, index: int) -> str:
+        return self.block_name("layer", index)
+
+    def block_position(self, block: str) -> tuple[bool, int]:
+        """(is an MTP block, index): sorts blocks in layer order, the MTP blocks last."""
+        for kind, pattern in self._block_re.items():
+            if m := pattern.match(block):
+                return kind == "mtp", int(m[1])
+        raise FormatError(f"{block!r} is not a block name of a {self.name} model")
+
+    def block_index(self, block: str) -> int:
+        """The index in the block's name: L of `layers.L`, N of the MTP block `mtp.N`."""
+        return self.block_position(block)[1]
+
     def is_mtp(self, block: str) -> bool:
-        return block.startswith(self.recipe["mtp_block_prefix"])
+        return bool(self._block_re["mtp"].match(block))
+
+    def select_blocks(self, spec: str | None, blocks: list[str]) -> list[str]:
+        """Blocks selected by --layers: comma-separated layer numbers, ranges A-B, or block names."""
+        if not spec:
+            return blocks
+        wanted = set()
+        for item in spec.split(","):
+            item = item.strip()
+            if m := re.fullmatch(r"(\d+)-(\d+)", item):
+                wanted.update(self.layer_block(i) for i in range(int(m[1]), int(m[2]) + 1))
+            elif item.isdigit():
+                wanted.add(self.layer_block(int(item)))
+            elif item:
+                wanted.add(item)
+        unknown = wanted - set(blocks)
+        if unknown:
+            raise RequantError(f"--layers names blocks without routed experts in both checkpoints: {sorted(unknown)[:5]}")
+        return [b for b in blocks if b in wanted]
 
     def experts_module(self, block: str) -> str:
         return self.recipe["experts_module"].format(block=block)
 
     def moe_input_norm(self, block: str) -> str:
         return self.recipe["moe_input_norm"].format(block=block)
+
+    def shared_expert(self, block: str, proj: str) -> str:
+        """Name prefix of one projection of the block's shared expert."""
+        return self.recipe["shared_expert"].format(block=block, proj=proj)
+
+    def router_tensor(self, block: str, role: str) -> str:
+        """The block's router tensor of `role`: weight, bias (DeepSeek-V4: chooses experts only) or
+        token_table (hash-routed layers: token id -> expert ids)."""
+        return self.recipe["router"]["tensors"][role].format(block=block)
+
+    @property
+    def router_roles(self) -> list[str]:
+        return list(self.recipe["router"]["tensors"])
+
+    def router(self) -> dict:
+        """{"kind", "top_k", "scaling_factor"}: how the torch reference routes tokens (moe.py)."""
+        spec = self.recipe["router"]
+        return {"kind": spec["kind"], "top_k": int(self.value("top_k")),
+                "scaling_factor": float(self._parameter(spec.get("scaling_factor", 1.0)))}
+
+    def activation(self) -> dict:
+        """{"kind", and the kind's parameters as numbers}: the experts' activation (moe.py)."""
+        spec = self.recipe["activation"]
+        return {"kind": spec["kind"], **{k: float(self._parameter(v)) for k, v in spec.items() if k != "kind"}}
+
+    def _parameter(self, value):
+        return self.value(value) if isinstance(value, str) else value
+
+    def config_key(self, role: str) -> str:
+        """The config.json key that holds `role` in this model family."""
+        return self.recipe["config_keys"][role]
+
+    def check_config_types(self) -> None:
+        """config.json comes from strangers too: the values requant computes with must have the right type."""
+        real = set(self.recipe["real_config_roles"])
+        for role, config_key in self.recipe["config_keys"].items():
+            if config_key not in self.config:
+                continue
+            value = self.config[config_key]
+            if role in real:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+            else:
+                ok = type(value) is int and value >= 0
+            if not ok:
+                raise FormatError(f"config.json: {config_key} is {value!r}, not a "
+                                  f"{'positive number' if role in real else 'count'}")
+
+    def quantization_ignore(self, fmt: str, mtp_converted: bool) -> list[str]:
+        """Module patterns an output whose experts are `fmt` lists as left unquantized
+        (quantization_config.ignore); the MTP block's experts leave the list when converted too."""
+        return list(self.recipe[f"{fmt}_ignore_mtp_converted" if mtp_converted else f"{fmt}_ignore"])
 
     def ignored(self, module: str, patterns) -> bool:
         return any(fnmatch.fnmatchcase(module, p) for p in patterns)
@@ -133,12 +272,12 @@ class ModelSpec:
         """Data-free bounds on |activation| entering each projection.
 
         The MoE input is an RMSNorm output, so |x_i| <= sqrt(hidden) * max|norm weight|. The down
-        projection sees silu(min(g, L)) * clamp(u, -L, L) <= L * silu(L), times the routing weight,
-        which is at most the routed scaling factor where a kernel applies it before w2.
+        projection sees the activation's bound (DeepSeek-V4: silu(min(g, L)) * clamp(u, -L, L) <=
+        L * silu(L)), times the routing weight, which is at most the routed scaling factor where a
+        kernel applies it before the down projection.
         """
-        limit = float(self.value("swiglu_limit"))
         up = math.sqrt(self.value("hidden_size")) * norm_weight_absmax
-        down = limit * limit / (1 + math.exp(-limit)) * max(1.0, float(self.value("routed_scaling_factor")))
+        down = moe.activation(self.activation()).bound() * max(1.0, self.router()["scaling_factor"])
         bounds = {p: up for p in self.projections}
-        bounds[self.recipe["down_projection"]] = down
+        bounds[self.down_projection] = down
         return bounds

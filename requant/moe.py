@@ -1,22 +1,76 @@
-"""Plain torch reference of one DeepSeek-V4-Flash MoE layer (docs/formats.md section 4).
+"""Plain torch reference of one MoE layer: router, routed experts and shared expert.
 
-Works on dequantized float weights and computes in FP32; written from the model's definition,
-independently of the Triton kernel, so that it can judge it. Activations stay BF16/FP32 (no FP8
-activation rounding), as on Hopper serving engines.
+The router and the experts' activation are the kinds a recipe names (model.ModelSpec.router() and
+.activation()): DeepSeek-V4's ("sqrtsoftplus", "swiglu_clamp"; docs/formats.md section 4) and
+gpt-oss' ("softmax_topk", "swiglu_oai"). Works on dequantized float weights and computes in FP32;
+written from the models' definitions, independently of the Triton kernel, so that it can judge it.
+Activations stay BF16/FP32 (no FP8 activation rounding), as on Hopper serving engines.
+
+An expert is its weights (gate [I, H], up [I, H], down [H, I]), optionally followed by its biases
+(gate [I], up [I], down [H]); the down bias is added before the routing weight scales the output.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from requant.errors import FormatError
+from requant.errors import FormatError, UnsupportedError
 
-ExpertFn = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+ExpertFn = Callable[[int], tuple[torch.Tensor, ...]]
 Intermediate = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Activation:
+    """The experts' gated activation: h = act(x @ gate.T, x @ up.T)."""
+
+    kind: str
+    limit: float
+    alpha: float | None = None   # swiglu_oai's sigmoid slope
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return _ACTIVATIONS[self.kind][0](self, gate, up)
+
+    def bound(self) -> float:
+        """The largest |h| the activation can give (both clamps bind)."""
+        return _ACTIVATIONS[self.kind][1](self)
+
+
+def _swiglu_clamp(act: Activation, gate, up):
+    """DeepSeek-V4: silu(min(gate, L)) * clamp(up, -L, L)."""
+    return F.silu(gate.clamp(max=act.limit)) * up.clamp(-act.limit, act.limit)
+
+
+def _swiglu_oai(act: Activation, gate, up):
+    """gpt-oss: g = min(gate, L), u = clamp(up, -L, L), (u + 1) * g * sigmoid(alpha * g)."""
+    gate = gate.clamp(max=act.limit)
+    up = up.clamp(-act.limit, act.limit)
+    return (up + 1) * gate * torch.sigmoid(act.alpha * gate)
+
+
+_ACTIVATIONS = {
+    "swiglu_clamp": (_swiglu_clamp, lambda a: a.limit * a.limit / (1 + math.exp(-a.limit))),
+    "swiglu_oai": (_swiglu_oai, lambda a: (a.limit + 1) * a.limit / (1 + math.exp(-a.alpha * a.limit))),
+}
+
+
+def activation(spec: dict) -> Activation:
+    """An Activation from the recipe's description (model.ModelSpec.activation())."""
+    if spec["kind"] not in _ACTIVATIONS:
+        raise UnsupportedError(f"activation {spec['kind']!r} has no torch reference (known: {', '.join(_ACTIVATIONS)})")
+    return Activation(**spec)
+
+
+@dataclass(frozen=True)
+class Router:
+    kind: str
+    top_k: int
+    scaling_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -24,39 +78,32 @@ class MoEConfig:
     hidden_size: int
     intermediate_size: int
     n_routed_experts: int
-    top_k: int
-    routed_scaling_factor: float
-    swiglu_limit: float
-    num_hash_layers: int
+    router: Router
+    activation: Activation
 
     @classmethod
-    def from_config(cls, config: dict) -> "MoEConfig":
-        try:
-            return cls(
-                hidden_size=int(config["hidden_size"]),
-                intermediate_size=int(config["moe_intermediate_size"]),
-                n_routed_experts=int(config["n_routed_experts"]),
-                top_k=int(config["num_experts_per_tok"]),
-                routed_scaling_factor=float(config["routed_scaling_factor"]),
-                swiglu_limit=float(config["swiglu_limit"]),
-                num_hash_layers=int(config.get("num_hash_layers", 0)),
-            )
-        except KeyError as e:
-            raise FormatError(f"config.json lacks {e.args[0]!r}, needed for the MoE forward") from None
+    def from_model(cls, model) -> "MoEConfig":
+        """From a model.ModelSpec: its recipe's router and activation, its config's dimensions."""
+        router = model.router()
+        if router["kind"] not in _ROUTERS:
+            raise UnsupportedError(f"router {router['kind']!r} has no torch reference (known: {', '.join(_ROUTERS)})")
+        return cls(int(model.value("hidden_size")), int(model.value("intermediate_size")),
+                   int(model.value("num_experts")), Router(**router), activation(model.activation()))
 
 
 @dataclass
 class MoELayer:
-    gate_weight: torch.Tensor               # [E, H]
-    gate_bias: torch.Tensor | None          # [E] float32, non-hash layers
-    tid2eid: torch.Tensor | None            # [vocab, top_k] int64, hash layers
-    experts: ExpertFn                       # e -> float (w1 [I, H], w3 [I, H], w2 [H, I])
-    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # float (w1, w3, w2)
+    gate_weight: torch.Tensor               # router [E, H]
+    gate_bias: torch.Tensor | None          # router bias [E] float32 (sqrtsoftplus: non-hash layers)
+    tid2eid: torch.Tensor | None            # [vocab, top_k] int64, hash-routed layers (sqrtsoftplus)
+    experts: ExpertFn                       # e -> float (gate, up, down[, gate bias, up bias, down bias])
+    shared: tuple[torch.Tensor, ...] | None = None  # float, as an expert
 
 
-def route(x: torch.Tensor, layer: MoELayer, cfg: MoEConfig,
-          token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert ids [T, top_k] int64, routing weights [T, top_k] float32)."""
+def _route_sqrtsoftplus(x, layer: MoELayer, router: Router, token_ids):
+    """DeepSeek-V4: scores sqrt(softplus(logits)); the bias (or, in hash layers, the token's row of
+    tid2eid) chooses the experts, the unbiased scores of the chosen ones, normalised and times the
+    routed scaling factor, weigh them."""
     logits = x.float() @ layer.gate_weight.float().T
     scores = torch.sqrt(F.softplus(logits))
     if layer.tid2eid is not None:
@@ -66,31 +113,53 @@ def route(x: torch.Tensor, layer: MoELayer, cfg: MoEConfig,
     else:
         if layer.gate_bias is None:
             raise FormatError("a non-hash layer needs gate.bias")
-        # The bias only chooses the experts; the weights use the unbiased scores.
-        ids = (scores + layer.gate_bias.float()).topk(cfg.top_k, dim=-1).indices
+        ids = (scores + layer.gate_bias.float()).topk(router.top_k, dim=-1).indices
     chosen = scores.gather(1, ids)
-    weights = chosen / chosen.sum(-1, keepdim=True) * cfg.routed_scaling_factor
-    return ids, weights
+    return ids, chosen / chosen.sum(-1, keepdim=True) * router.scaling_factor
 
 
-def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                  limit: float, intermediate: Intermediate | None = None) -> torch.Tensor:
-    gate = (x @ w1.T).clamp(max=limit)
-    up = (x @ w3.T).clamp(-limit, limit)
-    h = F.silu(gate) * up
-    return (h if intermediate is None else intermediate(h)) @ w2.T
+def _route_softmax_topk(x, layer: MoELayer, router: Router, token_ids):
+    """gpt-oss: logits = x W^T + b; the top-k logits choose the experts, a softmax over those k
+    gives their weights."""
+    logits = x.float() @ layer.gate_weight.float().T
+    if layer.gate_bias is not None:
+        logits = logits + layer.gate_bias.float()
+    top = logits.topk(router.top_k, dim=-1)
+    return top.indices, torch.softmax(top.values, dim=-1) * router.scaling_factor
+
+
+_ROUTERS = {"sqrtsoftplus": _route_sqrtsoftplus, "softmax_topk": _route_softmax_topk}
+
+
+def route(x: torch.Tensor, layer: MoELayer, cfg: MoEConfig,
+          token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids [T, top_k] int64, routing weights [T, top_k] float32)."""
+    return _ROUTERS[cfg.router.kind](x, layer, cfg.router, token_ids)
+
+
+def expert_forward(x: torch.Tensor, expert: tuple[torch.Tensor, ...], act: Activation,
+                   intermediate: Intermediate | None = None) -> torch.Tensor:
+    """One expert on x [T, H]; `intermediate` sees (and may replace) the down projection's input."""
+    gate_w, up_w, down_w, *biases = expert
+    gate_b, up_b, down_b = biases or (None, None, None)
+    gate, up = x @ gate_w.T, x @ up_w.T
+    if gate_b is not None:
+        gate, up = gate + gate_b, up + up_b
+    h = act(gate, up)
+    y = (h if intermediate is None else intermediate(h)) @ down_w.T
+    return y if down_b is None else y + down_b
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertFn,
-                   limit: float, intermediate: Intermediate | None = None) -> torch.Tensor:
+                   act: Activation, intermediate: Intermediate | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) in FP32, one expert at a time.
-    `intermediate` sees (and may replace) each expert's input to w2."""
+    `intermediate` sees (and may replace) each expert's input to its down projection."""
     x = x.float()
     y = torch.zeros_like(x)
     for e in ids.unique().tolist():
         rows, slots = (ids == e).nonzero(as_tuple=True)
-        w1, w3, w2 = (w.float() for w in experts(e))
-        y.index_add_(0, rows, swiglu_expert(x[rows], w1, w3, w2, limit, intermediate) * weights[rows, slots, None])
+        expert = tuple(w.float() for w in experts(e))
+        y.index_add_(0, rows, expert_forward(x[rows], expert, act, intermediate) * weights[rows, slots, None])
     return y
 
 
@@ -98,7 +167,7 @@ def moe_forward(x: torch.Tensor, layer: MoELayer, cfg: MoEConfig,
                 token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(output [T, H] float32 = routed + shared expert, expert ids, routing weights)."""
     ids, weights = route(x, layer, cfg, token_ids)
-    y = routed_experts(x, ids, weights, layer.experts, cfg.swiglu_limit)
+    y = routed_experts(x, ids, weights, layer.experts, cfg.activation)
     if layer.shared is not None:
-        y += swiglu_expert(x.float(), *(w.float() for w in layer.shared), cfg.swiglu_limit)
+        y += expert_forward(x.float(), tuple(w.float() for w in layer.shared), cfg.activation)
     return y, ids, weights

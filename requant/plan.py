@@ -7,7 +7,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
-from requant import formats
+from requant import formats, sources
 from requant.errors import FormatError, UnsupportedError
 from requant.io.checkpoint import Checkpoint
 from requant.io.safetensors import TensorSpec, encode_header
@@ -74,7 +74,7 @@ def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: 
     is the format the caller expects them in (None: whatever they are stored as)."""
     model = ModelSpec.for_config(source.config, os.path.join(source.path, "config.json"))
     _check_config_values(model)
-    experts = model.group_experts(source.names)
+    experts = sources.reader(model).experts(source.names)
     found = expert_codec(model, source, experts)
     if found is None:
         raise UnsupportedError(f"{source.path}: no routed experts in a known format were found")
@@ -129,28 +129,19 @@ def _check_config_values(model: ModelSpec) -> None:
     the right type."""
     if not isinstance(model.config.get("quantization_config", {}), dict):
         raise FormatError("config.json: quantization_config is not an object")
-    for role, config_key in model.recipe["config_keys"].items():
-        if config_key not in model.config:
-            continue
-        value = model.config[config_key]
-        if role in ("swiglu_limit", "routed_scaling_factor"):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
-        else:
-            ok = type(value) is int and value >= 0
-        if not ok:
-            raise FormatError(f"config.json: {config_key} is {value!r}, not a "
-                              f"{'positive number' if role in ('swiglu_limit', 'routed_scaling_factor') else 'count'}")
+    model.check_config_types()
 
 
 def _check_against_config(model: ModelSpec, source: Checkpoint, expert: Expert) -> None:
     """A config.json that disagrees with the tensors would make the converted model unloadable."""
     hidden, inter = model.value("hidden_size"), model.value("intermediate_size")
-    down = model.recipe["down_projection"]
+    down = model.down_projection
     for proj, parts in expert.parts.items():
         if "weight" not in parts:
             continue
         shape = source.info(parts["weight"]).spec.shape
         expected = (hidden, inter) if proj == down else (inter, hidden)
         if len(shape) != 2 or (shape[0], shape[1] * 2) != expected:
-            raise FormatError(f"shape {list(shape)} does not match config.json (hidden_size={hidden}, "
-                              f"moe_intermediate_size={inter} give logical {list(expected)})", tensor=parts["weight"])
+            raise FormatError(f"shape {list(shape)} does not match config.json ({model.config_key('hidden_size')}"
+                              f"={hidden}, {model.config_key('intermediate_size')}={inter} give logical "
+                              f"{list(expected)})", tensor=parts["weight"])

@@ -54,21 +54,24 @@ def applies(mode: str, dst_format: str) -> bool:
     return mode != "nvfp4-w4a4" or dst_format == "nvfp4"
 
 
-def marlin_weights(w1, w3, w2):
-    """(w1, w3, w2, blocks flushed) as vLLM 0.33.0's Marlin serves NVFP4 experts: one factor for
-    w1 and w3 of all experts together (its fused w13), one for w2."""
+def marlin_weights(weights: dict, fused: list[list[str]]) -> tuple[dict, int]:
+    """({proj: ExpertWeights}, blocks flushed) as vLLM 0.33.0's Marlin serves NVFP4 experts: one
+    factor for each group of projections it loads as one tensor, over all experts together
+    (`fused`: the model's, e.g. DeepSeek-V4's w1 and w3 as w13), one for each other projection."""
     from requant.kernels.weights import ExpertWeights
 
-    if w1.format != "nvfp4":
-        return w1, w3, w2, 0
-    out, flushed = [], 0
-    for group in ((w1, w3), (w2,)):
-        factor = engine_numerics.marlin_scale_factor(*(w.scale for w in group))
-        for w in group:
+    if next(iter(weights.values())).format != "nvfp4":
+        return weights, 0
+    groups = fused + [[p] for p in weights if not any(p in g for g in fused)]
+    out, flushed = {}, 0
+    for group in groups:
+        factor = engine_numerics.marlin_scale_factor(*(weights[p].scale for p in group))
+        for p in group:
+            w = weights[p]
             scale, n = engine_numerics.marlin_flush(w.scale, factor)
-            out.append(ExpertWeights(w.format, w.packed, scale, w.global_scale, w.zero_point))
+            out[p] = ExpertWeights(w.format, w.packed, scale, w.global_scale, w.zero_point)
             flushed += n
-    return (*out, flushed)
+    return {p: out[p] for p in weights}, flushed
 
 
 def calibrated_input_scale(amax: float) -> float:

@@ -1,7 +1,9 @@
-"""Synthetic DeepSeek-V4-Flash checkpoints at any scale.
+"""Synthetic checkpoints of any recipe's named models, at any scale.
 
-The layout (names, dtypes, shapes, shard placement, order) follows the public release; at full
-scale it reproduces it tensor for tensor. Routed experts are MXFP4 encodings of continuous weights
+The layout (names, dtypes, shapes, shard placement, order) and the metadata files come from the
+recipe's `synth` section: a template over the named model's dimensions (recipe `models`), which
+this module interprets without knowing any model. At full scale DeepSeek-V4-Flash reproduces the
+release tensor for tensor (tests/fixtures). Routed experts are MXFP4 encodings of continuous weights
 whose block exponents spread as a trained model's do; flags inject the hard cases for the cast.
 """
 
@@ -9,180 +11,118 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
+from requant import expressions, model as model_lib
+from requant.errors import UnsupportedError
 from requant.formats import fp8_block, mxfp4
 from requant.io.fsutil import atomic_write_json
 from requant.io.safetensors import DTYPES, ShardWriter, TensorSpec
 
 
-@dataclass(frozen=True)
 class Dims:
-    layers: int = 5
-    experts: int = 8
-    hidden: int = 256
-    intermediate: int = 128
-    vocab: int = 512
-    heads: int = 4
-    head_dim: int = 128
-    q_lora_rank: int = 128
-    o_lora_rank: int = 128
-    o_groups: int = 2
-    index_heads: int = 4
-    index_head_dim: int = 64
-    top_k: int = 6
-    hash_layers: int = 3
-    mtp_layers: int = 1
-    hc_mult: int = 4
-    shared_experts: int = 1
+    """A named model's dimensions (recipe `models.NAME.dims`): its own at full scale, else the
+    recipe's reduced ones, then `overrides`. Read them as attributes (`dims.experts`)."""
+
+    def __init__(self, model: str | None = None, full_scale: bool = False, **overrides):
+        self.model = model or model_lib.default_model_name()
+        models = model_lib.named_models()
+        if self.model not in models:
+            raise UnsupportedError(f"no recipe names a model {self.model!r} (known: {', '.join(models)})")
+        recipe, entry = models[self.model]
+        self.spec = model_lib.ModelSpec(recipe, {})
+        self.template = self.spec.synth_template
+        self.full_scale = full_scale
+        self.overrides = {k: v for k, v in overrides.items() if v is not None}
+        unknown = set(self.overrides) - set(entry["dims"])
+        if unknown:
+            raise UnsupportedError(f"{self.model} has no dimension {sorted(unknown)[0]!r}")
+        values = {**entry["dims"], **({} if full_scale else self.template["reduced"]), **self.overrides}
+        values.update({k: self._evaluate(expr, values) for k, expr in self.template["fit"].items()})
+        self.values = values
+
+    def _evaluate(self, expr, values: dict, bound: dict | None = None):
+        return expressions.evaluate(expr, {**self.template["derived"], **values}, bound)
+
+    def evaluate(self, expr, bound: dict | None = None):
+        """An expression of the recipe's synth template over these dimensions."""
+        return self._evaluate(expr, self.values, bound)
+
+    def __getattr__(self, name: str):
+        values = self.__dict__.get("values", {})
+        if name not in values:
+            raise AttributeError(name)
+        return values[name]
+
+    def __repr__(self) -> str:
+        return f"Dims({self.model!r}, {self.values})"
 
     def check(self) -> None:
-        if self.layers < 1 or self.experts < self.top_k:
-            raise ValueError(f"need at least 1 layer and {self.top_k} experts")
-        for name in ("hidden", "intermediate"):
-            if getattr(self, name) % 128:
-                raise ValueError(f"--{name} must be a multiple of 128 (FP8 blocks, W4A16 groups)")
-        if self.heads % self.o_groups:
-            raise ValueError("heads must be a multiple of o_groups")
+        for condition, message in self.template["checks"]:
+            if not self.evaluate(condition):
+                raise ValueError(message.format(**self.values))
 
 
-FULL_SCALE = Dims(layers=43, experts=256, hidden=4096, intermediate=2048, vocab=129280, heads=64,
-                  head_dim=512, q_lora_rank=1024, o_lora_rank=1024, o_groups=8, index_heads=64,
-                  index_head_dim=128)
+def dims_with(base: Dims, **overrides) -> Dims:
+    return Dims(base.model, base.full_scale, **{**base.overrides, **overrides})
 
 
-def compress_ratios(d: Dims) -> list[int]:
-    """0 for the first two layers and the MTP blocks, then alternating 4 and 128."""
-    return [0 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(d.layers)] + [0] * d.mtp_layers
+def metadata_files(d: Dims) -> dict[str, dict]:
+    """The JSON files beside the shards (config.json, ...), by path, with the dimensions of `d`."""
+    return {path: model_lib.expand_template(template, d.evaluate) for path, template in d.template["files"].items()}
 
 
 def make_config(d: Dims) -> dict:
     """config.json of the release, with the dimensions of `d`."""
-    return {
-        "architectures": ["DeepseekV4ForCausalLM"],
-        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1,
-        "expert_dtype": "fp4", "hc_eps": 1e-06, "hc_mult": d.hc_mult, "hc_sinkhorn_iters": 20,
-        "head_dim": d.head_dim, "hidden_act": "silu", "hidden_size": d.hidden,
-        "index_head_dim": d.index_head_dim, "index_n_heads": d.index_heads, "index_topk": 512,
-        "initializer_range": 0.02, "max_position_embeddings": 1048576, "model_type": "deepseek_v4",
-        "moe_intermediate_size": d.intermediate, "n_routed_experts": d.experts,
-        "n_shared_experts": d.shared_experts, "norm_topk_prob": True, "num_attention_heads": d.heads,
-        "num_experts_per_tok": d.top_k, "num_hidden_layers": d.layers, "num_hash_layers": d.hash_layers,
-        "num_key_value_heads": 1, "num_nextn_predict_layers": d.mtp_layers, "o_groups": d.o_groups,
-        "o_lora_rank": d.o_lora_rank, "q_lora_rank": d.q_lora_rank, "qk_rope_head_dim": 64,
-        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
-        "rms_norm_eps": 1e-06,
-        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16,
-                         "original_max_position_embeddings": 65536, "type": "yarn"},
-        "rope_theta": 10000, "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus",
-        "sliding_window": 128, "swiglu_limit": 10.0, "tie_word_embeddings": False,
-        "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "transformers_version": "4.57.1",
-        "use_cache": True, "vocab_size": d.vocab, "compress_rope_theta": 160000,
-        "compress_ratios": compress_ratios(d),
-    }
+    return metadata_files(d)["config.json"]
 
 
-def _inference_config(d: Dims) -> dict:
-    """inference/config.json: the reference code's own names for the same dimensions."""
-    return {
-        "vocab_size": d.vocab, "dim": d.hidden, "moe_inter_dim": d.intermediate, "n_layers": d.layers,
-        "n_hash_layers": d.hash_layers, "n_heads": d.heads, "n_routed_experts": d.experts,
-        "n_shared_experts": d.shared_experts, "n_activated_experts": d.top_k,
-        "score_func": "sqrtsoftplus", "route_scale": 1.5, "swiglu_limit": 10.0,
-        "q_lora_rank": d.q_lora_rank, "head_dim": d.head_dim, "rope_head_dim": 64, "o_groups": d.o_groups,
-        "o_lora_rank": d.o_lora_rank, "window_size": 128, "original_seq_len": 65536, "rope_theta": 10000,
-        "rope_factor": 16, "beta_fast": 32, "beta_slow": 1, "index_n_heads": d.index_heads,
-        "index_head_dim": d.index_head_dim, "index_topk": 512, "hc_mult": d.hc_mult,
-        "hc_sinkhorn_iters": 20, "dtype": "fp8", "scale_fmt": "ue8m0", "expert_dtype": "fp4",
-        "compress_rope_theta": 160000, "compress_ratios": compress_ratios(d),
-    }
+# Tensors of a quantized linear layer, by storage format: its parts' names, dtypes and shapes from
+# the logical [out, in] shape.
+_QUANTIZED = {
+    "fp8_block": lambda name, shape: [TensorSpec(f"{name}.weight", "F8_E4M3", shape),
+                                      TensorSpec(f"{name}.scale", "F8_E8M0", fp8_block.scale_shape(shape))],
+    "mxfp4": lambda name, shape: [TensorSpec(f"{name}.weight", "I8", (shape[0], shape[1] // 2)),
+                                  TensorSpec(f"{name}.scale", "F8_E8M0", (shape[0], shape[1] // mxfp4.BLOCK))],
+}
 
 
-GENERATION_CONFIG = {"_from_model_config": True, "bos_token_id": 0, "eos_token_id": 1, "do_sample": True,
-                     "temperature": 1.0, "top_p": 1.0, "transformers_version": "4.46.3"}
-
-
-def _fp8(name: str, rows: int, cols: int) -> list[TensorSpec]:
-    return [TensorSpec(f"{name}.weight", "F8_E4M3", (rows, cols)),
-            TensorSpec(f"{name}.scale", "F8_E8M0", fp8_block.scale_shape((rows, cols)))]
-
-
-def block_layout(d: Dims, block: str, ratio: int, routing: str) -> list[TensorSpec]:
-    """Tensors of one transformer block (`layers.L` or `mtp.N`), in the release's order."""
-    hc = d.hc_mult
-    mix = (2 + hc) * hc
+def _tensors(d: Dims, entries: list[dict], bound: dict) -> list[TensorSpec]:
+    """The tensors a list of template entries gives, in order, with the names `bound`."""
     specs = []
-    for site in ("attn", "ffn"):
-        specs += [TensorSpec(f"{block}.hc_{site}_fn", "F32", (mix, hc * d.hidden)),
-                  TensorSpec(f"{block}.hc_{site}_base", "F32", (mix,)),
-                  TensorSpec(f"{block}.hc_{site}_scale", "F32", (3,))]
-    a = f"{block}.attn"
-    specs += [TensorSpec(f"{block}.attn_norm.weight", "BF16", (d.hidden,)),
-              TensorSpec(f"{block}.ffn_norm.weight", "BF16", (d.hidden,)),
-              TensorSpec(f"{a}.attn_sink", "F32", (d.heads,)),
-              TensorSpec(f"{a}.q_norm.weight", "BF16", (d.q_lora_rank,)),
-              TensorSpec(f"{a}.kv_norm.weight", "BF16", (d.head_dim,))]
-    specs += _fp8(f"{a}.wq_a", d.q_lora_rank, d.hidden)
-    specs += _fp8(f"{a}.wq_b", d.heads * d.head_dim, d.q_lora_rank)
-    specs += _fp8(f"{a}.wkv", d.head_dim, d.hidden)
-    specs += _fp8(f"{a}.wo_a", d.o_groups * d.o_lora_rank, d.heads * d.head_dim // d.o_groups)
-    specs += _fp8(f"{a}.wo_b", d.hidden, d.o_groups * d.o_lora_rank)
-    if ratio:
-        overlap = 2 if ratio == 4 else 1  # the ratio-4 compressor keeps overlapping windows
-        specs += _compressor(f"{a}.compressor", ratio, overlap, d.head_dim, d.hidden)
-        if ratio == 4:
-            specs += _compressor(f"{a}.indexer.compressor", ratio, overlap, d.index_head_dim, d.hidden)
-            specs += [TensorSpec(f"{a}.indexer.weights_proj.weight", "BF16", (d.index_heads, d.hidden))]
-            specs += _fp8(f"{a}.indexer.wq_b", d.index_heads * d.index_head_dim, d.q_lora_rank)
-    f = f"{block}.ffn"
-    specs += [TensorSpec(f"{f}.gate.weight", "BF16", (d.experts, d.hidden))]
-    specs += [TensorSpec(f"{f}.gate.tid2eid", "I64", (d.vocab, d.top_k)) if routing == "hash"
-              else TensorSpec(f"{f}.gate.bias", "F32", (d.experts,))]
-    shared = d.intermediate * d.shared_experts
-    specs += _fp8(f"{f}.shared_experts.w1", shared, d.hidden)
-    specs += _fp8(f"{f}.shared_experts.w3", shared, d.hidden)
-    specs += _fp8(f"{f}.shared_experts.w2", d.hidden, shared)
-    for e in range(d.experts):
-        for proj, rows, k in (("w1", d.intermediate, d.hidden), ("w3", d.intermediate, d.hidden),
-                              ("w2", d.hidden, d.intermediate)):
-            specs += [TensorSpec(f"{f}.experts.{e}.{proj}.weight", "I8", (rows, k // 2)),
-                      TensorSpec(f"{f}.experts.{e}.{proj}.scale", "F8_E8M0", (rows, k // mxfp4.BLOCK))]
+    for entry in entries:
+        if "if" in entry and not d.evaluate(entry["if"], bound):
+            continue
+        if "group" in entry:
+            inner = {**bound, **{k: d.evaluate(v, bound) for k, v in entry.get("with", {}).items()}}
+            specs += _tensors(d, d.template["groups"][entry["group"]], inner)
+        elif "for" in entry:
+            for i in range(d.evaluate(entry["count"], bound)):
+                specs += _tensors(d, entry["tensors"], {**bound, entry["for"]: i})
+        else:
+            name = entry["name"].format(**bound)
+            shape = tuple(d.evaluate(x, bound) for x in entry["shape"])
+            specs += _QUANTIZED[entry["format"]](name, shape) if "format" in entry else \
+                [TensorSpec(name, entry["dtype"], shape)]
     return specs
 
 
-def _compressor(name, ratio, overlap, head_dim, hidden) -> list[TensorSpec]:
-    return [TensorSpec(f"{name}.ape", "F32", (ratio, overlap * head_dim)),
-            TensorSpec(f"{name}.norm.weight", "BF16", (head_dim,)),
-            TensorSpec(f"{name}.wkv.weight", "BF16", (overlap * head_dim, hidden)),
-            TensorSpec(f"{name}.wgate.weight", "BF16", (overlap * head_dim, hidden))]
-
-
 def layout(d: Dims) -> list[list[TensorSpec]]:
-    """All tensors, shard by shard: embedding, one shard per layer, head, one per MTP block."""
+    """All tensors, shard by shard, as the recipe's template lays them out (DeepSeek-V4: embedding,
+    one shard per layer, head, one per MTP block)."""
     d.check()
-    ratios = compress_ratios(d)
-    shards = [[TensorSpec("embed.weight", "BF16", (d.vocab, d.hidden))]]
-    for i in range(d.layers):
-        shards.append(block_layout(d, f"layers.{i}", ratios[i], "hash" if i < d.hash_layers else "bias"))
-    hc = d.hc_mult
-    shards.append([TensorSpec("head.weight", "BF16", (d.vocab, d.hidden)),
-                   TensorSpec("norm.weight", "BF16", (d.hidden,)),
-                   TensorSpec("hc_head_fn", "F32", (hc, hc * d.hidden)),
-                   TensorSpec("hc_head_base", "F32", (hc,)),
-                   TensorSpec("hc_head_scale", "F32", (1,))])
-    for j in range(d.mtp_layers):
-        b = f"mtp.{j}"
-        specs = block_layout(d, b, ratios[d.layers + j], "bias")
-        specs += _fp8(f"{b}.e_proj", d.hidden, d.hidden) + _fp8(f"{b}.h_proj", d.hidden, d.hidden)
-        specs += [TensorSpec(f"{b}.{n}.weight", "BF16", (d.hidden,)) for n in ("enorm", "hnorm", "norm")]
-        specs += [TensorSpec(f"{b}.hc_head_fn", "F32", (hc, hc * d.hidden)),
-                  TensorSpec(f"{b}.hc_head_base", "F32", (hc,)),
-                  TensorSpec(f"{b}.hc_head_scale", "F32", (1,))]
-        shards.append(specs)
+    shards = []
+    for entry in d.template["shards"]:
+        if "blocks" not in entry:
+            shards.append(_tensors(d, entry["shard"], {}))
+            continue
+        for index in range(d.evaluate(entry["count"])):
+            bound = {"index": index, "block": d.spec.block_name(entry["blocks"], index)}
+            bound.update({k: d.evaluate(v, bound) for k, v in entry.get("with", {}).items()})
+            shards.append(_tensors(d, entry["shard"], bound))
     return shards
 
 
@@ -218,7 +158,7 @@ class _Values:
             return w.view(torch.float8_e4m3fn)
         if spec.dtype == "F8_E8M0" and name in siblings:
             return siblings.pop(name).view(torch.float8_e8m0fnu)
-        if spec.dtype == "I64":  # tid2eid: distinct experts per token
+        if spec.dtype == "I64":  # a token -> expert ids table (hash routing): distinct experts per token
             ids = np.argsort(self.rng.random((shape[0], siblings["__experts"])), axis=1)[:, : shape[1]]
             return torch.from_numpy(ids.astype(np.int64))
         if name.endswith("norm.weight"):
@@ -266,13 +206,15 @@ class _Values:
         return w, s
 
 
-def write_checkpoint(dest: str, dims: Dims = Dims(), seed: int = 0, hard: HardCases = HardCases(),
+def write_checkpoint(dest: str, dims: Dims | None = None, seed: int = 0, hard: HardCases = HardCases(),
                      sparse: bool = False, data_shards: set[int] | None = None, progress=None) -> list[str]:
-    """Write a synthetic checkpoint; return its shard names.
+    """Write a synthetic checkpoint (default: the default model's reduced dimensions); return its
+    shard names.
 
     `sparse` leaves tensor data as holes (a full-scale layout then costs almost no disk);
     `data_shards` fills only those shard indices (0-based) and leaves the rest as holes.
     """
+    dims = dims or Dims()
     shards = layout(dims)
     names = [shard_name(i, len(shards)) for i in range(len(shards))]
     os.makedirs(dest, exist_ok=True)
@@ -294,18 +236,17 @@ def write_checkpoint(dest: str, dims: Dims = Dims(), seed: int = 0, hard: HardCa
     total = sum(s.nbytes for specs in shards for s in specs)
     atomic_write_json(os.path.join(dest, "model.safetensors.index.json"),
                       {"metadata": {"total_size": total}, "weight_map": weight_map})
-    atomic_write_json(os.path.join(dest, "config.json"), make_config(dims))
-    atomic_write_json(os.path.join(dest, "generation_config.json"), GENERATION_CONFIG)
-    os.makedirs(os.path.join(dest, "inference"), exist_ok=True)
-    atomic_write_json(os.path.join(dest, "inference", "config.json"), _inference_config(dims))
-    _write_tokenizer(dest)
+    for path, content in metadata_files(dims).items():
+        os.makedirs(os.path.dirname(os.path.join(dest, path)), exist_ok=True)
+        atomic_write_json(os.path.join(dest, path), content)
+    _write_tokenizer(dest, dims.template["tokenizer"])
     return names
 
 
 def _fill(writer: ShardWriter, specs, values: _Values, dims: Dims, pooled: bool) -> None:
     siblings = {"__experts": dims.experts}
     for spec in specs:
-        if spec.dtype == "I8":  # routed expert weight; its scale follows it
+        if spec.dtype == "I8":  # a routed expert's MXFP4 weight; its scale follows it
             rows, half_k = spec.shape
             w, s = values.expert(rows, half_k * 2, pooled)
             writer.write(spec.name, w)
@@ -314,19 +255,16 @@ def _fill(writer: ShardWriter, specs, values: _Values, dims: Dims, pooled: bool)
             writer.write(spec.name, values.tensor(spec, siblings))
 
 
-def _write_tokenizer(dest: str) -> None:
-    """A tiny byte-level tokenizer so the directory carries the files a real release does."""
-    vocab = {"<｜begin▁of▁sentence｜>": 0, "<｜end▁of▁sentence｜>": 1}
+def _write_tokenizer(dest: str, spec: dict) -> None:
+    """A tiny byte-level tokenizer with the model's special tokens (recipe `synth.tokenizer`), so the
+    directory carries the files a real release does."""
+    vocab = {spec["bos"]: 0, spec["eos"]: 1}
     vocab.update({chr(c): i + 2 for i, c in enumerate(range(32, 127))})
     tokenizer = {"version": "1.0", "added_tokens": [], "normalizer": None, "pre_tokenizer": None,
                  "post_processor": None, "decoder": None,
-                 "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<｜end▁of▁sentence｜>"}}
+                 "model": {"type": "WordLevel", "vocab": vocab, "unk_token": spec["eos"]}}
     atomic_write_json(os.path.join(dest, "tokenizer.json"), tokenizer)
     atomic_write_json(os.path.join(dest, "tokenizer_config.json"),
-                      {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
-                       "model_max_length": 1048576, "tokenizer_class": "PreTrainedTokenizerFast"})
-
-
-def dims_with(base: Dims, **overrides) -> Dims:
-    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+                      {"bos_token": spec["bos"], "eos_token": spec["eos"],
+                       "model_max_length": spec["model_max_length"], "tokenizer_class": "PreTrainedTokenizerFast"})
 

@@ -1,4 +1,5 @@
-"""requant validate: run the same hidden states through one MoE layer of two checkpoints.
+"""requant validate, a forward comparison (verify is the static lint): the same hidden states
+through one MoE layer of two checkpoints.
 
 On a GPU both layers' routed experts go through requant's fused-MoE kernel, each in its stored
 format (no full-precision copy of the experts is made); the router and the shared expert run in
@@ -19,21 +20,20 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
 from tqdm import tqdm
 
-from requant import formats, serve
+from requant import formats, serve, sources
 from requant.compute import compute_device, default_workers
 from requant.errors import FormatError, RequantError, UnsupportedError
 from requant.extras import require
 from requant.formats import engine_numerics, fp8_block, int4, mxfp4, nvfp4
 from requant.io.checkpoint import Checkpoint
-from requant.moe import MoEConfig, MoELayer, route, routed_experts, swiglu_expert
-from requant.report.build import parse_layers
+from requant.model import ModelSpec
+from requant.moe import MoEConfig, MoELayer, expert_forward, route, routed_experts
 
 # Converted against source: (max relative error, min cosine).
 # A lossless NVFP4 cast (or an unchanged layer) decodes to the same weights, and the kernel then
@@ -49,10 +49,6 @@ LOSSY = (0.15, 0.985)
 # the output are rounded to BF16 (2^-9 relative each), measured ~2e-3 on an H200; FP32 compute
 # (the CPU interpreter) is ~1e-3 from the output rounding alone.
 KERNEL_VS_REFERENCE = 1e-2
-
-_BLOCK = re.compile(r"^((?:layers|mtp)\.\d+)\.ffn\.gate\.weight$")
-_BLOCK_NAME = re.compile(r"^(?:layers|mtp)\.\d+$")
-
 
 @dataclass
 class ServingResult:
@@ -103,25 +99,36 @@ class ValidationResult:
                 "layers": [asdict(r) for r in self.layers]}
 
 
-def moe_blocks(ck: Checkpoint) -> list[str]:
-    """Blocks with routed experts (`layers.L`, `mtp.N`), in layer order."""
-    names = set(ck.names)
-    blocks = [m[1] for n in names if (m := _BLOCK.match(n))
-              and any(f"{m[1]}.ffn.experts.0.w1.{p}" in names for p in ("weight", "weight_packed"))]
-    return sorted(blocks, key=lambda b: (b.startswith("mtp"), int(b.split(".")[1])))
+class _Side:
+    """One of the two checkpoints, with its model and its routed experts by (block, expert)."""
+
+    def __init__(self, ck: Checkpoint, where: str):
+        self.ck = ck
+        self.model = ModelSpec.for_config(ck.config, os.path.join(where, "config.json"))
+        self.reader = sources.reader(self.model)
+        self.experts = {(e.block, e.expert): e for e in self.reader.experts(ck.names)}
+
+    def moe_blocks(self) -> list[str]:
+        """Blocks with a router and routed experts, in layer order (the MTP blocks last)."""
+        names = set(self.ck.names)
+        blocks = {b for b, _ in self.experts if self.model.router_tensor(b, "weight") in names}
+        return sorted(blocks, key=self.model.block_position)
+
+    def tensor(self, block: str, expert: int, proj: str, part: str) -> torch.Tensor:
+        return self.ck.tensor(self.reader.tensor_name(block, expert, proj, part))
 
 
-def expert_format(ck: Checkpoint, block: str) -> str:
-    """Format of a block's routed experts, as the kernel names it, from expert 0's w1 tensors."""
-    prefix = f"{block}.ffn.experts.0.w1."
-    parts = {n[len(prefix):]: ck.info(n).spec.dtype for n in ck.names if n.startswith(prefix)}
-    codec = formats.identify(parts)
+def kernel_format(side: _Side, block: str) -> str:
+    """Format of a block's routed experts, as the kernel names it, from expert 0's first projection."""
+    expert = side.experts.get((block, 0))
+    parts = expert.parts.get(side.model.projections[0], {}) if expert else {}
+    codec = formats.identify({part: side.ck.info(name).spec.dtype for part, name in parts.items()})
     if codec is None:
         raise UnsupportedError(f"{block}: routed experts in no format requant's kernel reads")
     return codec.name
 
 
-def load_experts(ck: Checkpoint, block: str, proj: str, fmt: str, experts: int | list[int], device):
+def load_experts(side: _Side, block: str, proj: str, fmt: str, experts: int | list[int], device):
     """One projection of every expert of a block (or of the listed experts), stacked as stored, on
     `device`."""
     from requant.kernels.weights import ExpertWeights
@@ -130,7 +137,7 @@ def load_experts(ck: Checkpoint, block: str, proj: str, fmt: str, experts: int |
     experts = len(chosen)
 
     def stack(part, view=None):
-        ts = [ck.tensor(f"{block}.ffn.experts.{e}.{proj}.{part}") for e in chosen]
+        ts = [side.tensor(block, e, proj, part) for e in chosen]
         return torch.stack([t.view(view) if view else t for t in ts]).to(device)
 
     if fmt == "mxfp4":
@@ -141,9 +148,9 @@ def load_experts(ck: Checkpoint, block: str, proj: str, fmt: str, experts: int |
     if fmt == "nvfp4":
         return ExpertWeights("nvfp4", stack("weight", torch.uint8), stack("weight_scale", torch.uint8),
                              stack("weight_scale_2").reshape(experts).float())
-    zero = f"{block}.ffn.experts.{chosen[0]}.{proj}.weight_zero_point"
+    zero = "weight_zero_point" in side.experts[(block, chosen[0])].parts[proj]
     return ExpertWeights("w4a16", stack("weight_packed"), stack("weight_scale"),
-                         zero_point=stack("weight_zero_point") if zero in set(ck.names) else None)
+                         zero_point=stack("weight_zero_point") if zero else None)
 
 
 def dense_expert(w, e: int) -> torch.Tensor:
@@ -155,30 +162,32 @@ def dense_expert(w, e: int) -> torch.Tensor:
     return int4.decode(w.packed[e], w.scale[e], None if w.zero_point is None else w.zero_point[e])
 
 
-def _shared(ck: Checkpoint, block: str, device):
-    base = f"{block}.ffn.shared_experts"
-    if f"{base}.w1.weight" not in set(ck.names):
+def _shared(side: _Side, block: str, device):
+    names = set(side.ck.names)
+    bases = [side.model.shared_expert(block, p) for p in side.model.projections]
+    if f"{bases[0]}.weight" not in names:
         return None
-    names = set(ck.names)
 
-    def scale(p):  # W4A16 output keeps these FP8 blocks but names their scales compressed-tensors' way
-        return ck.tensor(f"{base}.{p}.scale" if f"{base}.{p}.scale" in names else f"{base}.{p}.weight_scale")
+    def scale(base):  # W4A16 output keeps these FP8 blocks but names their scales compressed-tensors' way
+        return side.ck.tensor(f"{base}.scale" if f"{base}.scale" in names else f"{base}.weight_scale")
 
-    return tuple(fp8_block.decode(ck.tensor(f"{base}.{p}.weight"), scale(p)).to(device) for p in ("w1", "w3", "w2"))
+    return tuple(fp8_block.decode(side.ck.tensor(f"{base}.weight"), scale(base)).to(device) for base in bases)
 
 
-def _router(ck: Checkpoint, block: str, device) -> MoELayer:
-    names = set(ck.names)
-    get = lambda n: ck.tensor(f"{block}.ffn.gate.{n}").to(device) if f"{block}.ffn.gate.{n}" in names else None  # noqa: E731
-    return MoELayer(get("weight"), get("bias"), get("tid2eid"), experts=None, shared=_shared(ck, block, device))
+def _router(side: _Side, block: str, device) -> MoELayer:
+    names = set(side.ck.names)
+    found = {role: side.ck.tensor(n).to(device) for role in side.model.router_roles
+             if (n := side.model.router_tensor(block, role)) in names}
+    return MoELayer(found.get("weight"), found.get("bias"), found.get("token_table"), experts=None,
+                    shared=_shared(side, block, device))
 
 
 def hidden_states(ck: Checkpoint, block: str, tokens: int, gen: torch.Generator) -> torch.Tensor:
-    """RMS-normalised Gaussian vectors times the block's ffn_norm weight: what the MoE sees, in BF16."""
-    hidden = int(ck.config["hidden_size"])
-    x = torch.randn(tokens, hidden, generator=gen)
+    """RMS-normalised Gaussian vectors times the block's MoE input norm weight: what the MoE sees, in BF16."""
+    model = ModelSpec.for_config(ck.config)
+    x = torch.randn(tokens, int(model.value("hidden_size")), generator=gen)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-    norm = f"{block}.ffn_norm.weight"
+    norm = model.moe_input_norm(block)
     if norm in set(ck.names):
         x = x * ck.tensor(norm).float()
     return x.bfloat16()
@@ -229,12 +238,13 @@ def validate(src: str, dst: str, layers: str | None = None, tokens: int = 64, de
     fm = _kernel_module(device) if kernel else None
     capability = torch.cuda.get_device_capability() if device == "cuda" else None
     acts = load_activations(activations) if activations else None
-    with Checkpoint.open(src) as a, Checkpoint.open(dst) as b:
-        cfg = MoEConfig.from_config(a.config)
-        if MoEConfig.from_config(b.config) != cfg:
+    with Checkpoint.open(src) as ck_a, Checkpoint.open(dst) as ck_b:
+        a, b = _Side(ck_a, src), _Side(ck_b, dst)
+        cfg = MoEConfig.from_model(a.model)
+        if MoEConfig.from_model(b.model) != cfg:
             raise RequantError("the two checkpoints' config.json disagree on the MoE shape")
-        both = set(moe_blocks(b))
-        blocks = parse_layers(layers, [blk for blk in moe_blocks(a) if blk in both])
+        both = set(b.moe_blocks())
+        blocks = a.model.select_blocks(layers, [blk for blk in a.moe_blocks() if blk in both])
         if fm is None and notice is not None:
             notice(cpu_notice(cfg, len(blocks), tokens if acts is None else None))
         gen = torch.Generator().manual_seed(seed)
@@ -252,7 +262,7 @@ _CPU_SECONDS_PER_WEIGHT = 1e-8
 
 def cpu_notice(cfg: MoEConfig, layers: int, tokens: int | None) -> str:
     """One line: the CPU reference is running, about how long it takes, how to make it shorter."""
-    pairs = (tokens or 64) * cfg.top_k
+    pairs = (tokens or 64) * cfg.router.top_k
     used = cfg.n_routed_experts * (1 - (1 - 1 / cfg.n_routed_experts) ** pairs)   # expected distinct experts
     weights = 2 * layers * used * 3 * cfg.hidden_size * cfg.intermediate_size
     seconds = weights * _CPU_SECONDS_PER_WEIGHT * 2 / max(1, min(default_workers(), 16))
@@ -260,28 +270,37 @@ def cpu_notice(cfg: MoEConfig, layers: int, tokens: int | None) -> str:
             f"layer(s) x {tokens if tokens else 'the given'} tokens (--layers and --tokens choose fewer)")
 
 
-def _reference_experts(ck: Checkpoint, block: str, fmt: str):
-    """e -> float32 (w1, w3, w2) of expert e, read and decoded when first asked for."""
-    return lambda e: tuple(dense_expert(load_experts(ck, block, p, fmt, [e], "cpu"), 0) for p in ("w1", "w3", "w2"))
+def _reference_experts(side: _Side, block: str, fmt: str):
+    """e -> float32 (gate, up, down) of expert e, read and decoded when first asked for."""
+    return lambda e: tuple(dense_expert(load_experts(side, block, p, fmt, [e], "cpu"), 0)
+                           for p in side.model.projections)
+
+
+def _is_block_name(model: ModelSpec, name: str) -> bool:
+    try:
+        model.block_position(name)
+    except FormatError:
+        return False
+    return True
 
 
 def _validate_block(fm, a, b, block, cfg, tokens, device, gen, acts, serve_modes, capability) -> LayerResult:
     if acts is not None:
-        shared_x = [v for k, v in acts.items() if k != "token_ids" and not _BLOCK_NAME.match(k)]
+        shared_x = [v for k, v in acts.items() if k != "token_ids" and not _is_block_name(a.model, k)]
         x = acts.get(block, shared_x[0] if shared_x else None)
         if x is None:
             raise RequantError(f"the activations file has no tensor for {block}")
         x = x.reshape(-1, cfg.hidden_size).bfloat16()
         token_ids = acts.get("token_ids")
     else:
-        x, token_ids = hidden_states(a, block, tokens, gen), None
+        x, token_ids = hidden_states(a.ck, block, tokens, gen), None
     x = x.to(device)
     ra, rb = _router(a, block, device), _router(b, block, device)
     if ra.tid2eid is not None and token_ids is None:
         token_ids = torch.randint(0, ra.tid2eid.shape[0], (x.shape[0],), generator=gen)
     token_ids = None if token_ids is None else token_ids.to(device)
 
-    dst_fmt = expert_format(b, block)
+    dst_fmt = kernel_format(b, block)
     modes = [m for m in (serve_modes or serve.default_modes(dst_fmt, capability)) if serve.applies(m, dst_fmt)]
     h_amax = []   # the source's intermediate (w2 input) range, for the calibrated input_scale
 
@@ -290,28 +309,28 @@ def _validate_block(fm, a, b, block, cfg, tokens, device, gen, acts, serve_modes
         return h
 
     outputs, routed, fmts, serving, kernel_rel = [], [], [], [], None
-    for ck, router in ((a, ra), (b, rb)):
-        fmt = expert_format(ck, block)
+    for side, router in ((a, ra), (b, rb)):
+        fmt = kernel_format(side, block)
         ids, weights = route(x, router, cfg, token_ids)
         if fm is None:
-            experts = _reference_experts(ck, block, fmt)
-            y = routed_experts(x, ids, weights, experts, cfg.swiglu_limit, intermediate=observe if ck is a else None)
+            experts = _reference_experts(side, block, fmt)
+            y = routed_experts(x, ids, weights, experts, cfg.activation, intermediate=observe if side is a else None)
             ws = None
         else:
-            ws = [load_experts(ck, block, p, fmt, cfg.n_routed_experts, device) for p in ("w1", "w3", "w2")]
-            y = fm.fused_moe(x, ids, weights, *ws, swiglu_limit=cfg.swiglu_limit).float()
-            if ck is a:
+            ws = [load_experts(side, block, p, fmt, cfg.n_routed_experts, device) for p in side.model.projections]
+            y = fm.fused_moe(x, ids, weights, *ws, swiglu_limit=cfg.activation.limit).float()
+            if side is a:
                 ref = routed_experts(x, ids, weights, lambda e: tuple(dense_expert(w, e) for w in ws),
-                                     cfg.swiglu_limit, intermediate=observe)
+                                     cfg.activation, intermediate=observe)
                 kernel_rel = _metrics(ref, y)[0]
-        shared = swiglu_expert(x.float(), *router.shared, cfg.swiglu_limit) if router.shared else 0.0
+        shared = expert_forward(x.float(), router.shared, cfg.activation) if router.shared else 0.0
         outputs.append((y + shared).bfloat16())
         routed.append(y)
         fmts.append((fmt, ids))
-        if ck is b:
+        if side is b:
             calibrated = None if acts is None else (float(x.abs().max()), max(h_amax, default=0.0))
-            runner = _Runner(fm, ck, block, fmt, cfg, x, ids, weights, y, ws)
-            for mode, policy, scales, flushed, y_mode in _served(runner, ck, block, cfg, modes, calibrated):
+            runner = _Runner(fm, side, block, fmt, cfg, x, ids, weights, y, ws)
+            for mode, policy, scales, flushed, y_mode in _served(runner, side, block, cfg, modes, calibrated):
                 out = (y_mode + shared).bfloat16()
                 rel_m, cos_m, max_m = _metrics(outputs[0], out)
                 serving.append(ServingResult(mode, policy, scales, rel_m, cos_m, max_m,
@@ -331,16 +350,16 @@ def _validate_block(fm, a, b, block, cfg, tokens, device, gen, acts, serve_modes
                        kernel_rel, max_rel, min_cos, passed, serving)
 
 
-def written_input_scales(ck: Checkpoint, block: str, experts: int) -> tuple[float, float] | None:
-    """(w1/w3 input_scale, w2 input_scale) as engines load them: the largest over the layer's
-    experts (and over w1 and w3); None when the checkpoint writes none."""
-    names = set(ck.names)
+def written_input_scales(side: _Side, block: str, experts: int) -> tuple[float, float] | None:
+    """(gate/up input_scale, down input_scale) as engines load them: the largest over the layer's
+    experts (and over gate and up, which see the same input); None when the checkpoint writes none."""
     found = []
-    for projs in (("w1", "w3"), ("w2",)):
-        tensors = [f"{block}.ffn.experts.{e}.{p}.input_scale" for e in range(experts) for p in projs]
-        if not all(n in names for n in tensors):
+    down = side.model.down_projection
+    for projs in ([p for p in side.model.projections if p != down], [down]):
+        parts = [side.experts.get((block, e), None) for e in range(experts)]
+        if not all(x is not None and "input_scale" in x.parts.get(p, {}) for x in parts for p in projs):
             return None
-        found.append(max(float(ck.tensor(n).float().max()) for n in tensors))
+        found.append(max(float(side.ck.tensor(x.parts[p]["input_scale"]).float().max()) for x in parts for p in projs))
     return found[0], found[1]
 
 
@@ -348,37 +367,40 @@ class _Runner:
     """The converted layer's routed experts, recomputed for a serving mode: through the kernel where
     it ran, else through the torch reference (a CPU), with the same numerics."""
 
-    def __init__(self, fm, ck, block, fmt, cfg, x, ids, weights, y_bf16, ws):
-        self.fm, self.ck, self.block, self.fmt, self.cfg = fm, ck, block, fmt, cfg
+    def __init__(self, fm, side, block, fmt, cfg, x, ids, weights, y_bf16, ws):
+        self.fm, self.side, self.block, self.fmt, self.cfg = fm, side, block, fmt, cfg
         self.x, self.ids, self.weights, self.y_bf16, self.ws = x, ids, weights, y_bf16, ws
 
     def _weights(self):
         # The reference path reads experts lazily; Marlin's factor spans the whole layer, so it
         # needs them all (as stored: 4-bit plus scales).
-        return self.ws or [load_experts(self.ck, self.block, p, self.fmt, self.cfg.n_routed_experts, "cpu")
-                           for p in ("w1", "w3", "w2")]
+        return self.ws or [load_experts(self.side, self.block, p, self.fmt, self.cfg.n_routed_experts, "cpu")
+                           for p in self.side.model.projections]
 
     def w4a4(self, scales: tuple[float, float]) -> torch.Tensor:
         if self.fm is not None:
-            return self.fm.fused_moe(self.x, self.ids, self.weights, *self.ws, swiglu_limit=self.cfg.swiglu_limit,
+            return self.fm.fused_moe(self.x, self.ids, self.weights, *self.ws, swiglu_limit=self.cfg.activation.limit,
                                      activation_scales=scales).float()
         a13, a2 = scales
         quantize = engine_numerics.fake_quantize_activations
         return routed_experts(quantize(self.x, a13), self.ids, self.weights,
-                              _reference_experts(self.ck, self.block, self.fmt), self.cfg.swiglu_limit,
+                              _reference_experts(self.side, self.block, self.fmt), self.cfg.activation,
                               intermediate=lambda h: quantize(h.bfloat16(), a2).float())
 
     def marlin(self) -> tuple[torch.Tensor, int]:
-        *ws, flushed = serve.marlin_weights(*self._weights())
+        model = self.side.model
+        served, flushed = serve.marlin_weights(dict(zip(model.projections, self._weights())), model.fused_projections)
+        ws = list(served.values())
         if not flushed:
             return self.y_bf16, 0
         if self.fm is not None:
-            return self.fm.fused_moe(self.x, self.ids, self.weights, *ws, swiglu_limit=self.cfg.swiglu_limit).float(), flushed
+            return self.fm.fused_moe(self.x, self.ids, self.weights, *ws,
+                                     swiglu_limit=self.cfg.activation.limit).float(), flushed
         return routed_experts(self.x, self.ids, self.weights, lambda e: tuple(dense_expert(w, e) for w in ws),
-                              self.cfg.swiglu_limit), flushed
+                              self.cfg.activation), flushed
 
 
-def _served(run: _Runner, ck, block, cfg, modes, calibrated):
+def _served(run: _Runner, side, block, cfg, modes, calibrated):
     """(mode, policy, input scales, flushed blocks, routed output) for each serving mode of the
     converted layer; `calibrated` is the (x, intermediate) absolute maxima of real inputs, or None."""
     for mode in modes:
@@ -388,7 +410,7 @@ def _served(run: _Runner, ck, block, cfg, modes, calibrated):
             y, flushed = run.marlin()
             yield mode, None, None, flushed, y
         else:
-            policies = {"written": written_input_scales(ck, block, cfg.n_routed_experts), "1.0": (1.0, 1.0)}
+            policies = {"written": written_input_scales(side, block, cfg.n_routed_experts), "1.0": (1.0, 1.0)}
             if calibrated is not None:
                 policies["calibrated"] = tuple(serve.calibrated_input_scale(m) for m in calibrated)
             for policy, scales in policies.items():

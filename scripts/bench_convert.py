@@ -92,7 +92,7 @@ def main() -> None:
     if not os.path.exists(os.path.join(src, "config.json")):
         shutil.rmtree(src, ignore_errors=True)
         print("writing a full-scale synthetic checkpoint (one layer shard with data)...", flush=True)
-        synth.write_checkpoint(src, synth.FULL_SCALE, seed=0, data_shards={SHARD_INDEX})
+        synth.write_checkpoint(src, synth.Dims(full_scale=True), seed=0, data_shards={SHARD_INDEX})
     name = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))[args.shard_index]
     shard = os.path.join(src, name)
     size = os.path.getsize(shard)
@@ -134,7 +134,7 @@ def main() -> None:
             run(label)
 
     ref = reference_seconds_per_expert(src, args.reference_experts, args.shard_index)
-    experts = synth.FULL_SCALE.experts
+    experts = synth.Dims(full_scale=True).experts
     cp_time = statistics.median(rows["cp"])
     print(f"\nshard {name}: {size / 2**30:.2f} GiB ({args.cache} page cache), {experts} experts x 3 projections; "
           f"exact blocks {int(exact[0]):,} / {int(exact[1]):,}")

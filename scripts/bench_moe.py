@@ -32,9 +32,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from requant.formats import mxfp4, nvfp4  # noqa: E402
 from requant.formats.engine_numerics import fake_quantize_activations  # noqa: E402
 from requant.kernels import fused_moe as fm  # noqa: E402
-from requant.moe import routed_experts  # noqa: E402
+from requant.moe import Activation, routed_experts  # noqa: E402
 
 E, H, I, TOP_K, LIMIT = 256, 4096, 2048, 6, 10.0
+SWIGLU = Activation("swiglu_clamp", LIMIT)
 
 
 def sweep_configs(tokens: int) -> list[fm.KernelConfig]:
@@ -109,10 +110,10 @@ def check(fmt, ws, gen, tokens, cfg=None, activation_scales=None):
     if activation_scales:
         a13, a2 = activation_scales
         ref = routed_experts(fake_quantize_activations(x, a13), ids, weights,
-                             lambda e: (dense(w1, e), dense(w3, e), dense(w2, e)), LIMIT,
+                             lambda e: (dense(w1, e), dense(w3, e), dense(w2, e)), SWIGLU,
                              intermediate=lambda h: fake_quantize_activations(h.bfloat16(), a2).float())
     else:
-        ref = routed_experts(x, ids, weights, lambda e: (dense(w1, e), dense(w3, e), dense(w2, e)), LIMIT)
+        ref = routed_experts(x, ids, weights, lambda e: (dense(w1, e), dense(w3, e), dense(w2, e)), SWIGLU)
     rel = float((y.float() - ref).norm() / ref.norm())
     return rel, bool(torch.isfinite(y).all())
 

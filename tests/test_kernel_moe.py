@@ -20,9 +20,10 @@ from requant.errors import FormatError  # noqa: E402
 from requant.formats import mxfp4  # noqa: E402
 from requant.formats.engine_numerics import fake_quantize_activations  # noqa: E402
 from requant.kernels.fused_moe import ExpertWeights, KernelConfig, _words, fused_moe, moe_align  # noqa: E402
-from requant.moe import MoEConfig, MoELayer, route, routed_experts  # noqa: E402
+from requant.moe import Activation, MoEConfig, MoELayer, Router, route, routed_experts  # noqa: E402
 
 EXPERTS, HIDDEN, INTER, LIMIT = 8, 256, 128, 10.0
+SWIGLU = Activation("swiglu_clamp", LIMIT)
 
 
 def assert_matches(y: torch.Tensor, ref: torch.Tensor):
@@ -38,7 +39,7 @@ def run_case(fmt, ids, weights, gen, group=32):
     gate = torch.einsum("th,eih->tei", x, d1)
     x = (x * (1.2 * LIMIT / float(gate.abs().flatten().quantile(0.9)))).bfloat16()
     y = fused_moe(x, ids, weights, w1, w3, w2, swiglu_limit=LIMIT)
-    ref = routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), LIMIT)
+    ref = routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), SWIGLU)
     clamped = (torch.einsum("th,eih->tei", x.float(), d3).abs() > LIMIT).float().mean()
     return y, ref, clamped
 
@@ -69,9 +70,9 @@ def test_w1_and_w3_global_scales_are_separate():
     ids, weights = random_routing(9, 2, gen)
     x = (torch.randn(9, HIDDEN, generator=gen) * 0.05).bfloat16()
     y = fused_moe(x, ids, weights, w1, w3, w2)
-    assert_matches(y, routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), LIMIT))
+    assert_matches(y, routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), SWIGLU))
     shared_scale = d3 * (w1.global_scale / w3.global_scale)[:, None, None]
-    wrong = routed_experts(x, ids, weights, lambda e: (d1[e], shared_scale[e], d2[e]), LIMIT)
+    wrong = routed_experts(x, ids, weights, lambda e: (d1[e], shared_scale[e], d2[e]), SWIGLU)
     assert (y.float() - wrong).norm() > 0.05 * wrong.norm()
 
 
@@ -101,7 +102,7 @@ def test_most_experts_empty():
 def test_hash_layer_routing():
     """Hash layers take their experts from tid2eid; the kernel must follow whatever routing it gets."""
     gen = torch.Generator().manual_seed(5)
-    cfg = MoEConfig(HIDDEN, INTER, EXPERTS, 3, 1.5, LIMIT, 1)
+    cfg = MoEConfig(HIDDEN, INTER, EXPERTS, Router("sqrtsoftplus", 3, 1.5), SWIGLU)
     tid2eid = torch.stack([torch.randperm(EXPERTS, generator=gen)[:3] for _ in range(50)])
     layer = MoELayer(torch.randn(EXPERTS, HIDDEN, generator=gen), None, tid2eid, experts=None)
     token_ids = torch.randint(0, 50, (11,), generator=gen)
@@ -156,9 +157,9 @@ def test_w4a4_emulation_quantizes_both_gemm_inputs():
     cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=2)
     y = fused_moe(x, ids, weights, w1, w3, w2, activation_scales=scales, config=cfg)
     quantize = lambda t, s: fake_quantize_activations(t.bfloat16(), s).float()  # noqa: E731
-    ref = routed_experts(quantize(x, scales[0]), ids, weights, lambda e: (d1[e], d3[e], d2[e]), LIMIT,
+    ref = routed_experts(quantize(x, scales[0]), ids, weights, lambda e: (d1[e], d3[e], d2[e]), SWIGLU,
                          intermediate=lambda h: quantize(h, scales[1]))
-    plain = routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), LIMIT)
+    plain = routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), SWIGLU)
     rel = lambda a, b: float((a.float() - b).norm() / b.norm())  # noqa: E731
     # A rounding flip of one element between the kernel's and the reference's FP32 sums moves that
     # element by one E2M1 step; the norm still agrees to ~1e-3.
@@ -175,7 +176,7 @@ def test_split_k_matches_reference():
     x = (torch.randn(2, hidden, generator=gen) * 0.05).bfloat16()
     cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=4)
     y = fused_moe(x, ids, weights, w1, w3, w2, config=cfg)
-    assert_matches(y, routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), LIMIT))
+    assert_matches(y, routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), SWIGLU))
 
 
 def gated_experts(x, ids, weights, d13, b13, d2, b2, limit, *, kind="swiglu_oai", alpha=1.702, gate_rows=0,

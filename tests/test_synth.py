@@ -19,7 +19,7 @@ from tests.conftest import run_cli
 def test_full_scale_layout_is_the_release_tensor_for_tensor():
     release = release_fixture.load()
     theirs = release_fixture.expand(release)
-    shards = synth.layout(synth.FULL_SCALE)
+    shards = synth.layout(synth.Dims(full_scale=True))
     ours = [(s.name, s.dtype, list(s.shape), i + 1) for i, specs in enumerate(shards) for s in specs]
     assert len(shards) == release["num_shards"] == 46
     assert len(ours) == len(theirs) == release["num_tensors"] == 69187
@@ -29,7 +29,7 @@ def test_full_scale_layout_is_the_release_tensor_for_tensor():
 
 def test_config_matches_the_release_but_for_dimensions():
     release = release_fixture.load()["config.json"]
-    assert synth.make_config(synth.FULL_SCALE) == release
+    assert synth.make_config(synth.Dims(full_scale=True)) == release
     small = synth.make_config(synth.Dims())
     assert small.keys() == release.keys()
     changed = {k for k in release if small[k] != release[k]}
@@ -40,8 +40,9 @@ def test_config_matches_the_release_but_for_dimensions():
 
 def test_inference_and_generation_config_match_the_release():
     release = release_fixture.load()
-    assert synth._inference_config(synth.FULL_SCALE) == release["inference/config.json"]
-    assert synth.GENERATION_CONFIG == release["generation_config.json"]
+    files = synth.metadata_files(synth.Dims(full_scale=True))
+    assert files["inference/config.json"] == release["inference/config.json"]
+    assert files["generation_config.json"] == release["generation_config.json"]
 
 
 def test_small_checkpoint_has_every_tensor_family(small_source):

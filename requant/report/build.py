@@ -9,40 +9,20 @@ threads, one per core by default: reading (pread) and torch's kernels release th
 from __future__ import annotations
 
 import os
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
 
-from requant import __version__
+from requant import __version__, sources
 from requant.compute import compute_device, default_workers
-from requant.errors import RequantError, UnsupportedError
+from requant.errors import UnsupportedError
 from requant.io.checkpoint import Checkpoint
 from requant.model import Expert, ModelSpec
 from requant.report.weights import (DECODE_PARTS, HIST_BINS, HIST_LOG10_MAX, HIST_LOG10_MIN, Stats, block_size,
                                     compare, decode_projection, projection_format)
 
 SCHEMA = "requant.report/1"
-
-
-def parse_layers(spec: str | None, blocks: list[str]) -> list[str]:
-    """Blocks selected by --layers: comma-separated layer numbers, ranges A-B, or block names."""
-    if not spec:
-        return blocks
-    wanted = set()
-    for item in spec.split(","):
-        item = item.strip()
-        if m := re.fullmatch(r"(\d+)-(\d+)", item):
-            wanted.update(f"layers.{i}" for i in range(int(m[1]), int(m[2]) + 1))
-        elif item.isdigit():
-            wanted.add(f"layers.{item}")
-        elif item:
-            wanted.add(item)
-    unknown = wanted - set(blocks)
-    if unknown:
-        raise RequantError(f"--layers names blocks without routed experts in both checkpoints: {sorted(unknown)[:5]}")
-    return [b for b in blocks if b in wanted]
 
 
 def _format_of(ck: Checkpoint, parts: dict[str, str]) -> str | None:
@@ -73,11 +53,12 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
     device = compute_device(device)
     with Checkpoint.open(src_path) as src, Checkpoint.open(dst_path) as dst:
         model = ModelSpec.for_config(src.config, os.path.join(src_path, "config.json"))
-        src_experts = {(e.block, e.expert): e for e in model.group_experts(src.names)}
-        dst_experts = {(e.block, e.expert): e for e in model.group_experts(dst.names)}
+        reader = sources.reader(model)
+        src_experts = {(e.block, e.expert): e for e in reader.experts(src.names)}
+        dst_experts = {(e.block, e.expert): e for e in reader.experts(dst.names)}
         common = [k for k in src_experts if k in dst_experts]
         unmatched = sorted(f"{model.experts_module(b)}.{i}" for b, i in set(src_experts) ^ set(dst_experts))
-        blocks = parse_layers(layers, list(dict.fromkeys(b for b, _ in common)))
+        blocks = model.select_blocks(layers, list(dict.fromkeys(b for b, _ in common)))
         selected = [k for k in common if k[0] in blocks]
         if not selected:
             raise UnsupportedError(f"{src_path} and {dst_path} share no routed experts to compare")
