@@ -146,7 +146,8 @@ def copy_seconds(src: str, dst: str) -> float:
 def encoder_experts_per_second(device: str, group: int, threads: int, per_thread: int = 8) -> float:
     """Full-size experts (3 projections) per second through int4.encode_many on `device`, from
     memory (pinned for a GPU, as a conversion reads them), `threads` threads set up as a
-    conversion's encoders are."""
+    conversion's encoders are (the first expert of each, which readies tables and a GPU thread's
+    CUDA graph, untimed)."""
     from requant import synth
     from requant.formats import int4
     from requant.workers import _init_gpu_thread
@@ -195,11 +196,13 @@ def main() -> None:
     evict(src)
     t_cp = copy_seconds(src, os.path.join(a.workdir, "copy"))
     print(f"cp -r + sync (the I/O floor): {t_cp:.1f} s ({size / t_cp / 1e9:.2f} GB/s)", flush=True)
-    for device in (["cpu"] if "cpu-w4a16" not in skip or not cuda else []) + (["cuda"] if cuda else []):
-        threads = workers if device == "cuda" else 1
+    # One CPU thread (a worker process's share); on a GPU, one thread (latency) and a conversion's many.
+    for device, threads in ([("cpu", 1)] if "cpu-w4a16" not in skip or not cuda else []) + \
+            ([("cuda", 1), ("cuda", workers)] if cuda else []):
         rate = encoder_experts_per_second(device, int(a.group_size), threads)
+        memory = f"; GPU memory reserved {torch.cuda.memory_reserved() / 2**30:.1f} GiB" if device == "cuda" else ""
         print(f"W4A16 g{a.group_size} encoder alone ({device}, {threads} thread{'s' * (threads > 1)}): "
-              f"{rate:.1f} experts/s", flush=True)
+              f"{rate:.1f} full-size experts/s{memory}", flush=True)
 
     def convert(name, *args):
         out = os.path.join(a.workdir, name)

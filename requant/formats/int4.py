@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -343,9 +344,81 @@ def _encode(sources: dict[str, tuple[torch.Tensor, torch.Tensor]], group_size: i
             device: torch.device | str, exhaustive: bool) -> dict[str, Encoded]:
     """encode_many on checked uint8 inputs, as one run of groups. CPU inputs in pinned memory
     reach a GPU without blocking this thread; the one wait is for the results."""
-    shapes = [(w.shape[0], w.shape[1] * 2) for w, _ in sources.values()]   # (rows, K) of each tensor
-    weight = torch.cat([w.reshape(-1).to(device, non_blocking=True) for w, _ in sources.values()])
-    scale = torch.cat([s.reshape(-1).to(device, non_blocking=True) for _, s in sources.values()])
+    shapes = tuple((w.shape[0], w.shape[1] * 2) for w, _ in sources.values())   # (rows, K) of each tensor
+    args = shapes, group_size, scheme, exhaustive
+    device = torch.device(device)
+    if device.type == "cuda":
+        results = _on_gpu(sources, device, args)
+    else:
+        results = _search(torch.cat([w.reshape(-1) for w, _ in sources.values()]),
+                          torch.cat([s.reshape(-1) for _, s in sources.values()]), *args)
+    # To the host in one go (pinned memory from a GPU), then one wait.
+    codes, scale_out, zero, signal_bins, excess_bins = (t.to("cpu", non_blocking=True) for t in results)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    out = {}
+    per_group = group_size // mxfp4.BLOCK
+    for i, (name, (rows, k), (b0, b1)) in enumerate(zip(sources, shapes, _spans(shapes))):
+        groups = slice(b0 // per_group, b1 // per_group)
+        packed = codes[b0 * mxfp4.BLOCK // 2:b1 * mxfp4.BLOCK // 2].view(rows, k // 2).view(torch.int32)
+        zero_point = pack_zero_point(zero[groups].view(rows, k // group_size)) if scheme == "asym" else None
+        signal = _exact_sum(signal_bins[i], mxfp4.E8M0_BIAS, 0.25)
+        error = math.fsum([signal, _exact_sum(excess_bins[i], _R_OFFSET, _UNIT)])
+        out[name] = Encoded(packed, scale_out[groups].view(rows, k // group_size), zero_point, signal, error)
+    return out
+
+
+def _spans(shapes: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+    """(first, end) MXFP4 block of each tensor of these (rows, K) in one run."""
+    ends = list(itertools.accumulate(rows * k // mxfp4.BLOCK for rows, k in shapes))
+    return list(zip([0] + ends[:-1], ends))
+
+
+class _Captured:
+    """_search for one set of shapes and options recorded as a CUDA graph, with its input and
+    output tensors: a replay launches its few hundred kernels at once, where running them from
+    Python costs ~12 ms of a CPU thread per full-size expert (the GPU's own work is a fraction of
+    that) and, from many threads, contends for the interpreter."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, args: tuple):
+        self.weight, self.scale = weight, scale
+        self.graph = torch.cuda.CUDAGraph()
+        # One capture at a time, in thread-local mode: other threads may allocate and wait on their
+        # streams meanwhile. On a high-priority stream, from a pool apart from the normal-priority
+        # streams threads launch work on (workers.py): none of them can be queueing on it. A
+        # replay runs on whatever stream is current.
+        stream = torch.cuda.Stream(weight.device, priority=-1)
+        with _CAPTURE_LOCK, torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
+            self.results = _search(weight, scale, *args)
+
+
+_CAPTURE_LOCK = threading.Lock()
+_captured = threading.local()   # per thread: (device, args) -> _Captured (a graph's tensors are its own)
+
+
+def _on_gpu(sources: dict, device: torch.device, args: tuple) -> tuple[torch.Tensor, ...]:
+    """_search's results for these inputs on a CUDA device, from this thread's graph for their
+    shapes; the first time, run as it is (which also readies tables and libraries) and captured."""
+    graphs = _captured.__dict__.setdefault("graphs", {})
+    graph = graphs.get((device, args))
+    if graph is None:
+        weight = torch.cat([w.reshape(-1).to(device, non_blocking=True) for w, _ in sources.values()])
+        scale = torch.cat([s.reshape(-1).to(device, non_blocking=True) for _, s in sources.values()])
+        results = _search(weight, scale, *args)
+        graphs[device, args] = _Captured(weight, scale, args)
+        return results
+    for (w, s), (b0, b1) in zip(sources.values(), _spans(args[0])):
+        graph.weight[b0 * mxfp4.BLOCK // 2:b1 * mxfp4.BLOCK // 2].copy_(w.reshape(-1), non_blocking=True)
+        graph.scale[b0:b1].copy_(s.reshape(-1), non_blocking=True)
+    graph.graph.replay()
+    return graph.results
+
+
+def _search(weight: torch.Tensor, scale: torch.Tensor, shapes: tuple[tuple[int, int], ...], group_size: int,
+            scheme: str, exhaustive: bool) -> tuple[torch.Tensor, ...]:
+    """The encoding of a run of tensors (packed bytes and E8M0 scales, flat, one after the other),
+    on their device: (codes uint8, scales bf16, zero points int8 per group; signal and excess
+    energy bins per tensor). Launches kernels only: no value is read back, so it can be captured."""
     device = weight.device
     tables = _tables(scheme, device)
     per_group = group_size // mxfp4.BLOCK
@@ -393,26 +466,10 @@ def _encode(sources: dict[str, tuple[torch.Tensor, torch.Tensor]], group_size: i
     block_energy = both.double() @ tables.mag_squared                   # 4x, whole numbers
     binned = torch.cat([counts[part].double() @ tables.level_energy for part in _chunks(counts)])
     excess = torch.where(empty, 0.0, best - binned)
-    ends = list(itertools.accumulate(rows * k // mxfp4.BLOCK for rows, k in shapes))
-    spans = list(zip([0] + ends[:-1], ends))                            # each tensor's blocks
     signal_bins = torch.zeros(len(shapes), 256, dtype=torch.float64, device=device)
     excess_bins = torch.zeros(len(shapes), _R_BINS, dtype=torch.float64, device=device)
-    for i, (b0, b1) in enumerate(spans):
+    for i, (b0, b1) in enumerate(_spans(shapes)):
         groups = slice(b0 // per_group, b1 // per_group)
         signal_bins[i].index_add_(0, scale[b0:b1].long(), block_energy[b0:b1])
         excess_bins[i].index_add_(0, (r[groups] + _R_OFFSET).long(), excess[groups])
-
-    # To the host in one go (pinned memory when on a GPU), then one wait.
-    codes, scale_out, zero, signal_bins, excess_bins = (
-        t.to("cpu", non_blocking=True) for t in (codes, scale_out, zero, signal_bins, excess_bins))
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-    out = {}
-    for i, (name, (rows, k), (b0, b1)) in enumerate(zip(sources, shapes, spans)):
-        groups = slice(b0 // per_group, b1 // per_group)
-        packed = codes[b0 * blocks.shape[1]:b1 * blocks.shape[1]].view(rows, k // 2).view(torch.int32)
-        zero_point = pack_zero_point(zero[groups].view(rows, k // group_size)) if scheme == "asym" else None
-        signal = _exact_sum(signal_bins[i], mxfp4.E8M0_BIAS, 0.25)
-        error = math.fsum([signal, _exact_sum(excess_bins[i], _R_OFFSET, _UNIT)])
-        out[name] = Encoded(packed, scale_out[groups].view(rows, k // group_size), zero_point, signal, error)
-    return out
+    return codes, scale_out, zero, signal_bins, excess_bins
