@@ -38,10 +38,10 @@ _scratch = threading.local()   # per worker thread (or process): the buffer its 
 
 def _input_buffer(nbytes: int) -> torch.Tensor:
     """This thread's read buffer, grown to `nbytes`: reused from unit to unit, so reading costs no
-    fresh pages (each new one a page fault and a zero-fill by the kernel)."""
+    fresh pages (each new one a page fault and a zero-fill by the kernel). Pinned in a GPU thread."""
     buf = getattr(_scratch, "buffer", None)
     if buf is None or buf.numel() < nbytes:
-        buf = _scratch.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        buf = _scratch.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=getattr(_scratch, "pinned", False))
     return buf
 
 
@@ -77,15 +77,24 @@ def _encode_planned(shard: int, unit: int, reads, out_path: str, offsets: dict[s
     return encode_unit(_FORKED_PLAN.shards[shard].units[unit], reads, out_path, offsets)
 
 
+def _init_gpu_thread(device: str) -> None:
+    """A thread encoding on the GPU gets a stream of its own, so that threads' copies and kernels
+    overlap instead of queueing on the default stream, and reads into pinned memory, which the GPU
+    copies from while the thread goes on launching."""
+    torch.cuda.set_stream(torch.cuda.Stream(device))
+    _scratch.pinned = True
+
+
 def _init_process() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle, once
     torch.set_num_threads(1)                       # one core per worker: the workers are the parallelism
 
 
 class Encoders:
-    """A pool of `workers` threads, or of forked processes when `processes`."""
+    """A pool of `workers` threads, or of forked processes when `processes`; threads set up for
+    encoding on `gpu` (a CUDA device) when given."""
 
-    def __init__(self, plan: Plan, workers: int, processes: bool):
+    def __init__(self, plan: Plan, workers: int, processes: bool, gpu: str | None = None):
         global _FORKED_PLAN
         self.workers, self.processes = max(1, workers), processes
         if processes:
@@ -93,6 +102,8 @@ class Encoders:
             self.pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
                                             initializer=_init_process)
             self.pool.submit(int).result()   # a fork pool forks every worker on its first task: now
+        elif gpu:
+            self.pool = ThreadPoolExecutor(self.workers, initializer=_init_gpu_thread, initargs=(gpu,))
         else:
             self.pool = ThreadPoolExecutor(self.workers)
 
@@ -100,7 +111,10 @@ class Encoders:
     def for_plan(cls, plan: Plan, workers: int) -> "Encoders":
         # One worker process too: single-threaded torch there, where a thread would pay intra-op
         # threading on every small tensor.
-        return cls(plan, workers, processes=plan.target.cpu_heavy and plan.target.options.device == "cpu")
+        device = plan.target.options.device
+        heavy = plan.target.cpu_heavy
+        return cls(plan, workers, processes=heavy and device == "cpu",
+                   gpu=device if heavy and device.startswith("cuda") else None)
 
     @property
     def window(self) -> int:

@@ -5,6 +5,8 @@ Steps, each a `python -m requant ...` child with the source (and the outputs it 
 the page cache first (posix_fadvise DONTNEED on those files only: a cold cache without root and
 without disturbing other processes' caches):
 
+- the I/O floor of a conversion: `cp -r` of the source, then sync;
+- the W4A16 encoder alone on each device, experts from memory (its own floor for a conversion);
 - convert --out nvfp4, then --out w4a16 (--group-size 32) on the CPU (worker processes) and, when
   CUDA is present, on the GPU; the W4A16 outputs must be byte-identical;
 - the peak RSS of one W4A16 worker process (one full-size expert encoded in a fresh process);
@@ -131,6 +133,48 @@ def read_all(tensors: list[tuple[str, int, int]], workers: int) -> float:
     return time.perf_counter() - start
 
 
+def copy_seconds(src: str, dst: str) -> float:
+    """Seconds to `cp -r` the source and sync it to disk (then the copy is removed)."""
+    shutil.rmtree(dst, ignore_errors=True)
+    start = time.perf_counter()
+    subprocess.run(["cp", "-r", src, dst], check=True)
+    os.sync()
+    seconds = time.perf_counter() - start
+    shutil.rmtree(dst)
+    return seconds
+
+
+def encoder_experts_per_second(device: str, group: int, threads: int, per_thread: int = 8) -> float:
+    """Full-size experts (3 projections) per second through int4.encode_many on `device`, from
+    memory (pinned for a GPU, as a conversion reads them), `threads` threads set up as a
+    conversion's encoders are (the first expert of each, which readies tables and a GPU thread's
+    CUDA graph, untimed)."""
+    from requant import synth
+    from requant.formats import int4
+    from requant.workers import _init_gpu_thread
+
+    hidden, inter = 4096, 2048
+    values = synth._Values(3, synth.HardCases())
+    expert = {}
+    for name, shape in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter))):
+        w, s = values.expert(*shape, pooled=False)
+        expert[name] = tuple(t.view(torch.uint8).pin_memory() if device == "cuda" else t.view(torch.uint8)
+                             for t in (w, s))
+
+    def work(n):
+        for _ in range(n):
+            int4.encode_many(expert, group, "sym", device)
+
+    if device == "cpu":
+        torch.set_num_threads(1)   # as in a worker process
+    gpu = device == "cuda"
+    with ThreadPoolExecutor(threads, initializer=_init_gpu_thread if gpu else None, initargs=(device,) * gpu) as pool:
+        list(pool.map(work, [1] * threads))   # warm-up: tables, streams, allocator pools
+        start = time.perf_counter()
+        list(pool.map(work, [per_thread] * threads))
+        return threads * per_thread / (time.perf_counter() - start)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default="/tmp/requant-throughput")
@@ -150,6 +194,16 @@ def main() -> None:
     print(f"source {size / 1e9:.2f} GB, {workers} cores, "
           f"{torch.cuda.get_device_name() if cuda else 'no GPU'}, torch {torch.__version__}", flush=True)
     rows = []   # (what, seconds, note)
+    evict(src)
+    t_cp = copy_seconds(src, os.path.join(a.workdir, "copy"))
+    print(f"cp -r + sync (the I/O floor): {t_cp:.1f} s ({size / t_cp / 1e9:.2f} GB/s)", flush=True)
+    # One CPU thread (a worker process's share); on a GPU, one thread (latency) and a conversion's many.
+    for device, threads in ([("cpu", 1)] if "cpu-w4a16" not in skip or not cuda else []) + \
+            ([("cuda", 1), ("cuda", workers)] if cuda else []):
+        rate = encoder_experts_per_second(device, int(a.group_size), threads)
+        memory = f"; GPU memory reserved {torch.cuda.memory_reserved() / 2**30:.1f} GiB" if device == "cuda" else ""
+        print(f"W4A16 g{a.group_size} encoder alone ({device}, {threads} thread{'s' * (threads > 1)}): "
+              f"{rate:.1f} full-size experts/s{memory}", flush=True)
 
     def convert(name, *args):
         out = os.path.join(a.workdir, name)
@@ -168,8 +222,9 @@ def main() -> None:
     if len(w4) == 2:
         same = shard_digests(w4["cpu"][0]) == shard_digests(w4["cuda"][0])
         print(f"W4A16 CPU vs CUDA output: {'byte-identical' if same else 'DIFFERENT'}", flush=True)
+    print(f"RATIO NVFP4 conversion / cp: {t_nv / t_cp:.2f}x", flush=True)
     for device, (_, t) in w4.items():
-        print(f"RATIO W4A16 ({device}) / NVFP4 conversion: {t / t_nv:.2f}x", flush=True)
+        print(f"RATIO W4A16 ({device}) / NVFP4 conversion: {t / t_nv:.2f}x; / cp: {t / t_cp:.2f}x", flush=True)
     w4_out = w4["cuda" if cuda else "cpu"][0]
 
     probe = subprocess.run([sys.executable, "-c", WORKER_PROBE, src, os.path.join(a.workdir, "probe.bin")],

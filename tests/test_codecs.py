@@ -51,7 +51,7 @@ def test_the_cast_writes_the_nvfp4_parts_and_the_codec_decodes_them_to_the_sourc
 @pytest.mark.parametrize("group,scheme", [(32, "asym"), (128, "sym")])
 def test_the_int4_search_writes_the_w4a16_parts_and_their_group_size_is_inferred(group, scheme):
     w, s = mxfp4_source(1)
-    enc = formats.encoder("mxfp4", "w4a16")(torch.from_numpy(w), torch.from_numpy(s), group, scheme)
+    enc = formats.encoder("mxfp4", "w4a16")({"w": (torch.from_numpy(w), torch.from_numpy(s))}, group, scheme)["w"]
     tensors = {"weight_packed": enc.packed, "weight_scale": enc.scale,
                "weight_shape": torch.tensor([ROWS, K], dtype=torch.int64)}
     if enc.zero_point is not None:

@@ -35,13 +35,39 @@ def test_gpu_refinement_picks_what_the_cpu_one_picks(scheme, monkeypatch):
     assert _same_encoding(int4.encode_mxfp4(w, s, 32, scheme), by_centre), f"seed {seed}"
 
 
+def _expert(rows, k, seed, pin=False):
+    """An expert's gate, up and down projections ([rows, k], [rows, k], [k, rows]), by name."""
+    hard = synth.HardCases(out_of_window=2, zero_blocks=3, neg_zero_blocks=1)
+    shapes = {"gate": (rows, k), "up": (rows, k), "down": (k, rows)}
+    return {name: tuple(t.pin_memory() if pin else t for t in _mxfp4(*shape, seed + i, hard))
+            for i, (name, shape) in enumerate(shapes.items())}
+
+
+@pytest.mark.parametrize("scheme", int4.SCHEMES)
+def test_tensors_encoded_in_one_run_as_apart(scheme):
+    """The GPU's way (an expert's projections as one run of groups), run here on the CPU, against
+    the CPU's (one tensor at a time): the same bytes and per-tensor energies."""
+    seed = int(np.random.SeedSequence().generate_state(1)[0])
+    sources = _expert(64, 512, seed)
+    together = int4._encode(sources, 32, scheme, "cpu", exhaustive=False)
+    apart = int4.encode_many(sources, 32, scheme, "cpu")
+    assert all(_same_encoding(together[name], apart[name]) for name in sources), f"seed {seed}"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: runs on the GPU machine")
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("scheme", int4.SCHEMES)
 def test_cuda_encodes_the_bytes_the_cpu_encodes(group, scheme):
-    """A full-size projection encoded on the GPU and on the CPU: identical tensors and energies."""
-    w, s = _mxfp4(2048, 4096, 7, synth.HardCases(out_of_window=2, zero_blocks=3, neg_zero_blocks=1))
-    assert _same_encoding(int4.encode_mxfp4(w.cuda(), s.cuda(), group, scheme), int4.encode_mxfp4(w, s, group, scheme))
+    """Full-size experts encoded on the GPU (from pinned memory, as conversions do: the first one
+    run as it is, the next ones replaying the CUDA graph captured then, on new inputs; and one
+    projection from GPU memory) and on the CPU: identical tensors and energies."""
+    for seed in (7, 8, 9):
+        sources = _expert(2048, 4096, seed, pin=True)
+        on_cpu = int4.encode_many(sources, group, scheme, "cpu")
+        on_gpu = int4.encode_many(sources, group, scheme, "cuda")
+        assert all(_same_encoding(on_gpu[name], on_cpu[name]) for name in sources), seed
+    w, s = sources["down"]
+    assert _same_encoding(int4.encode_mxfp4(w.cuda(), s.cuda(), group, scheme), on_cpu["down"])
 
 
 def test_worker_counts_and_devices_write_the_same_bytes(small_source, tmp_path):

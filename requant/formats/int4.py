@@ -16,7 +16,9 @@ minimises the squared error against the MXFP4 source (see encode_mxfp4).
 
 from __future__ import annotations
 
+import itertools
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -139,7 +141,13 @@ _TIE = 1 << 12                     # above any candidate index
 # exhaustive search they lose about 0.001 dB (sym) and 0.03 dB (asym); scripts/bench_w4a16.py.
 _COARSE = {"sym": 8, "asym": 16}
 _RADIUS = {"sym": 4, "asym": 8}
-_CHUNK_GROUPS = 1 << 13            # bounds the [groups, candidates] error matrix
+# Groups per matrix product: on a CPU few enough that a chunk's [groups, candidates] errors stay in
+# cache, on a GPU many, for few launches (a chunk's gathered tables stay around 100 MiB per scheme
+# option).
+_CHUNK_GROUPS = {"cpu": 1 << 13, "cuda": 1 << 16}
+# Group exponents R lie in [-128, 129] (E8M0 exponents -127 .. 127, tops up to 6 * 2^e): per-R
+# bins, offset to start at 0.
+_R_OFFSET, _R_BINS = 128, 258
 # Per pair of source bytes (4 codes), one 4-bit count field per nonzero magnitude code (+0.5 .. +6
 # in fields 0-6, -0.5 .. -6 in 7-13; +-0 are not counted): sums of two cannot overflow a field,
 # and 56 bits stay clear of int64's sign bit.
@@ -200,14 +208,15 @@ class _Tables:
         self.pair_fields = _PAIR_FIELDS.to(device)
         self.top_level = _TOP_LEVEL.int().to(device)
         self.mag_squared = _MAG_SQUARED_X4.to(device)
+        coarse = torch.arange(0, self.n_s, _COARSE[scheme]) + self.n_s * torch.arange(self.n_z)[:, None]
+        self.coarse = coarse.flatten().to(device)
 
     def exhaustive(self, counts: torch.Tensor) -> torch.Tensor:
         return self._best(counts, torch.arange(len(self.s), device=self.device))
 
     def coarse_to_fine(self, counts: torch.Tensor) -> torch.Tensor:
         """Per group: error * _TIE + candidate of the best candidate (see the section comment)."""
-        coarse = torch.arange(0, self.n_s, _COARSE[self.scheme]) + self.n_s * torch.arange(self.n_z)[:, None]
-        pick = (self._best(counts, coarse.flatten().to(self.device)) % _TIE).long()
+        pick = (self._best(counts, self.coarse) % _TIE).long()
         return self._best_each(counts, pick) if counts.is_cuda else self._best_by_centre(counts, pick)
 
     def _neighbours(self, centres: torch.Tensor) -> torch.Tensor:
@@ -224,8 +233,7 @@ class _Tables:
     def _best(self, counts, options):
         """Best among the same `options` for every group (one matrix product per chunk)."""
         table = self.error[:, options].t()
-        return torch.cat([(table @ _operand(counts[g0:g0 + _CHUNK_GROUPS]).t()).amin(0)
-                          for g0 in range(0, len(counts), _CHUNK_GROUPS)])
+        return torch.cat([(table @ _operand(counts[part]).t()).amin(0) for part in _chunks(counts)])
 
     def _best_by_centre(self, counts, pick):
         """Best among each group's own options, one matrix product per distinct coarse winner
@@ -242,10 +250,20 @@ class _Tables:
     def _best_each(self, counts, pick):
         """The same result as _best_by_centre, gathering each group's table columns: a few large
         kernels rather than one small product per winner (the GPU's way)."""
-        chunk = 1 << 16
-        return torch.cat([torch.bmm(self.error_t[self._neighbours(pick[g0:g0 + chunk])],
-                                    _operand(counts[g0:g0 + chunk])[:, :, None]).squeeze(2).amin(1)
-                          for g0 in range(0, len(counts), chunk)])
+        return torch.cat([torch.bmm(self.error_t[self._neighbours(pick[part])],
+                                    _operand(counts[part])[:, :, None]).squeeze(2).amin(1)
+                          for part in _chunks(counts)])
+
+
+def _chunks(counts: torch.Tensor) -> list[slice]:
+    """Slices of `counts`' groups, one per matrix product (see _CHUNK_GROUPS)."""
+    n = _CHUNK_GROUPS[counts.device.type]
+    return [slice(g0, g0 + n) for g0 in range(0, len(counts), n)]
+
+
+def _per_block(per_group: torch.Tensor, blocks_per_group: int) -> torch.Tensor:
+    """Each group's value repeated for each of its blocks (no output size for a GPU to read back)."""
+    return per_group[:, None].expand(-1, blocks_per_group).reshape(-1)
 
 
 def _operand(counts: torch.Tensor) -> torch.Tensor:
@@ -260,7 +278,10 @@ _TABLES: dict[tuple[str, torch.device], _Tables] = {}
 def _tables(scheme: str, device: torch.device) -> _Tables:
     key = (scheme, device)
     if key not in _TABLES:
-        _TABLES[key] = _Tables(scheme, device)
+        tables = _Tables(scheme, device)
+        if device.type == "cuda":   # built on this thread's stream, used on every thread's
+            torch.cuda.current_stream(device).synchronize()
+        _TABLES[key] = tables
     return _TABLES[key]
 
 
@@ -287,37 +308,138 @@ def _exact_sum(by_exponent: torch.Tensor, offset: int, scale: float) -> float:
 
 def encode_mxfp4(weight: torch.Tensor, scale: torch.Tensor, group_size: int = 128, scheme: str = "sym",
                  exhaustive: bool = False) -> Encoded:
-    """Quantize one MXFP4 tensor (packed uint8 [out, K/2], E8M0 [out, K/32]) to INT4 groups along K.
+    """Quantize one MXFP4 tensor (packed uint8 [out, K/2], E8M0 [out, K/32]) to INT4 groups along K,
+    on the inputs' device (see encode_many)."""
+    return encode_many({"": (weight, scale)}, group_size, scheme, weight.device, exhaustive)[""]
 
-    Runs on the inputs' device (CPU or CUDA) and returns CPU tensors: the same bytes and energies
-    on either. exhaustive=True evaluates every candidate: the exact optimum, many times slower (a
-    test oracle)."""
-    weight = weight.contiguous().view(torch.uint8)
-    scale = scale.contiguous().view(torch.uint8)
-    mxfp4.check_shapes(tuple(weight.shape), tuple(scale.shape))
-    if scale.numel() and bool((scale == mxfp4.E8M0_NAN).any()):
-        mxfp4.check_scales(scale.cpu().numpy())
-    rows, k = weight.shape[0], weight.shape[1] * 2
-    check_shape(rows, k, group_size, scheme)
+
+def encode_many(sources: dict[str, tuple[torch.Tensor, torch.Tensor]], group_size: int = 128,
+                scheme: str = "sym", device: torch.device | str = "cpu",
+                exhaustive: bool = False) -> dict[str, Encoded]:
+    """Quantize MXFP4 tensors (name -> (packed uint8 [out, K/2], E8M0 [out, K/32])) to INT4 groups
+    along K on `device` (CPU or CUDA); CPU tensors come back, the same bytes and energies on any
+    device. A bad input raises FormatError naming it. exhaustive=True evaluates every candidate:
+    the exact optimum, many times slower (a test oracle).
+
+    No group straddles two tensors, so on a GPU the tensors are encoded as one run of groups: one
+    set of kernels for an expert's projections, where a GPU pays per launch. On a CPU one at a
+    time: an expert's three full-size projections together outgrow the caches (1.6x slower)."""
+    checked = {}   # name -> (weight, scale) as bytes, shapes checked
+    for name, (weight, scale) in sources.items():
+        weight, scale = weight.view(torch.uint8), scale.view(torch.uint8)
+        try:
+            mxfp4.check_shapes(tuple(weight.shape), tuple(scale.shape))
+            if scale.numel() and bool((scale == mxfp4.E8M0_NAN).any()):   # checked where it is: no GPU wait
+                mxfp4.check_scales(scale.cpu().numpy())
+            check_shape(weight.shape[0], weight.shape[1] * 2, group_size, scheme)
+        except FormatError as e:
+            raise FormatError(str(e), tensor=name or None) from None
+        checked[name] = weight, scale
+    if torch.device(device).type == "cpu":
+        return {name: _encode({name: pair}, group_size, scheme, device, exhaustive)[name]
+                for name, pair in checked.items()}
+    return _encode(checked, group_size, scheme, device, exhaustive)
+
+
+def _encode(sources: dict[str, tuple[torch.Tensor, torch.Tensor]], group_size: int, scheme: str,
+            device: torch.device | str, exhaustive: bool) -> dict[str, Encoded]:
+    """encode_many on checked uint8 inputs, as one run of groups. CPU inputs in pinned memory
+    reach a GPU without blocking this thread; the one wait is for the results."""
+    shapes = tuple((w.shape[0], w.shape[1] * 2) for w, _ in sources.values())   # (rows, K) of each tensor
+    args = shapes, group_size, scheme, exhaustive
+    device = torch.device(device)
+    if device.type == "cuda":
+        results = _on_gpu(sources, device, args)
+    else:
+        results = _search(torch.cat([w.reshape(-1) for w, _ in sources.values()]),
+                          torch.cat([s.reshape(-1) for _, s in sources.values()]), *args)
+    # To the host in one go (pinned memory from a GPU), then one wait.
+    codes, scale_out, zero, signal_bins, excess_bins = (t.to("cpu", non_blocking=True) for t in results)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    out = {}
+    per_group = group_size // mxfp4.BLOCK
+    for i, (name, (rows, k), (b0, b1)) in enumerate(zip(sources, shapes, _spans(shapes))):
+        groups = slice(b0 // per_group, b1 // per_group)
+        packed = codes[b0 * mxfp4.BLOCK // 2:b1 * mxfp4.BLOCK // 2].view(rows, k // 2).view(torch.int32)
+        zero_point = pack_zero_point(zero[groups].view(rows, k // group_size)) if scheme == "asym" else None
+        signal = _exact_sum(signal_bins[i], mxfp4.E8M0_BIAS, 0.25)
+        error = math.fsum([signal, _exact_sum(excess_bins[i], _R_OFFSET, _UNIT)])
+        out[name] = Encoded(packed, scale_out[groups].view(rows, k // group_size), zero_point, signal, error)
+    return out
+
+
+def _spans(shapes: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+    """(first, end) MXFP4 block of each tensor of these (rows, K) in one run."""
+    ends = list(itertools.accumulate(rows * k // mxfp4.BLOCK for rows, k in shapes))
+    return list(zip([0] + ends[:-1], ends))
+
+
+class _Captured:
+    """_search for one set of shapes and options recorded as a CUDA graph, with its input and
+    output tensors: a replay launches its few hundred kernels at once, where running them from
+    Python costs ~12 ms of a CPU thread per full-size expert (the GPU's own work is a fraction of
+    that) and, from many threads, contends for the interpreter."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, args: tuple):
+        self.weight, self.scale = weight, scale
+        self.graph = torch.cuda.CUDAGraph()
+        # One capture at a time, in thread-local mode: other threads may allocate and wait on their
+        # streams meanwhile. On a high-priority stream, from a pool apart from the normal-priority
+        # streams threads launch work on (workers.py): none of them can be queueing on it. A
+        # replay runs on whatever stream is current.
+        stream = torch.cuda.Stream(weight.device, priority=-1)
+        with _CAPTURE_LOCK, torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
+            self.results = _search(weight, scale, *args)
+
+
+_CAPTURE_LOCK = threading.Lock()
+_captured = threading.local()   # per thread: (device, args) -> _Captured (a graph's tensors are its own)
+
+
+def _on_gpu(sources: dict, device: torch.device, args: tuple) -> tuple[torch.Tensor, ...]:
+    """_search's results for these inputs on a CUDA device, from this thread's graph for their
+    shapes; the first time, run as it is (which also readies tables and libraries) and captured."""
+    graphs = _captured.__dict__.setdefault("graphs", {})
+    graph = graphs.get((device, args))
+    if graph is None:
+        weight = torch.cat([w.reshape(-1).to(device, non_blocking=True) for w, _ in sources.values()])
+        scale = torch.cat([s.reshape(-1).to(device, non_blocking=True) for _, s in sources.values()])
+        results = _search(weight, scale, *args)
+        graphs[device, args] = _Captured(weight, scale, args)
+        return results
+    for (w, s), (b0, b1) in zip(sources.values(), _spans(args[0])):
+        graph.weight[b0 * mxfp4.BLOCK // 2:b1 * mxfp4.BLOCK // 2].copy_(w.reshape(-1), non_blocking=True)
+        graph.scale[b0:b1].copy_(s.reshape(-1), non_blocking=True)
+    graph.graph.replay()
+    return graph.results
+
+
+def _search(weight: torch.Tensor, scale: torch.Tensor, shapes: tuple[tuple[int, int], ...], group_size: int,
+            scheme: str, exhaustive: bool) -> tuple[torch.Tensor, ...]:
+    """The encoding of a run of tensors (packed bytes and E8M0 scales, flat, one after the other),
+    on their device: (codes uint8, scales bf16, zero points int8 per group; signal and excess
+    energy bins per tensor). Launches kernels only: no value is read back, so it can be captured."""
     device = weight.device
     tables = _tables(scheme, device)
     per_group = group_size // mxfp4.BLOCK
-    blocks = weight.reshape(-1, mxfp4.BLOCK // 2)
+    blocks = weight.view(-1, mxfp4.BLOCK // 2)
     n_blocks = len(blocks)
     magnitudes = _block_magnitudes(blocks, tables)
     both = magnitudes[:, :7] + magnitudes[:, 7:]
     mags = torch.stack([magnitudes[:, :7], magnitudes[:, 7:], both], 1)   # [blocks, +/-/both, 0.5 .. 6]
 
     # Level of each block's top |value|, counted in half octaves (level 2e+1 is 1.5 * 2^e).
-    exps = scale.reshape(-1).int() - mxfp4.E8M0_BIAS
+    exps = scale.int() - mxfp4.E8M0_BIAS
     top_code = ((both > 0) * torch.arange(1, 8, dtype=torch.uint8, device=device)).amax(1).int()
     group_top = (tables.top_level.index_select(0, top_code) + 2 * exps).view(-1, per_group).amax(1)
     empty = group_top < -(10**5)
     r = torch.where(empty, 0, group_top >> 1)                         # 2^R <= top < 2^(R+1)
-    shift = (r.repeat_interleave(per_group) - exps).clamp(-1, _D_MAX)  # block values are m * 2^-shift
+    shift = (_per_block(r, per_group) - exps).clamp(-1, _D_MAX)       # block values are m * 2^-shift
 
     # Counts per group over the table's rows: a block's magnitudes land at level 2 * shift + offset.
-    lo = max(0, int(shift.max()) * 2 - 4)
+    # A fixed width, room for the deepest shift: reading the actual deepest back would stall a GPU.
+    lo = 2 * _D_MAX - 4
     width = lo + max(8, tables.n_bins + 6)
     padded = torch.zeros(n_blocks, 3, width, dtype=torch.uint8, device=device)
     # Level offsets of magnitudes 6, 4, 3, 2, 1.5, 1: 0 .. 5 (level 2e+1 is 1.5 * 2^e); of 0.5: 7.
@@ -333,27 +455,25 @@ def encode_mxfp4(weight: torch.Tensor, scale: torch.Tensor, group_size: int = 12
     pick = torch.where(empty, tables.zero_index, (key - best * _TIE).long())   # all-zero groups: q = z = 0
     norm = torch.exp2(r.double().clamp(min=-126))
     scale_out = torch.where(empty, 1.0, tables.s_dev[pick].double() * norm).to(torch.bfloat16)
-    zero = torch.where(empty, 0.0, tables.z_dev[pick])
+    zero = torch.where(empty, 0.0, tables.z_dev[pick]).to(torch.int8)
 
     # Codes: one table lookup per source byte, keyed by (block shift, chosen candidate).
-    code_key = (shift + 1) * len(tables.s) + pick.int().repeat_interleave(per_group)
+    code_key = (shift + 1) * len(tables.s) + _per_block(pick.int(), per_group)
     codes = tables.bytes.index_select(0, ((code_key << 8)[:, None] + blocks).view(-1))
-    packed = codes.view(rows, k // 2).view(torch.int32)
 
-    # Energies: whole numbers of units summed per exponent (exact on any device), then scaled.
-    # Error = the searched error per group plus the energy of the levels left out (they decode to
-    # 0) = all energy + per group (searched - binned energy).
+    # Energies per tensor: whole numbers of units summed per exponent (exact on any device, in any
+    # order), scaled on the host. Error = the searched error per group plus the energy of the
+    # levels left out (they decode to 0) = all energy + per group (searched - binned energy).
     block_energy = both.double() @ tables.mag_squared                   # 4x, whole numbers
-    signal = _exact_sum(torch.bincount((exps + mxfp4.E8M0_BIAS).long(), weights=block_energy, minlength=256),
-                        mxfp4.E8M0_BIAS, 0.25)
-    binned = torch.cat([counts[g0:g0 + _CHUNK_GROUPS].double() @ tables.level_energy
-                        for g0 in range(0, len(counts), _CHUNK_GROUPS)])
-    r_min = int(r.min())
-    excess = torch.bincount((r - r_min).long(), weights=torch.where(empty, 0.0, best - binned))
-    error = math.fsum([signal, _exact_sum(excess, -r_min, _UNIT)])
-    zero_point = pack_zero_point(zero.to(torch.int8).view(rows, k // group_size)) if scheme == "asym" else None
-    return Encoded(packed.cpu(), scale_out.view(rows, k // group_size).cpu(),
-                   None if zero_point is None else zero_point.cpu(), signal, error)
+    binned = torch.cat([counts[part].double() @ tables.level_energy for part in _chunks(counts)])
+    excess = torch.where(empty, 0.0, best - binned)
+    signal_bins = torch.zeros(len(shapes), 256, dtype=torch.float64, device=device)
+    excess_bins = torch.zeros(len(shapes), _R_BINS, dtype=torch.float64, device=device)
+    for i, (b0, b1) in enumerate(_spans(shapes)):
+        groups = slice(b0 // per_group, b1 // per_group)
+        signal_bins[i].index_add_(0, scale[b0:b1].long(), block_energy[b0:b1])
+        excess_bins[i].index_add_(0, (r[groups] + _R_OFFSET).long(), excess[groups])
+    return codes, scale_out, zero, signal_bins, excess_bins
 
 
 CODEC = formats.Codec(
@@ -369,6 +489,7 @@ CODEC = formats.Codec(
     decode=lambda t: decode(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point")),
     group_sizes=GROUP_SIZES,
     kernel_code=2,
-    # The data-free scale search: (weight, scale, group_size, scheme) -> Encoded.
-    encoders={"mxfp4": encode_mxfp4},
+    # The data-free scale search, batched: ({name: (weight, scale)}, group_size, scheme, device)
+    # -> {name: Encoded}.
+    encoders={"mxfp4": encode_many},
 )
