@@ -19,6 +19,7 @@ source's own reference path (its weights decoded exactly, BF16 activations):
 from __future__ import annotations
 
 from requant.errors import RequantError
+from requant import formats
 from requant.formats import engine_numerics
 
 MODES = ("nvfp4-w4a4", "marlin-w4a16", "bf16")
@@ -32,7 +33,7 @@ HELP = ("Serving modes to compute the converted layers in, comma-separated or 'a
 def default_modes(dst_format: str, capability: tuple[int, int] | None) -> list[str]:
     """The modes the GPU present would serve `dst_format` with; both NVFP4 modes without a GPU,
     since the serving GPU is then unknown."""
-    if dst_format != "nvfp4":
+    if not _w4a4(dst_format):
         return ["bf16"]
     if capability is None:
         return ["nvfp4-w4a4", "marlin-w4a16"]
@@ -50,8 +51,13 @@ def parse_modes(spec: str | None) -> list[str] | None:
     return list(dict.fromkeys(modes))
 
 
+def _w4a4(fmt: str) -> bool:
+    """Whether engines quantize the activations for this format: it stores an input_scale for it."""
+    return formats.get(fmt).part(formats.INPUT_SCALE) is not None
+
+
 def applies(mode: str, dst_format: str) -> bool:
-    return mode != "nvfp4-w4a4" or dst_format == "nvfp4"
+    return mode != "nvfp4-w4a4" or _w4a4(dst_format)
 
 
 def marlin_weights(weights: dict, fused: list[list[str]]) -> tuple[dict, int]:
@@ -60,8 +66,8 @@ def marlin_weights(weights: dict, fused: list[list[str]]) -> tuple[dict, int]:
     (`fused`: the model's, e.g. DeepSeek-V4's w1 and w3 as w13), one for each other projection."""
     from requant.kernels.weights import ExpertWeights
 
-    if next(iter(weights.values())).format != "nvfp4":
-        return weights, 0
+    if formats.get(next(iter(weights.values())).format).part(formats.GLOBAL_SCALE) is None:
+        return weights, 0   # Marlin rescales FP4 block scales against a global scale; others run as stored
     groups = fused + [[p] for p in weights if not any(p in g for g in fused)]
     out, flushed = {}, 0
     for group in groups:

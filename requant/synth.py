@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from requant import expressions, model as model_lib
+from requant import expressions, formats, model as model_lib
 from requant.errors import UnsupportedError
 from requant.formats import fp8_block, mxfp4
 from requant.io.fsutil import atomic_write_json
@@ -80,14 +80,13 @@ def make_config(d: Dims) -> dict:
     return metadata_files(d)["config.json"]
 
 
-# Tensors of a quantized linear layer, by storage format: its parts' names, dtypes and shapes from
-# the logical [out, in] shape.
-_QUANTIZED = {
-    "fp8_block": lambda name, shape: [TensorSpec(f"{name}.weight", "F8_E4M3", shape),
-                                      TensorSpec(f"{name}.scale", "F8_E8M0", fp8_block.scale_shape(shape))],
-    "mxfp4": lambda name, shape: [TensorSpec(f"{name}.weight", "I8", (shape[0], shape[1] // 2)),
-                                  TensorSpec(f"{name}.scale", "F8_E8M0", (shape[0], shape[1] // mxfp4.BLOCK))],
-}
+def _quantized(codec_name: str, name: str, shape) -> list[TensorSpec]:
+    """Tensors of a quantized linear layer as its codec declares them (first dtype, shapes from the
+    logical [out, in])."""
+    codec = formats.get(codec_name)
+    params = formats.Params(codec.fixed_group)
+    return [TensorSpec(f"{name}.{p.suffix}", p.dtypes[0], p.shape(shape[0], shape[1], params))
+            for p in codec.written_parts(params)]
 
 
 def _tensors(d: Dims, entries: list[dict], bound: dict) -> list[TensorSpec]:
@@ -105,7 +104,7 @@ def _tensors(d: Dims, entries: list[dict], bound: dict) -> list[TensorSpec]:
         else:
             name = entry["name"].format(**bound)
             shape = tuple(d.evaluate(x, bound) for x in entry["shape"])
-            specs += _QUANTIZED[entry["format"]](name, shape) if "format" in entry else \
+            specs += _quantized(entry["format"], name, shape) if "format" in entry else \
                 [TensorSpec(name, entry["dtype"], shape)]
     return specs
 

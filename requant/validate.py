@@ -30,7 +30,7 @@ from requant import formats, serve, sources
 from requant.compute import compute_device, default_workers
 from requant.errors import FormatError, RequantError, UnsupportedError
 from requant.extras import require
-from requant.formats import engine_numerics, fp8_block, int4, mxfp4, nvfp4
+from requant.formats import engine_numerics, fp8_block
 from requant.io.checkpoint import Checkpoint
 from requant.model import ModelSpec
 from requant.moe import MoEConfig, MoELayer, expert_forward, route, routed_experts
@@ -130,36 +130,39 @@ def kernel_format(side: _Side, block: str) -> str:
 
 def load_experts(side: _Side, block: str, proj: str, fmt: str, experts: int | list[int], device):
     """One projection of every expert of a block (or of the listed experts), stacked as stored, on
-    `device`."""
+    `device`, as the codec's parts say."""
     from requant.kernels.weights import ExpertWeights
 
+    codec = formats.get(fmt)
     chosen = range(experts) if isinstance(experts, int) else experts
-    experts = len(chosen)
+    present = side.experts[(block, chosen[0])].parts[proj]
 
-    def stack(part, view=None):
-        ts = [side.tensor(block, e, proj, part) for e in chosen]
-        return torch.stack([t.view(view) if view else t for t in ts]).to(device)
+    def stack(role):
+        part = codec.part(role)
+        if part is None or part.suffix not in present:
+            return None
+        t = torch.stack([side.tensor(block, e, proj, part.suffix) for e in chosen])
+        return t.view(torch.uint8) if t.dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e8m0fnu) else t
 
-    if fmt == "mxfp4":
-        scale = stack("scale", torch.uint8)
-        if bool((scale == mxfp4.E8M0_NAN).any()):
-            raise FormatError(f"{block}.{proj}: an E8M0 scale is NaN (byte 0xFF)")
-        return ExpertWeights("mxfp4", stack("weight", torch.uint8), scale)
-    if fmt == "nvfp4":
-        return ExpertWeights("nvfp4", stack("weight", torch.uint8), stack("weight_scale", torch.uint8),
-                             stack("weight_scale_2").reshape(experts).float())
-    zero = "weight_zero_point" in side.experts[(block, chosen[0])].parts[proj]
-    return ExpertWeights("w4a16", stack("weight_packed"), stack("weight_scale"),
-                         zero_point=stack("weight_zero_point") if zero else None)
+    scale = stack(formats.SCALE)
+    if scale.dtype == torch.uint8:   # byte-coded scales (E8M0, E4M3) can hold bytes no valid file has
+        try:
+            codec.check_scales(scale.numpy())
+        except FormatError as e:
+            raise FormatError(f"{block}.{proj}: {e}") from None
+    global_scale = stack(formats.GLOBAL_SCALE)
+    zero_point = stack(formats.ZERO_POINT)
+    return ExpertWeights(codec.name, stack(formats.WEIGHT).view(codec.packed_dtype).to(device), scale.to(device),
+                         None if global_scale is None else global_scale.reshape(len(chosen)).float().to(device),
+                         None if zero_point is None else zero_point.to(device))
 
 
 def dense_expert(w, e: int) -> torch.Tensor:
     """Float32 [N, K] of expert e by requant's plain torch decoders (independent of the kernel)."""
-    if w.format == "mxfp4":
-        return mxfp4.decode(w.packed[e], w.scale[e])
-    if w.format == "nvfp4":
-        return nvfp4.decode(w.packed[e], w.scale[e], w.global_scale[e])
-    return int4.decode(w.packed[e], w.scale[e], None if w.zero_point is None else w.zero_point[e])
+    codec = formats.get(w.format)
+    stored = {formats.WEIGHT: w.packed, formats.SCALE: w.scale, formats.GLOBAL_SCALE: w.global_scale,
+              formats.ZERO_POINT: w.zero_point}
+    return codec.decode({codec.part(role).suffix: t[e] for role, t in stored.items() if t is not None})
 
 
 def _shared(side: _Side, block: str, device):
@@ -340,7 +343,7 @@ def _validate_block(fm, a, b, block, cfg, tokens, device, gen, acts, serve_modes
     agreement = float((ids_a.sort(-1).values == ids_b.sort(-1).values).all(-1).float().mean())
     rel, cos, max_abs = _metrics(*outputs)
     routed_rel = _metrics(*routed)[0]
-    lossless = {fa, fb} <= {"mxfp4", "nvfp4"} or fa == fb
+    lossless = formats.get(fa).elements == formats.get(fb).elements
     max_rel, min_cos = LOSSLESS if lossless else LOSSY
     kernel_ok = kernel_rel is None or (math.isfinite(kernel_rel) and kernel_rel <= KERNEL_VS_REFERENCE)
     passed = (rel <= max_rel and cos >= min_cos and agreement == 1.0 and kernel_ok

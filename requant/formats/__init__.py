@@ -59,6 +59,8 @@ class Part:
 @dataclass(frozen=True, eq=False)   # one object per format: compared and hashed by identity
 class Codec:
     name: str                                       # as --in/--out and every report spell it
+    elements: str                                   # the element code set (e2m1, int4, e4m3): codecs
+                                                    # sharing it can hold the same weights exactly
     parts: tuple[Part, ...]
     elements_per_word: int                          # K elements per stored element of the weight part
     packed_dtype: torch.dtype                       # how decoders and the MoE kernel view the weight part

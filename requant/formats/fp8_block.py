@@ -49,6 +49,7 @@ def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 CODEC = formats.Codec(
     name="fp8_block",
+    elements="e4m3",
     parts=(formats.Part("weight", formats.WEIGHT, ("F8_E4M3",), lambda out, k, p: (out, k)),
            formats.Part("scale", formats.SCALE, ("F8_E8M0",), lambda out, k, p: scale_shape((out, k)))),
     elements_per_word=1,

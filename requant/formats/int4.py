@@ -478,6 +478,7 @@ def _search(weight: torch.Tensor, scale: torch.Tensor, shapes: tuple[tuple[int, 
 
 CODEC = formats.Codec(
     name="w4a16",
+    elements="int4",
     parts=(formats.Part("weight_packed", formats.WEIGHT, ("I32",), lambda out, k, p: (out, k // PACK)),
            formats.Part("weight_scale", formats.SCALE, ("BF16", "F16", "F32"),
                         lambda out, k, p: (out, k // p.group_size)),

@@ -80,6 +80,7 @@ def encode(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 CODEC = formats.Codec(
     name="mxfp4",
+    elements="e2m1",
     parts=(formats.Part("weight", formats.WEIGHT, ("I8", "U8"), lambda out, k, p: (out, k // 2)),
            formats.Part("scale", formats.SCALE, ("F8_E8M0",), lambda out, k, p: (out, k // BLOCK))),
     elements_per_word=2,

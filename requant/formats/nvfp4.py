@@ -152,6 +152,7 @@ def decode(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: flo
 
 CODEC = formats.Codec(
     name="nvfp4",
+    elements="e2m1",
     parts=(formats.Part("weight", formats.WEIGHT, ("U8",), lambda out, k, p: (out, k // 2)),
            formats.Part("weight_scale", formats.SCALE, ("F8_E4M3",), lambda out, k, p: (out, k // BLOCK)),
            formats.Part("weight_scale_2", formats.GLOBAL_SCALE, ("F32",), lambda out, k, p: ()),
