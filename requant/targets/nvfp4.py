@@ -53,8 +53,7 @@ class NVFP4Target(Target):
         return out, stats
 
     def ignore(self) -> list[str]:
-        key = "nvfp4_ignore_mtp_converted" if self.mtp == "convert" else "nvfp4_ignore"
-        return list(self.model.recipe[key])
+        return self.model.quantization_ignore(self.name, self.mtp == "convert")
 
     def quantized_layers(self, blocks: list[str]) -> dict:
         return {self.model.experts_module(b): {"quant_algo": "NVFP4", "group_size": GROUP} for b in blocks}

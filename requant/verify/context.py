@@ -27,7 +27,7 @@ class Context:
     def logical_shape(self, proj: str) -> tuple[int, int]:
         """[out, K] of a projection, from config.json's sizes."""
         hidden, inter = self.model.value("hidden_size"), self.model.value("intermediate_size")
-        return (hidden, inter) if proj == self.model.recipe["down_projection"] else (inter, hidden)
+        return (hidden, inter) if proj == self.model.down_projection else (inter, hidden)
 
 
 @dataclass

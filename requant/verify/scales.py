@@ -25,7 +25,7 @@ def _bad_scalar(value: float) -> str | None:
 
 
 def _fused_group(model: ModelSpec, proj: str) -> list[str]:
-    for group in model.recipe["fused_projections"]:
+    for group in model.fused_projections:
         if proj in group:
             return list(group)
     return [proj]
@@ -64,7 +64,7 @@ def check_nvfp4_scales(ctx: Context, expert: Expert, projs: list[str], seen: Obs
             if (why := _bad_scalar(a)) is not None:
                 out.add("error", "bad-input-scale", "input_scale is not finite and positive (engines divide by it: "
                         "NaN or empty output)", f"{prefix}.input_scale", why)
-    for group in model.recipe["fused_projections"]:
+    for group in model.fused_projections:
         for values, severity, code, what in (
                 (globals_, "error", "fused-global-scale-mismatch",
                  "weight_scale_2 differs between fused projections (vLLM keeps the first and mis-scales the other)"),
