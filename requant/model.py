@@ -144,6 +144,7 @@ class ModelSpec:
 
     @property
     def projections(self) -> list[str]:
+        """Each expert's projections in the order gate, up, down (moe.py's expert tuples)."""
         return list(self.recipe["projections"])
 
     @property

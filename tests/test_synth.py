@@ -7,9 +7,11 @@ import os
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from requant import synth
+from requant.errors import UnsupportedError
 from requant.formats import mxfp4
 from requant.io.checkpoint import Checkpoint
 from tests import release_fixture
@@ -132,3 +134,21 @@ def test_synth_refuses_bad_dimensions(tmp_path):
     result = run_cli("synth", str(tmp_path / "x"), "--hidden", "200")
     assert result.returncode != 0
     assert "multiple of 128" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_recipe_expressions_are_arithmetic_only():
+    from requant.expressions import evaluate
+    dims = {"layers": 3, "ratio": "0 if index < 1 else 4", "ratios": "[ratio for index in range(layers)]"}
+    assert evaluate("ratios", dims) == [0, 4, 4] and evaluate("ratio", dims, {"index": 0}) == 0
+    for bad in ("__import__('os')", "layers.real", "open('x')"):
+        with pytest.raises(ValueError, match="not allowed"):
+            evaluate(bad, dims)
+    with pytest.raises(ValueError, match="through itself"):
+        evaluate("a", {"a": "b + 1", "b": "a"})
+
+
+def test_unknown_model_or_dimension_is_refused(tmp_path):
+    result = run_cli("synth", str(tmp_path / "x"), "--model", "no-such-model")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    with pytest.raises(UnsupportedError, match="no dimension"):
+        synth.Dims(heads_per_group=2)
