@@ -176,7 +176,7 @@ def _w4a16_problems(rules: EngineRules, model: ModelSpec, qc: dict, formats_by_b
                     fp8_scale_names: set[str]) -> list[tuple]:
     """How this engine fails to load W4A16 experts as the config describes them."""
     found = []
-    mtp_layers = [model.value("num_layers") + int(b.split(".")[-1]) for b in formats_by_block if model.is_mtp(b)]
+    mtp_layers = [model.value("num_layers") + model.block_index(b) for b in formats_by_block if model.is_mtp(b)]
     misses = w4a16_probe_misses(rules, model, qc, [0] + mtp_layers)
     if misses:
         found.append(("w4a16-targets", "no INT4 config group matches the expert modules it probes, so they fall to "

@@ -132,12 +132,6 @@ class ModelSpec:
         part = m["part"]
         return ExpertTensor(m["block"], int(m["expert"]), m["proj"], part, name[: -len(part) - 1])
 
-    def group_experts(self, names) -> list[Expert]:
-        """The routed experts among `names`, through the reader of the recipe's expert layout.
-        Kept for verify and the targets until they ask `requant.sources` themselves."""
-        from requant import sources
-        return sources.reader(self).experts(names)
-
     @property
     def expert_layout(self) -> str:
         return self.recipe["expert_layout"]

@@ -36,6 +36,7 @@ import torch
 
 from requant.compute import default_workers
 from requant.io.checkpoint import Checkpoint
+from requant import sources
 from requant.model import ModelSpec
 
 WORKER_PROBE = """
@@ -102,7 +103,7 @@ def expert_tensors(path: str, layers: list[str] | None) -> list[tuple[str, int, 
     with Checkpoint.open(path) as ck:
         model = ModelSpec.for_config(ck.config, os.path.join(path, "config.json"))
         found = []
-        for expert in model.group_experts(ck.names):
+        for expert in sources.reader(model).experts(ck.names):
             if layers and expert.block not in layers:
                 continue
             for parts in expert.parts.values():

@@ -1,7 +1,7 @@
 """Compare the routed experts of two checkpoints, one expert at a time, into report.json's dict.
 
 Schema: docs/report-schema.md. Each expert's projections are read from both checkpoints,
-decoded to float32 and compared, on the GPU when there is one; only sums (weights.Stats) outlive
+decoded to float32 and compared, on the GPU when there is one; only sums (weights.ErrorSums) outlive
 the expert, so memory stays at a few experts whatever the checkpoint size. Experts are spread over
 threads, one per core by default: reading (pread) and torch's kernels release the GIL.
 """
@@ -19,7 +19,7 @@ from requant.compute import compute_device, default_workers
 from requant.errors import UnsupportedError
 from requant.io.checkpoint import Checkpoint
 from requant.model import Expert, ModelSpec
-from requant.report.weights import (DECODE_PARTS, HIST_BINS, HIST_LOG10_MAX, HIST_LOG10_MIN, Stats, block_size,
+from requant.report.weights import (DECODE_PARTS, HIST_BINS, HIST_LOG10_MAX, HIST_LOG10_MIN, ErrorSums, block_size,
                                     compare, decode_projection, projection_format)
 
 SCHEMA = "requant.report/1"
@@ -34,8 +34,8 @@ def _read(ck: Checkpoint, parts: dict[str, str], fmt: str, device: str):
 
 
 def compare_expert(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, projections,
-                   device: str = "cpu") -> dict[str, Stats]:
-    """proj -> Stats of dst's decoding against src's, for one expert."""
+                   device: str = "cpu") -> dict[str, ErrorSums]:
+    """proj -> ErrorSums of dst's decoding against src's, for one expert."""
     out = {}
     for proj in projections:
         fa, fb = _format_of(src, a.parts[proj]), _format_of(dst, b.parts[proj])
@@ -63,7 +63,7 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
         if not selected:
             raise UnsupportedError(f"{src_path} and {dst_path} share no routed experts to compare")
         projections = model.projections
-        per = {}   # (block, expert) -> {proj: Stats}
+        per = {}   # (block, expert) -> {proj: ErrorSums}
         nbytes = sum(dst.info(n).nbytes for k in selected for p in dst_experts[k].parts.values() for n in p.values())
         nbytes += sum(src.info(n).nbytes for k in selected for p in src_experts[k].parts.values() for n in p.values())
         workers = workers or default_workers()
@@ -91,16 +91,16 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
 
 def _assemble(src_path, dst_path, model, blocks, per, formats, unmatched, n_experts, layers, seconds, nbytes):
     projections = model.projections
-    overall, by_proj = Stats(), {p: Stats() for p in projections}
+    overall, by_proj = ErrorSums(), {p: ErrorSums() for p in projections}
     by_layer = []
     exact_map = []
     for block in blocks:
-        layer, layer_proj = Stats(), {p: Stats() for p in projections}
+        layer, layer_proj = ErrorSums(), {p: ErrorSums() for p in projections}
         row = [None] * n_experts
         for (b, e), stats in per.items():
             if b != block:
                 continue
-            expert_total = Stats()
+            expert_total = ErrorSums()
             for proj, s in stats.items():
                 layer_proj[proj].add(s)
                 expert_total.add(s)

@@ -39,7 +39,7 @@ def block_size(fmt: str, tensors: dict[str, torch.Tensor]) -> int:
 
 
 @dataclass
-class Stats:
+class ErrorSums:
     """Sums over compared weights: reference a, candidate b, error e = b - a."""
 
     n: int = 0
@@ -54,7 +54,7 @@ class Stats:
     hist: list[int] = field(default_factory=lambda: [0] * HIST_BINS)
     zero_error: int = 0   # elements whose error is exactly zero (outside the log histogram)
 
-    def add(self, other: "Stats") -> None:
+    def add(self, other: "ErrorSums") -> None:
         self.n += other.n
         self.blocks += other.blocks
         self.exact_blocks += other.exact_blocks
@@ -101,7 +101,7 @@ def exactness(a: torch.Tensor, b: torch.Tensor, block: int) -> tuple[int, int, i
     return exact.numel(), int(exact.sum()), int((~torch.isfinite(b)).sum())
 
 
-def compare(a: torch.Tensor, b: torch.Tensor, block: int) -> Stats:
+def compare(a: torch.Tensor, b: torch.Tensor, block: int) -> ErrorSums:
     """Statistics of b against reference a (both float32 [out, in]); exactness per K block.
 
     Written for few passes over memory: the CPU time of a report is these passes.
@@ -132,7 +132,7 @@ def compare(a: torch.Tensor, b: torch.Tensor, block: int) -> Stats:
     bins = bins.mul_(HIST_BINS / (HIST_LOG10_MAX - HIST_LOG10_MIN)).to(torch.int64).view(-1)
     hist = torch.bincount(bins, minlength=HIST_BINS).tolist() if bins.numel() else [0] * HIST_BINS
     hist[0] -= zeros
-    return Stats(
+    return ErrorSums(
         n=a.numel(), blocks=exact.numel(), exact_blocks=int(exact.sum()),
         sum_a2=sum_a2, sum_b2=sum_b2, sum_e2=sum_e2, sum_e_apb=sum_e_apb,
         max_abs=max_abs, nonfinite=nonfinite, hist=hist, zero_error=zeros,

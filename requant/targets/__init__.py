@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from requant import __version__, formats
+from requant import __version__, formats, sources
 from requant.errors import FormatError, UnsupportedError
 from requant.io.checkpoint import Checkpoint
 from requant.io.safetensors import TensorSpec
@@ -143,7 +143,7 @@ class Target:
         expected = self.engine.mtp_format(self.name)
         written = self.name if self.mtp == "convert" else self.source_codec.name
         if expected and written != expected and any(self.model.is_mtp(e.block)
-                                                    for e in self.model.group_experts(self.source.names)):
+                                                    for e in sources.reader(self.model).experts(self.source.names)):
             fix = "convert" if expected == self.name else "keep"
             problems.append(f"{self.engine.label} loads the MTP block's experts as {expected.upper()}, so "
                             f"{written.upper()} ones would load without error and draft garbage "

@@ -60,8 +60,8 @@ class W4A16Target(Target):
             raise UnsupportedError(f"--group-size must be one of {self.codec.group_sizes} and --scheme one of "
                                    f"{int4.SCHEMES}")
         self.params = formats.Params(self.group, zero_points=self.scheme == "asym")
-        hidden, inter = model.value("hidden_size"), model.value("intermediate_size")
-        for name, size in (("hidden_size", hidden), ("moe_intermediate_size", inter)):
+        for role in ("hidden_size", "intermediate_size"):
+            name, size = model.config_key(role), model.value(role)
             if size % self.group:
                 raise UnsupportedError(f"--group-size {self.group} does not divide {name}={size}; "
                                        "Marlin needs whole groups")

@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 from tqdm import tqdm
 
-from requant import formats
+from requant import formats, sources
 from requant.errors import RequantError
 from requant.io.checkpoint import CONFIG_NAME
 from requant.model import ModelSpec
@@ -76,7 +76,7 @@ def expert_layout(ctx: Context, experts) -> Layout | None:
 def _verify_experts(ctx: Context, result: dict, deep: bool, source: str | None, progress: bool,
                     engine: str | None, gpu: str | None, device: str | None) -> None:
     model, out = ctx.model, ctx.out
-    experts = model.group_experts(ctx.ck.names)
+    experts = sources.reader(model).experts(ctx.ck.names)
     layout = expert_layout(ctx, experts)
     if layout is None:
         out.add("error", "no-experts", "no routed experts in a known format "

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from requant import formats
+from requant import formats, sources
 from requant.compute import compute_device, default_workers
 from requant.errors import UnsupportedError
 from requant.io.checkpoint import Checkpoint
@@ -23,7 +23,7 @@ class DeepCompare:
     def __init__(self, ctx: Context, source: str | None, device: str | None):
         self.ctx = ctx
         self.source = Checkpoint.open(source) if source else None
-        self.source_experts = ({(e.block, e.expert): e for e in ctx.model.group_experts(self.source.names)}
+        self.source_experts = ({(e.block, e.expert): e for e in sources.reader(ctx.model).experts(self.source.names)}
                                if self.source else {})
         # Decodes on the GPU when there is one, else on every core (torch's kernels release the GIL).
         self.device = compute_device(device)
