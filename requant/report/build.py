@@ -14,23 +14,27 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
 
-from requant import __version__, sources
+from requant import __version__, formats, sources
 from requant.compute import compute_device, default_workers
 from requant.errors import UnsupportedError
 from requant.io.checkpoint import Checkpoint
 from requant.model import Expert, ModelSpec
-from requant.report.weights import (DECODE_PARTS, HIST_BINS, HIST_LOG10_MAX, HIST_LOG10_MIN, ErrorSums, block_size,
-                                    compare, decode_projection, projection_format)
+from requant.report.weights import HIST_BINS, HIST_LOG10_MAX, HIST_LOG10_MIN, ErrorSums, compare
 
 SCHEMA = "requant.report/1"
 
 
-def _format_of(ck: Checkpoint, parts: dict[str, str]) -> str | None:
-    return projection_format({p: ck.info(n).spec.dtype for p, n in parts.items()})
+def _codec_of(ck: Checkpoint, parts: dict[str, str]) -> formats.Codec | None:
+    return formats.identify({p: ck.info(n).spec.dtype for p, n in parts.items()})
 
 
-def _read(ck: Checkpoint, parts: dict[str, str], fmt: str, device: str):
-    return {p: ck.tensor(n).to(device) for p, n in parts.items() if p in DECODE_PARTS[fmt]}
+def _codec_name(ck: Checkpoint, parts: dict[str, str]) -> str | None:
+    codec = _codec_of(ck, parts)
+    return codec.name if codec else None
+
+
+def _read(ck: Checkpoint, parts: dict[str, str], codec: formats.Codec, device: str):
+    return {p: ck.tensor(n).to(device) for p, n in parts.items() if p in codec.decoded_parts}
 
 
 def compare_expert(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, projections,
@@ -38,12 +42,13 @@ def compare_expert(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, proje
     """proj -> ErrorSums of dst's decoding against src's, for one expert."""
     out = {}
     for proj in projections:
-        fa, fb = _format_of(src, a.parts[proj]), _format_of(dst, b.parts[proj])
-        if fa is None or fb is None:
+        ca, cb = _codec_of(src, a.parts[proj]), _codec_of(dst, b.parts[proj])
+        if ca is None or cb is None:
             raise UnsupportedError(f"expert {a.expert} of {a.block}, {proj}: format not recognised "
-                                   f"({fa or 'unknown'} vs {fb or 'unknown'})")
-        ta, tb = _read(src, a.parts[proj], fa, device), _read(dst, b.parts[proj], fb, device)
-        out[proj] = compare(decode_projection(fa, ta), decode_projection(fb, tb), block_size(fa, ta))
+                                   f"({ca.name if ca else 'unknown'} vs {cb.name if cb else 'unknown'})")
+        ta, tb = _read(src, a.parts[proj], ca, device), _read(dst, b.parts[proj], cb, device)
+        block = ca.block_size(ca.params_from_shapes({p: tuple(t.shape) for p, t in ta.items()}))
+        out[proj] = compare(ca.decode(ta), cb.decode(tb), block)
     return out
 
 
@@ -81,15 +86,15 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
             for key, fut in pending.items():
                 per[key] = fut.result()
                 bar.update(1)
-        formats = {b: {"source": _format_of(src, src_experts[k].parts[projections[0]]),
-                       "candidate": _format_of(dst, dst_experts[k].parts[projections[0]])}
-                   for k in selected for b in [k[0]]}
+        codec_names = {b: {"source": _codec_name(src, src_experts[k].parts[projections[0]]),
+                           "candidate": _codec_name(dst, dst_experts[k].parts[projections[0]])}
+                       for k in selected for b in [k[0]]}
         n_experts = model.value("num_experts")
-    return _assemble(src_path, dst_path, model, blocks, per, formats, unmatched, n_experts,
+    return _assemble(src_path, dst_path, model, blocks, per, codec_names, unmatched, n_experts,
                      layers, time.monotonic() - started, nbytes)
 
 
-def _assemble(src_path, dst_path, model, blocks, per, formats, unmatched, n_experts, layers, seconds, nbytes):
+def _assemble(src_path, dst_path, model, blocks, per, codec_names, unmatched, n_experts, layers, seconds, nbytes):
     projections = model.projections
     overall, by_proj = ErrorSums(), {p: ErrorSums() for p in projections}
     by_layer = []
@@ -111,8 +116,8 @@ def _assemble(src_path, dst_path, model, blocks, per, formats, unmatched, n_expe
             by_proj[proj].add(layer_proj[proj])
         overall.add(layer)
         exact_map.append(row)
-        by_layer.append({"block": block, "source_format": formats[block]["source"],
-                         "candidate_format": formats[block]["candidate"],
+        by_layer.append({"block": block, "source_format": codec_names[block]["source"],
+                         "candidate_format": codec_names[block]["candidate"],
                          "experts": sum(1 for (b, _) in per if b == block),
                          "metrics": layer.metrics(),
                          "by_projection": {p: s.metrics() for p, s in layer_proj.items()}})

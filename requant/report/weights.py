@@ -1,4 +1,4 @@
-"""Decode one routed-expert projection of any supported format, and compare two decodings.
+"""Compare two decodings of one routed-expert projection (report).
 
 Statistics are kept as sums (float64) so per-projection numbers compose exactly into per-layer
 and overall numbers, whatever order experts are read in.
@@ -11,31 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from requant import formats
 from requant.errors import FormatError
-
-# Parts each format's decoder reads; anything else (input_scale, ...) is not part of the weight.
-DECODE_PARTS = {codec.name: codec.decoded_parts for codec in formats.codecs()}
 
 # |error| histogram: fixed log10 bins so histograms from separate experts simply add up.
 HIST_LOG10_MIN, HIST_LOG10_MAX, HIST_BINS = -12.0, 1.0, 52
-
-
-def projection_format(parts: dict[str, str]) -> str | None:
-    """The format of one projection from its part -> safetensors dtype map."""
-    codec = formats.identify(parts)
-    return codec.name if codec else None
-
-
-def decode_projection(fmt: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """float32 [out, in] of one projection, from its tensors by part name."""
-    return formats.get(fmt).decode(tensors)
-
-
-def block_size(fmt: str, tensors: dict[str, torch.Tensor]) -> int:
-    """K elements per scale of this projection's format (the unit of 'exact scale blocks')."""
-    codec = formats.get(fmt)
-    return codec.block_size(codec.params_from_shapes({p: tuple(t.shape) for p, t in tensors.items()}))
 
 
 @dataclass
