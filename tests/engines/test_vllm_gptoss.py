@@ -151,6 +151,24 @@ def nvfp4_per_expert(src: dict[str, torch.Tensor], d) -> dict[str, torch.Tensor]
     return out
 
 
+def nvfp4_vllm_names(src: dict[str, torch.Tensor], d) -> dict[str, torch.Tensor]:
+    """NVFP4 experts stacked under vLLM's own parameter names (mlp.experts.w13_weight, ...),
+    each in the shape ModelOptNvFp4FusedMoE registers, the weight and block scale in the
+    (E, in, out) orientation _load_weights_other permutes back: the closest a checkpoint can come
+    to what the engine holds."""
+    out = {k: v for k, v in src.items() if not k.split(".")[-1].startswith(("gate_up_proj", "down_proj"))}
+    E = d.experts
+    for i in range(d.layers):
+        p = f"model.layers.{i}.mlp.experts"
+        for proj, param, shards in (("gate_up_proj", "w13", (E, 2)), ("down_proj", "w2", (E,))):
+            w, s, s2 = nvfp4_stacked(src[f"{p}.{proj}_blocks"], src[f"{p}.{proj}_scales"])
+            out.update({f"{p}.{param}_weight": w.transpose(1, 2), f"{p}.{param}_weight_scale": s.transpose(1, 2),
+                        f"{p}.{param}_weight_scale_2": s2.expand(shards).clone(),
+                        f"{p}.{param}_input_scale": torch.ones(shards, dtype=torch.float32),
+                        f"{p}.{param}_bias": src[f"{p}.{proj}_bias"]})
+    return out
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _engine_stand_ins():
     yield
@@ -164,6 +182,7 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
     return {"mxfp4": write(root / "mxfp4", config(DIMS, MXFP4_QUANT), src),
             "nvfp4-modelopt": write(root / "nvfp4-modelopt", config(DIMS, NVFP4_QUANT), nvfp4_modelopt_export(src, DIMS)),
             "nvfp4-per-expert": write(root / "nvfp4-per-expert", config(DIMS, NVFP4_QUANT), nvfp4_per_expert(src, DIMS)),
+            "nvfp4-vllm-names": write(root / "nvfp4-vllm-names", config(DIMS, NVFP4_QUANT), nvfp4_vllm_names(src, DIMS)),
             "src": src}
 
 
@@ -201,7 +220,7 @@ def test_modelopt_config_selects_nvfp4_method_for_experts_only(ckpts):
     """quantization_config {quant_method: modelopt, quant_algo: NVFP4, ignore: [...]} selects
     modelopt_fp4; every expert layer gets ModelOptNvFp4FusedMoE; the ignore list (after
     apply_vllm_mapper turns self_attn into attn) keeps qkv_proj / o_proj unquantized."""
-    for name in ("nvfp4-modelopt", "nvfp4-per-expert"):
+    for name in ("nvfp4-modelopt", "nvfp4-per-expert", "nvfp4-vllm-names"):
         result = oss.gptoss_load(ckpts[name])
         assert result.dispatch.name == "modelopt_fp4"
         assert set(result.methods.values()) == {"ModelOptNvFp4FusedMoE"}
@@ -273,6 +292,26 @@ def test_per_expert_layout_does_not_load(ckpts):
             r = f"layers.{i}.mlp.experts.routed_experts"
             assert torch.equal(result.params[f"{r}.{param}_weight"], w)
             assert torch.equal(result.params[f"{r}.{param}_weight_scale"].view(torch.uint8), s.view(torch.uint8))
+
+
+def test_vllm_parameter_names_do_not_load(ckpts):
+    """Even under vLLM's own parameter names no NVFP4 gpt-oss layout loads: every name containing
+    ".w13_weight" / ".w2_weight" takes the BF16 path (`weight[:, :, ...]`, permute, copy_), which
+    cannot place the 2-D / 1-D global scales; input scales reach RoutedExperts' weight_loader with
+    two arguments (the "all other weights" branch); the biases have no parameter."""
+    result = oss.gptoss_load(ckpts["nvfp4-vllm-names"])
+    text = "\n".join(result.problems)
+    for i in range(DIMS.layers):
+        p, r = f"model.layers.{i}.mlp.experts", f"layers.{i}.mlp.experts.routed_experts"
+        for param in ("w13", "w2"):
+            assert f"{p}.{param}_weight_scale_2: {ENGINE} GptOssModel.load_weights raises IndexError" in text, param
+            assert (f"{p}.{param}_input_scale: {ENGINE} GptOssModel.load_weights raises TypeError: "
+                    "GptOssRoutedExperts.weight_loader() missing 3 required positional arguments") in text, param
+            assert f"{p}.{param}_bias: {ENGINE} GptOssModel.load_weights raises KeyError" in text, param
+            for part in ("weight_scale_2", "input_scale"):
+                assert f"{r}.{param}_{part}: never written" in text
+            for part in ("weight", "weight_scale"):
+                assert f"{r}.{param}_{part}: never written" not in text
 
 
 def test_nvfp4_stacked_cast_is_lossless_here():
