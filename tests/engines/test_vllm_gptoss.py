@@ -314,6 +314,71 @@ def test_vllm_parameter_names_do_not_load(ckpts):
                 assert f"{r}.{param}_{part}: never written" not in text
 
 
+# ---------------------------------------------------------------------------------------- W4A16
+W4A16_GROUP = 32
+CT_QUANT = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}, "ignore": []}
+
+
+def w4a16_per_expert(src: dict[str, torch.Tensor], d, weight_shape: bool) -> tuple[dict, dict]:
+    """INT4 pack-quantized experts one per expert under vLLM's parameter names
+    (mlp.experts.<e>.w13_weight_packed I32 [2I, H/8], w13_weight_scale [2I, H/g], w13_bias [2I], w2_*),
+    random codes: the loader test compares bytes, not values. Returns (tensors, expected stacks)."""
+    g = torch.Generator().manual_seed(1)
+    out = {k: v for k, v in src.items() if not k.split(".")[-1].startswith(("gate_up_proj", "down_proj"))}
+    want = {}
+    for i in range(d.layers):
+        p = f"model.layers.{i}.mlp.experts"
+        for proj, param, rows, k in (("gate_up_proj", "w13", 2 * d.intermediate, d.hidden),
+                                     ("down_proj", "w2", d.hidden, d.intermediate)):
+            packed = torch.randint(-2**31, 2**31 - 1, (d.experts, rows, k // 8), generator=g, dtype=torch.int32)
+            scale = torch.rand(d.experts, rows, k // W4A16_GROUP, generator=g).to(torch.bfloat16)
+            want[f"layers.{i}.mlp.experts.routed_experts.{param}"] = (packed, scale, src[f"{p}.{proj}_bias"])
+            for e in range(d.experts):
+                out.update({f"{p}.{e}.{param}_weight_packed": packed[e], f"{p}.{e}.{param}_weight_scale": scale[e],
+                            f"{p}.{e}.{param}_bias": src[f"{p}.{proj}_bias"][e].clone()})
+                if weight_shape:
+                    out[f"{p}.{e}.{param}_weight_shape"] = torch.tensor([rows, k], dtype=torch.int32)
+    return out, want
+
+
+def wna16_method(ckpt: oss.Checkpoint) -> oss.Dispatch:
+    """CompressedTensorsWNA16MoEMethod (g32, symmetric INT4) built directly: the config-group
+    dispatch for gpt-oss (which probes <layer>.mlp.experts.0.gate_proj/up_proj/down_proj) is not
+    executed by this tier yet; what follows it (create_weights, the loader) is."""
+    from compressed_tensors.quantization import QuantizationArgs
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=W4A16_GROUP)
+    config = SimpleNamespace(get_name=lambda: "compressed-tensors")
+    return oss.Dispatch("compressed-tensors", config,
+                        lambda prefix: oss.vh._ct_wna16((args, None, oss.gpt_oss_moe_config(ckpt), prefix), {}),
+                        lambda prefix: oss.vh.recorder("UnquantizedLinearMethod")())
+
+
+def test_w4a16_per_expert_loads_with_biases(tmp_path):
+    """CompressedTensorsWNA16MoEMethod registers gpt-oss's expert biases, and gpt_oss.py's
+    per-expert path (GptOssRoutedExperts._load_packed_expert / _load_expert_bias) puts packed
+    weights, group scales and biases where they belong: the W4A16 output layout vLLM 0.33.0 takes."""
+    tensors, want = w4a16_per_expert(mxfp4_release(DIMS, seed=5), DIMS, weight_shape=False)
+    result = oss.gptoss_load(write(tmp_path / "w4a16", config(DIMS, CT_QUANT), tensors), wna16_method)
+    assert set(result.methods.values()) == {"CompressedTensorsWNA16MoEMethod"}
+    # weight_shape is registered but never read by the MoE kernels; with none written it keeps its fill
+    assert all(p.split(": ")[0].endswith("_weight_shape") for p in result.problems), result.problems
+    assert len(result.problems) == 2 * DIMS.layers
+    for prefix, (packed, scale, bias) in want.items():
+        assert torch.equal(result.params[f"{prefix}_weight_packed"], packed)
+        assert torch.equal(result.params[f"{prefix}_weight_scale"].to(torch.bfloat16), scale)
+        assert torch.equal(result.params[f"{prefix}_bias"], bias)
+
+
+def test_w4a16_weight_shape_breaks_the_gpt_oss_loader(tmp_path):
+    """A compressed-tensors weight_shape tensor per expert takes gpt_oss.py's BF16 branch (its
+    name contains ".w13_weight") and raises there: requant must not write it for gpt-oss."""
+    tensors, _ = w4a16_per_expert(mxfp4_release(DIMS, seed=5), DIMS, weight_shape=True)
+    text = "\n".join(oss.gptoss_load(write(tmp_path / "w4a16", config(DIMS, CT_QUANT), tensors), wna16_method).problems)
+    for proj in ("w13", "w2"):
+        assert (f"model.layers.0.mlp.experts.0.{proj}_weight_shape: {ENGINE} GptOssModel.load_weights raises "
+                "IndexError: too many indices for tensor of dimension 1") in text
+
+
 def test_nvfp4_stacked_cast_is_lossless_here():
     """The builder's cast itself: one global scale per stacked tensor keeps every block of this
     source (its exponents span a few octaves) exactly: decode(NVFP4) == decode(MXFP4)."""

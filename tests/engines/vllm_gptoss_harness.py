@@ -319,10 +319,12 @@ def _fill(params, value: int) -> None:
         p.detach().view(torch.uint8).fill_(value)
 
 
-def gptoss_load(path) -> LoadResult:
+def gptoss_load(path, dispatcher: Callable[[Checkpoint], Dispatch] | None = None) -> LoadResult:
+    """`dispatcher` replaces the engine's quantization-config choice (default: `dispatch`), for
+    methods whose dispatch this tier does not execute yet."""
     ckpt = Checkpoint(path)
     d, engine = ckpt.dims, f"vLLM {VERSION}"
-    disp = dispatch(ckpt)
+    disp = (dispatcher or dispatch)(ckpt)
     problems: list[str] = []
     methods, linears, experts = {}, {}, {}
     for i in range(d.layers):
