@@ -32,12 +32,11 @@ import dataclasses
 import fnmatch
 import json
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
 
-import regex
 import torch
 from safetensors import safe_open
 
@@ -286,8 +285,8 @@ def _model(ckpt: Checkpoint, params: dict, record, current) -> SimpleNamespace:
               **{k: _loader_fns()[k] for k in ("default_weight_loader", "remap_moe_expert_weights")})
     wheels.extract(ENGINE, OCP_MX, ["OCP_MX_BLOCK_SIZE"], ns)
     wheels.extract(ENGINE, GPT_OSS, ["_get_weight_loader", "_GPT_OSS_STREAMED_EXPERT_SUFFIX_TO_SHARD"], ns)
-    fns = vh.methods(GPT_OSS, "GptOssModel", ["load_weights", "_load_weights_mxfp4", "_load_weights_other", "_get_streamed_expert_info",
-                                              "_try_load_streamed_expert"], ns)
+    fns = vh.methods(GPT_OSS, "GptOssModel", ["load_weights", "_load_weights_mxfp4", "_load_weights_other",
+                                              "_get_streamed_expert_info", "_try_load_streamed_expert"], ns)
     cls = type("GptOssModel", (), fns)
     model = cls()
     model.config = ckpt.hf_config()
