@@ -52,7 +52,7 @@ class ExpertTensor:
     """One tensor of a routed expert: `{prefix}.{part}` where prefix names the projection."""
 
     block: str      # e.g. "layers.3" or "mtp.0"
-    expert: int
+    expert: int | None   # None: a stacked tensor holding every expert of the block
     proj: str       # e.g. "w1"
     part: str       # e.g. "weight", "scale"
     prefix: str     # e.g. "layers.3.ffn.experts.7.w1"
@@ -63,7 +63,7 @@ class Expert:
     """All tensors of one routed expert, by projection then part."""
 
     block: str
-    expert: int
+    expert: int | None                 # None: every expert of the block, stacked ([E, ...] tensors)
     parts: dict[str, dict[str, str]]   # proj -> part -> tensor name
     prefixes: dict[str, str]           # proj -> name prefix
 
@@ -130,7 +130,8 @@ class ModelSpec:
         if not m:
             return None
         part = m["part"]
-        return ExpertTensor(m["block"], int(m["expert"]), m["proj"], part, name[: -len(part) - 1])
+        expert = int(m["expert"]) if "expert" in m.groupdict() else None
+        return ExpertTensor(m["block"], expert, m["proj"], part, name[: -len(part) - 1])
 
     def group_experts(self, names) -> list[Expert]:
         """The routed experts among `names`, through the reader of the recipe's expert layout.
@@ -145,6 +146,28 @@ class ModelSpec:
     @property
     def projections(self) -> list[str]:
         return list(self.recipe["projections"])
+
+    def projection_shape(self, proj: str) -> tuple[int, int]:
+        """Logical [out, K] of one expert's projection, from config.json's sizes."""
+        roles = {role: self.value(role) for role in ("hidden_size", "intermediate_size")}
+        return tuple(expressions.evaluate(x, roles) for x in self.recipe["projection_shapes"][proj])
+
+    @property
+    def stacked_parts(self) -> dict[str, str]:
+        """Stacked layout: codec part (weight, scale, bias) -> the suffix the release joins to the
+        projection's name with "_" (gpt-oss: `gate_up_proj_blocks` is the weight)."""
+        return dict(self.recipe["stacked_parts"])
+
+    @property
+    def carried_parts(self) -> list[str]:
+        """Parts of an expert projection beside its codec's, carried through conversion unchanged
+        (gpt-oss: the bias)."""
+        return list(self.recipe.get("carried_parts", []))
+
+    @property
+    def interleaved_gate_up(self) -> str | None:
+        """The projection that holds gate and up as alternating rows (gate even, up odd), if any."""
+        return self.recipe.get("interleaved_gate_up")
 
     @property
     def down_projection(self) -> str:
@@ -188,7 +211,7 @@ class ModelSpec:
         return self.block_position(block)[1]
 
     def is_mtp(self, block: str) -> bool:
-        return bool(self._block_re["mtp"].match(block))
+        return "mtp" in self._block_re and bool(self._block_re["mtp"].match(block))
 
     def select_blocks(self, spec: str | None, blocks: list[str]) -> list[str]:
         """Blocks selected by --layers: comma-separated layer numbers, ranges A-B, or block names."""
