@@ -158,6 +158,14 @@ class ModelSpec:
         projection's name with "_" (gpt-oss: `gate_up_proj_blocks` is the weight)."""
         return dict(self.recipe["stacked_parts"])
 
+    def stacked_output(self, fmt: str) -> dict:
+        """How converted `fmt` experts of a stacked layout are stored: {"names", "transpose"}."""
+        layouts = self.recipe.get("stacked_outputs", {})
+        if fmt not in layouts:
+            raise UnsupportedError(f"{self.name}: the recipe lays out no stacked {fmt} experts "
+                                   f"(it has: {', '.join(layouts) or 'none'})")
+        return layouts[fmt]
+
     @property
     def carried_parts(self) -> list[str]:
         """Parts of an expert projection beside its codec's, carried through conversion unchanged

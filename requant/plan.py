@@ -95,7 +95,8 @@ def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: 
     for expert in experts:
         if not target.converts(expert.block):
             continue
-        names = [n for parts in expert.parts.values() for n in parts.values()]
+        # parts the model carries beside the codec's (gpt-oss' biases) pass through like any tensor
+        names = [n for parts in expert.parts.values() for part, n in parts.items() if part not in model.carried_parts]
         shards = {source.locations[n] for n in names}
         if len(shards) > 1:
             raise FormatError(f"expert {expert.expert} of {expert.block} is split across shards {sorted(shards)}; "

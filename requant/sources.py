@@ -7,6 +7,8 @@ expert's matrix; nothing else needs to know how a layout spells or stacks an exp
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from requant.errors import UnsupportedError
 from requant.model import Expert, ModelSpec
 
@@ -36,6 +38,14 @@ class PerExpertReader:
     def matrix_shape(self, shape: tuple) -> tuple:
         """How a stored part looks as one expert's matrix (rows, columns): as stored."""
         return tuple(shape)
+
+    def unit_shape(self, shape: tuple) -> tuple:
+        """How a stored part looks as the matrix the unit converts: as stored."""
+        return tuple(shape)
+
+    def output(self, expert: Expert, proj: str, part: str, fmt: str, source) -> tuple[str, Callable]:
+        """(name, shape or tensor -> as stored) of a converted part: `<prefix>.<part>`, as encoded."""
+        return f"{expert.prefixes[proj]}.{part}", lambda x: x
 
     def expert_count(self, expert: Expert, source) -> int:
         """How many experts the unit `expert` holds: one."""
@@ -74,10 +84,41 @@ class StackedReader:
             columns *= size
         return (shape[1], columns) if len(shape) > 2 else tuple(shape[1:])
 
+    def unit_shape(self, shape: tuple) -> tuple:
+        """The unit's matrix of a stacked part: every expert's rows one after the other
+        ([E, out, K/32, 16] -> (E*out, K/2)); a conversion over it sees the whole stacked tensor,
+        as ModelOpt's cast does (one global scale per stacked tensor)."""
+        rows, columns = self.matrix_shape(shape)
+        return (shape[0] * rows, columns)
+
+    def output(self, expert: Expert, proj: str, part: str, fmt: str, source) -> tuple[str, Callable]:
+        """(name, shape or tensor -> as stored) of a converted part, as the recipe's
+        `stacked_outputs` for `fmt` lays it out: named from the projection (ModelOpt's export: the
+        weight is `<proj>`, the rest `<proj>_<part>`) and, where `transpose`, each expert's matrix
+        stored (in, out) as the engine's module holds it."""
+        layout = self.model.stacked_output(fmt)
+        names = layout["names"]
+        name = names.get(part, names["*"]).format(prefix=expert.prefixes[proj], part=part)
+        experts = self.expert_count(expert, source)
+        return name, lambda x: _stored(x, experts, layout["transpose"])
+
     def expert_count(self, expert: Expert, source) -> int:
         """The experts stacked in the unit: dim 0 of its tensors."""
         first = next(iter(expert.parts[self.model.projections[0]].values()))
         return source.info(first).spec.shape[0]
+
+
+def _stored(x, experts: int, transpose: bool):
+    """A unit's (E*rows, columns) matrix, or its shape, as [E, rows, columns], transposed per expert
+    when asked; scalars stay as they are."""
+    shape = tuple(x) if isinstance(x, tuple) else tuple(x.shape)
+    if len(shape) < 2:
+        return x
+    stacked = (experts, shape[0] // experts, shape[1])
+    if isinstance(x, tuple):
+        return (stacked[0], stacked[2], stacked[1]) if transpose else stacked
+    x = x.reshape(stacked)
+    return x.transpose(1, 2).contiguous() if transpose else x
 
 
 Reader = PerExpertReader | StackedReader

@@ -1,4 +1,4 @@
-"""Sketch of the NVFP4 oracle for gpt-oss's stacked experts (issue 12 item 6), runnable now.
+"""The NVFP4 oracle for gpt-oss's stacked experts: requant's output against ModelOpt's own cast.
 
 What "bytes equal to ModelOpt's own lossless cast" means for a stacked expert tensor
 (gate_up_proj_blocks U8 [E, 2I, H/32, 16] + gate_up_proj_scales U8 [E, 2I, H/32]; down_proj the same
@@ -27,11 +27,17 @@ with [E, H, I/32, ...]):
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 
+from requant import synth
+from requant.cli import cli
 from requant.formats import mxfp4, nvfp4
+from requant.io.checkpoint import Checkpoint
 
 shard_cast_utils = pytest.importorskip("modelopt.torch.export.shard_cast_utils")
 
@@ -85,3 +91,42 @@ def test_per_expert_global_scale_is_a_different_cast():
         assert same_codes   # both casts keep every code: all blocks are inside both windows here
         # expert 0 holds the layer's k_max; the others' block scales and global scale differ
         assert same_scales == (e == 0) and (cast.weight_scale_2 == ref_s2) == (e == 0), e
+
+
+def test_converted_gpt_oss_equals_modelopt_cast_in_modelopt_layout(tmp_path):
+    """`requant convert --out nvfp4 --force` on a synthetic gpt-oss: every stacked projection's
+    codes, block scales and global scale equal ModelOpt's lossless cast of the same source tensor,
+    stored as ModelOpt's export stores them ((E, in, out), `<proj>`, `<proj>_weight_scale[_2]`);
+    biases pass through; config.json and hf_quant_config.json say modelopt / NVFP4."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    synth.write_checkpoint(src, synth.Dims("gpt-oss-20b", layers=2, experts=4, hidden=128, intermediate=256),
+                           hard=synth.HardCases(out_of_window=2, zero_blocks=1, neg_zero_blocks=1))
+    result = CliRunner().invoke(cli, ["convert", src, dst, "--out", "nvfp4", "--force"])
+    assert result.exit_code == 0, result.output
+    compared = 0
+    with Checkpoint.open(src) as source, Checkpoint.open(dst) as out:
+        for layer in range(2):
+            module = f"model.layers.{layer}.mlp.experts"
+            for proj in ("gate_up_proj", "down_proj"):
+                blocks = source.tensor(f"{module}.{proj}_blocks").view(torch.uint8)
+                scales = source.tensor(f"{module}.{proj}_scales").view(torch.uint8)
+                experts, rows, groups, _ = blocks.shape
+                k_max = shard_cast_utils.mxfp4_kmax(scales.view(torch.float8_e8m0fnu))
+                q, ws, ws2, _, _ = shard_cast_utils.quantize_mxfp4_to_nvfp4_lossless(
+                    blocks.reshape(experts, rows, groups * 16).view(torch.int8), scales.view(torch.float8_e8m0fnu),
+                    k_max, "cpu")
+                weight = out.tensor(f"{module}.{proj}").view(torch.uint8)
+                weight_scale = out.tensor(f"{module}.{proj}_weight_scale").view(torch.uint8)
+                assert weight.shape == (experts, groups * 16, rows)        # (E, in/2, out)
+                assert weight_scale.shape == (experts, groups * 2, rows)   # (E, in/16, out)
+                assert torch.equal(weight.transpose(1, 2), q.view(torch.uint8))
+                assert torch.equal(weight_scale.transpose(1, 2), ws.view(torch.uint8))
+                assert float(out.tensor(f"{module}.{proj}_weight_scale_2")) == float(ws2)
+                assert torch.equal(out.tensor(f"{module}.{proj}_bias"), source.tensor(f"{module}.{proj}_bias"))
+                compared += 1
+        assert not any(n.endswith(("_blocks", "_scales")) for n in out.names)
+        config = out.config["quantization_config"]
+    assert compared == 4
+    assert (config["quant_method"], config["quant_algo"]) == ("modelopt", "NVFP4")
+    hf_quant = json.load(open(tmp_path / "dst" / "hf_quant_config.json"))["quantization"]
+    assert hf_quant["quant_algo"] == "NVFP4" and hf_quant["exclude_modules"] == config["ignore"]
