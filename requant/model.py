@@ -129,8 +129,10 @@ class ModelSpec:
         m = self._expert_re.match(name)
         if not m:
             return None
-        part = m["part"]
         expert = int(m["expert"]) if "expert" in m.groupdict() else None
+        if m["part"] is None:   # a stacked output's weight is named after its projection (ModelOpt)
+            return ExpertTensor(m["block"], expert, m["proj"], "", name)
+        part = m["part"]
         return ExpertTensor(m["block"], expert, m["proj"], part, name[: -len(part) - 1])
 
     def group_experts(self, names) -> list[Expert]:
@@ -166,16 +168,22 @@ class ModelSpec:
                                    f"(it has: {', '.join(layouts) or 'none'})")
         return layouts[fmt]
 
+    def stored_transposed(self, fmt: str) -> bool:
+        """Whether stacked experts converted to `fmt` are stored (E, in, out), as the engine's module
+        holds them; a source format as released is stored (E, out, in)."""
+        return bool(self.recipe.get("stacked_outputs", {}).get(fmt, {}).get("transpose"))
+
+    @property
+    def nvfp4_quantization_config(self) -> dict | None:
+        """{"quant_method", "quant_algo"} where NVFP4 output describes itself in ModelOpt's own form
+        (replacing the source's quantization_config); None where it keeps the source's (DeepSeek-V4)."""
+        return self.recipe.get("nvfp4_quantization_config")
+
     @property
     def carried_parts(self) -> list[str]:
         """Parts of an expert projection beside its codec's, carried through conversion unchanged
         (gpt-oss: the bias)."""
         return list(self.recipe.get("carried_parts", []))
-
-    @property
-    def interleaved_gate_up(self) -> str | None:
-        """The projection that holds gate and up as alternating rows (gate even, up odd), if any."""
-        return self.recipe.get("interleaved_gate_up")
 
     @property
     def down_projection(self) -> str:

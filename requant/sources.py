@@ -35,7 +35,7 @@ class PerExpertReader:
     def tensor_name(self, block: str, expert: int, proj: str, part: str) -> str:
         return f"{self.model.experts_module(block)}.{expert}.{proj}.{part}"
 
-    def matrix_shape(self, shape: tuple) -> tuple:
+    def matrix_shape(self, shape: tuple, fmt: str | None = None) -> tuple:
         """How a stored part looks as one expert's matrix (rows, columns): as stored."""
         return tuple(shape)
 
@@ -59,7 +59,9 @@ class StackedReader:
 
     def __init__(self, model: ModelSpec):
         self.model = model
-        self.codec_part = {suffix: part for part, suffix in model.stacked_parts.items()}
+        # the release's suffixes; a converted output's parts go by the codec's own names, and its
+        # weight by the projection's name alone (recipe `stacked_outputs`)
+        self.codec_part = {suffix: part for part, suffix in model.stacked_parts.items()} | {"": "weight"}
 
     def experts(self, names) -> list[Expert]:
         """One unit per block holding routed experts, in order of first appearance."""
@@ -69,20 +71,25 @@ class StackedReader:
             if ref is None:
                 continue
             unit = units.setdefault(ref.block, Expert(ref.block, None, {}, {}))
-            unit.parts.setdefault(ref.proj, {})[self.codec_part[ref.part]] = name
+            unit.parts.setdefault(ref.proj, {})[self.codec_part.get(ref.part, ref.part)] = name
             unit.prefixes[ref.proj] = ref.prefix
         return list(units.values())
 
     def tensor_name(self, block: str, expert: None, proj: str, part: str) -> str:
         return f"{self.model.experts_module(block)}.{proj}_{self.model.stacked_parts[part]}"
 
-    def matrix_shape(self, shape: tuple) -> tuple:
+    def matrix_shape(self, shape: tuple, fmt: str | None = None) -> tuple:
         """One expert's matrix of a stacked part: [E, rows, ...] -> (rows, the rest flattened)
-        (MXFP4 blocks [E, out, K/32, 16] -> (out, K/2))."""
+        (MXFP4 blocks [E, out, K/32, 16] -> (out, K/2)); a converted `fmt` part that the recipe
+        stores transposed ((E, in, out), ModelOpt) is read back as (out, in)."""
+        if len(shape) < 3:
+            return tuple(shape[1:])
         columns = 1
         for size in shape[2:]:
             columns *= size
-        return (shape[1], columns) if len(shape) > 2 else tuple(shape[1:])
+        if fmt is not None and self.model.stored_transposed(fmt):
+            return (columns, shape[1])
+        return (shape[1], columns)
 
     def unit_shape(self, shape: tuple) -> tuple:
         """The unit's matrix of a stacked part: every expert's rows one after the other

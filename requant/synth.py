@@ -247,18 +247,18 @@ def _fill(writer: ShardWriter, specs, values: _Values, dims: Dims, pooled: bool)
     siblings = {"__experts": dims.experts}
     reader = sources.reader(dims.spec)
     for spec in specs:
-        stacked = dims.spec.expert_tensor(spec.name)
+        ref = dims.spec.expert_tensor(spec.name)
         if spec.dtype == "I8":  # a routed expert's MXFP4 weight; its scale follows it
             rows, half_k = spec.shape
             w, s = values.expert(rows, half_k * 2, pooled)
             writer.write(spec.name, w)
             siblings[spec.name[: -len(".weight")] + ".scale"] = s
-        elif stacked and stacked.expert is None and stacked.part == dims.spec.stacked_parts["weight"]:
+        elif ref and ref.expert is None and ref.part == dims.spec.stacked_parts["weight"]:
             # every expert of a block in one MXFP4 tensor; the scales tensor comes later
             rows, words = reader.matrix_shape(spec.shape)
             encoded = [values.expert(rows, words * mxfp4.CODEC.elements_per_word, pooled) for _ in range(spec.shape[0])]
             writer.write(spec.name, torch.stack([w.view(torch.uint8) for w, _ in encoded]).reshape(spec.shape))
-            scale_name = reader.tensor_name(stacked.block, None, stacked.proj, "scale")
+            scale_name = reader.tensor_name(ref.block, None, ref.proj, "scale")
             siblings[scale_name] = torch.stack([s.view(torch.uint8) for _, s in encoded])
         else:
             writer.write(spec.name, values.tensor(spec, siblings))

@@ -114,3 +114,22 @@ def test_vllm_refuses_nvfp4_in_one_line(small, tmp_path):
     assert "vLLM 0.33.0 cannot serve --out nvfp4" in message and "no expert biases" in message
     assert "--out w4a16" in message and "--force" in message
     assert not dest.exists()
+
+
+def test_forced_nvfp4_output_is_recognised_and_judged(small, tmp_path):
+    """The ModelOpt-layout output: inspect and verify read it as stacked NVFP4 experts (shapes
+    checked in its (E, in, out) orientation, config in ModelOpt's form); the one error is vLLM's."""
+    dest = str(tmp_path / "nvfp4")
+    result = CliRunner().invoke(cli, ["convert", small, dest, "--out", "nvfp4", "--force"])
+    assert result.exit_code == 0, result.output
+    info = inspect_checkpoint(dest)
+    assert (info["expert_format"], info["routed_experts"]) == ("nvfp4", 16)
+    result = verify(dest, progress=False)
+    errors = [f for f in result["findings"] if f["severity"] == "error"]
+    assert [f["code"] for f in errors] == ["engine-unsupported"], result["findings"]
+    assert not [f for f in result["findings"] if f["severity"] == "warning"]
+    config = json.load(open(os.path.join(dest, "config.json")))
+    config["quantization_config"]["quant_method"] = "fp8"
+    json.dump(config, open(os.path.join(dest, "config.json"), "w"))
+    codes = {f["code"] for f in verify(dest, progress=False)["findings"]}
+    assert "quant-method" in codes

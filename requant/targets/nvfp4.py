@@ -63,7 +63,7 @@ class NVFP4Target(Target):
     def config(self, blocks: list[str], stats: Stats) -> dict:
         config = copy.deepcopy(self.model.config)
         fp4 = {"num_bits": 4, "type": "float", "group_size": GROUP, "dynamic": False}
-        modelopt = self.model.recipe.get("nvfp4_quantization_config")
+        modelopt = self.model.nvfp4_quantization_config
         if modelopt:   # the model's own quantization_config described only its source experts
             config["quantization_config"] = {
                 "config_groups": {"group_0": {"input_activations": dict(fp4), "weights": dict(fp4), "targets": ["Linear"]}},
@@ -88,7 +88,7 @@ class NVFP4Target(Target):
         return config
 
     def extra_files(self, blocks: list[str]) -> dict[str, dict]:
-        modelopt = self.model.recipe.get("nvfp4_quantization_config")
+        modelopt = self.model.nvfp4_quantization_config
         if modelopt:
             return {"hf_quant_config.json": {"producer": dict(PRODUCER), "quantization": {
                 "quant_algo": modelopt["quant_algo"], "kv_cache_quant_algo": None, "group_size": GROUP,

@@ -31,9 +31,9 @@ class Context:
     def reader(self) -> sources.Reader:
         return sources.reader(self.model)
 
-    def matrix_shape(self, tensor: str) -> tuple:
-        """A stored expert tensor's shape as one expert's matrix (stacked layouts drop dim 0)."""
-        return self.reader.matrix_shape(self.ck.info(tensor).spec.shape)
+    def matrix_shape(self, tensor: str, codec: Codec) -> tuple:
+        """A stored expert tensor of `codec` as one expert's matrix (stacked layouts drop dim 0)."""
+        return self.reader.matrix_shape(self.ck.info(tensor).spec.shape, codec.name)
 
     def logical_shape(self, proj: str) -> tuple[int, int]:
         """[out, K] of a projection, from config.json's sizes."""

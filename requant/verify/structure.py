@@ -32,7 +32,7 @@ def check_structure(ctx: Context, expert: Expert, codec: formats.Codec) -> dict[
             ctx.out.add("error", "missing-projection", "routed expert projection has no tensors", prefix)
             continue
         rows, k = ctx.logical_shape(proj)
-        params = codec.params_from_shapes({p: ctx.matrix_shape(n) for p, n in parts.items()}, k)
+        params = codec.params_from_shapes({p: ctx.matrix_shape(n, codec) for p, n in parts.items()}, k)
         ok = True
         for part in codec.parts:
             name = f"{prefix}.{part.suffix}"
@@ -45,7 +45,7 @@ def check_structure(ctx: Context, expert: Expert, codec: formats.Codec) -> dict[
                     ok = ok and input_scale
                 continue
             spec = ctx.ck.info(parts[part.suffix]).spec
-            shape = ctx.matrix_shape(parts[part.suffix])
+            shape = ctx.matrix_shape(parts[part.suffix], codec)
             shapes = accepted_shapes(part, rows, k, params)
             if spec.dtype not in part.dtypes:
                 ctx.out.add("error", "wrong-dtype", f"{codec.name} .{part.suffix} has the wrong dtype", name,
