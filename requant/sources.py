@@ -132,6 +132,16 @@ Reader = PerExpertReader | StackedReader
 READERS = {"per_expert": PerExpertReader, "stacked": StackedReader}
 
 
+def single_experts(model: ModelSpec, names, command: str) -> list[Expert]:
+    """The routed experts among `names` for a command that reads them one by one (validate,
+    report); a stacked layout is refused until those commands read [E, ...] tensors."""
+    experts = reader(model).experts(names)
+    if any(e.expert is None for e in experts):
+        raise UnsupportedError(f"{command} does not read stacked experts yet ({model.name} stores each "
+                               "layer's experts in [E, ...] tensors); verify and inspect do")
+    return experts
+
+
 def reader(model: ModelSpec) -> Reader:
     """The reader of `model`'s expert layout."""
     layout = model.expert_layout

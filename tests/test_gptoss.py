@@ -133,3 +133,13 @@ def test_forced_nvfp4_output_is_recognised_and_judged(small, tmp_path):
     json.dump(config, open(os.path.join(dest, "config.json"), "w"))
     codes = {f["code"] for f in verify(dest, progress=False)["findings"]}
     assert "quant-method" in codes
+
+
+@pytest.mark.parametrize("command", ["validate", "report"])
+def test_commands_that_read_single_experts_refuse_stacked_ones_in_one_line(small, tmp_path, command):
+    args = [command, small, small] + (["--out-dir", str(tmp_path / "r")] if command == "report" else [])
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code != 0
+    assert result.output.strip().splitlines()[-1] == (
+        f"requant: error: {command} does not read stacked experts yet (gpt_oss stores each layer's experts "
+        "in [E, ...] tensors); verify and inspect do")
