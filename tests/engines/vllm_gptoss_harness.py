@@ -30,15 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import json
 import typing
 from collections.abc import Callable
 from functools import lru_cache
-from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
 
 import torch
-from safetensors import safe_open
 
 from . import vllm_harness as vh
 from . import wheels
@@ -51,23 +48,8 @@ OCP_MX = vh.QUANT + "utils/ocp_mx_utils.py"
 
 
 # ---------------------------------------------------------------------------------- checkpoint
-class Checkpoint:
-    """A gpt-oss checkpoint directory as vLLM sees it: config.json, tensor names, dtypes, shapes."""
-
-    def __init__(self, path):
-        self.path = Path(path)
-        self.config = json.loads((self.path / "config.json").read_text())
-        self.quant = self.config.get("quantization_config") or {}
-        self.weight_map = json.loads((self.path / "model.safetensors.index.json").read_text())["weight_map"]
-        self.header: dict[str, tuple[str, tuple[int, ...]]] = {}
-        for shard in sorted(set(self.weight_map.values())):
-            with open(self.path / shard, "rb") as f:
-                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-            self.header.update({k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"})
-
-    def tensor(self, name: str) -> torch.Tensor:
-        with safe_open(str(self.path / self.weight_map[name]), "pt") as f:
-            return f.get_tensor(name)
+class Checkpoint(vh.Checkpoint):
+    """A gpt-oss checkpoint directory as vLLM sees it, with what its gpt-oss model reads."""
 
     def hf_config(self) -> SimpleNamespace:
         """vLLM's hf_config: config.json's keys as attributes (quantization_config stays a dict)."""
