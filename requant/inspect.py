@@ -24,7 +24,8 @@ def inspect_checkpoint(path: str) -> dict:
             model = ModelSpec.for_config(ck.config)
         except RequantError:
             model = None
-        experts = sources.reader(model).experts(ck.names) if model else []
+        reader = sources.reader(model) if model else None
+        experts = reader.experts(ck.names) if model else []
         blocks = defaultdict(set)
         for e in experts:
             codec = expert_codec(model, ck, [e])
@@ -38,7 +39,7 @@ def inspect_checkpoint(path: str) -> dict:
             "model": model.model_name if model else None,
             "expert_format": main.name if main else None,
             "expert_blocks_by_format": {fmt: len(b) for fmt, b in sorted(blocks.items())},
-            "routed_experts": len(experts),
+            "routed_experts": sum(reader.expert_count(e, ck) for e in experts),
             "shards": len(ck.shard_names),
             "tensors": len(ck.locations),
             "tensor_bytes": ck.tensor_bytes,

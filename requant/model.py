@@ -52,7 +52,7 @@ class ExpertTensor:
     """One tensor of a routed expert: `{prefix}.{part}` where prefix names the projection."""
 
     block: str      # e.g. "layers.3" or "mtp.0"
-    expert: int
+    expert: int | None   # None: a stacked tensor holding every expert of the block
     proj: str       # e.g. "w1"
     part: str       # e.g. "weight", "scale"
     prefix: str     # e.g. "layers.3.ffn.experts.7.w1"
@@ -63,7 +63,7 @@ class Expert:
     """All tensors of one routed expert, by projection then part."""
 
     block: str
-    expert: int
+    expert: int | None                 # None: every expert of the block, stacked ([E, ...] tensors)
     parts: dict[str, dict[str, str]]   # proj -> part -> tensor name
     prefixes: dict[str, str]           # proj -> name prefix
 
@@ -129,8 +129,11 @@ class ModelSpec:
         m = self._expert_re.match(name)
         if not m:
             return None
+        expert = int(m["expert"]) if "expert" in m.groupdict() else None
+        if m["part"] is None:   # a stacked output's weight is named after its projection (ModelOpt)
+            return ExpertTensor(m["block"], expert, m["proj"], "", name)
         part = m["part"]
-        return ExpertTensor(m["block"], int(m["expert"]), m["proj"], part, name[: -len(part) - 1])
+        return ExpertTensor(m["block"], expert, m["proj"], part, name[: -len(part) - 1])
 
     @property
     def expert_layout(self) -> str:
@@ -140,6 +143,42 @@ class ModelSpec:
     def projections(self) -> list[str]:
         """Each expert's projections in the order gate, up, down (moe.py's expert tuples)."""
         return list(self.recipe["projections"])
+
+    def projection_shape(self, proj: str) -> tuple[int, int]:
+        """Logical [out, K] of one expert's projection, from config.json's sizes."""
+        roles = {role: self.value(role) for role in ("hidden_size", "intermediate_size")}
+        return tuple(expressions.evaluate(x, roles) for x in self.recipe["projection_shapes"][proj])
+
+    @property
+    def stacked_parts(self) -> dict[str, str]:
+        """Stacked layout: codec part (weight, scale, bias) -> the suffix the release joins to the
+        projection's name with "_" (gpt-oss: `gate_up_proj_blocks` is the weight)."""
+        return dict(self.recipe["stacked_parts"])
+
+    def stacked_output(self, fmt: str) -> dict:
+        """How converted `fmt` experts of a stacked layout are stored: {"names", "transpose"}."""
+        layouts = self.recipe.get("stacked_outputs", {})
+        if fmt not in layouts:
+            raise UnsupportedError(f"{self.name}: the recipe lays out no stacked {fmt} experts "
+                                   f"(it has: {', '.join(layouts) or 'none'})")
+        return layouts[fmt]
+
+    def stored_transposed(self, fmt: str) -> bool:
+        """Whether stacked experts converted to `fmt` are stored (E, in, out), as the engine's module
+        holds them; a source format as released is stored (E, out, in)."""
+        return bool(self.recipe.get("stacked_outputs", {}).get(fmt, {}).get("transpose"))
+
+    @property
+    def nvfp4_quantization_config(self) -> dict | None:
+        """{"quant_method", "quant_algo"} where NVFP4 output describes itself in ModelOpt's own form
+        (replacing the source's quantization_config); None where it keeps the source's (DeepSeek-V4)."""
+        return self.recipe.get("nvfp4_quantization_config")
+
+    @property
+    def carried_parts(self) -> list[str]:
+        """Parts of an expert projection beside its codec's, carried through conversion unchanged
+        (gpt-oss: the bias)."""
+        return list(self.recipe.get("carried_parts", []))
 
     @property
     def down_projection(self) -> str:
@@ -183,7 +222,7 @@ class ModelSpec:
         return self.block_position(block)[1]
 
     def is_mtp(self, block: str) -> bool:
-        return bool(self._block_re["mtp"].match(block))
+        return "mtp" in self._block_re and bool(self._block_re["mtp"].match(block))
 
     def select_blocks(self, spec: str | None, blocks: list[str]) -> list[str]:
         """Blocks selected by --layers: comma-separated layer numbers, ranges A-B, or block names."""

@@ -74,7 +74,8 @@ def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: 
     is the format the caller expects them in (None: whatever they are stored as)."""
     model = ModelSpec.for_config(source.config, os.path.join(source.path, "config.json"))
     _check_config_values(model)
-    experts = sources.reader(model).experts(source.names)
+    reader = sources.reader(model)
+    experts = reader.experts(source.names)
     found = expert_codec(model, source, experts)
     if found is None:
         raise UnsupportedError(f"{source.path}: no routed experts in a known format were found")
@@ -94,12 +95,13 @@ def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: 
     for expert in experts:
         if not target.converts(expert.block):
             continue
-        names = [n for parts in expert.parts.values() for n in parts.values()]
+        # parts the model carries beside the codec's (gpt-oss' biases) pass through like any tensor
+        names = [n for parts in expert.parts.values() for part, n in parts.items() if part not in model.carried_parts]
         shards = {source.locations[n] for n in names}
         if len(shards) > 1:
             raise FormatError(f"expert {expert.expert} of {expert.block} is split across shards {sorted(shards)}; "
                               "its projections must be converted together", tensor=names[0])
-        _check_against_config(model, source, expert)
+        _check_against_config(model, source, reader, expert)
         unit = target.plan_expert(expert)
         first = min(names, key=lambda n: source.info(n).start)
         units_by_first_tensor[first] = unit
@@ -132,15 +134,14 @@ def _check_config_values(model: ModelSpec) -> None:
     model.check_config_types()
 
 
-def _check_against_config(model: ModelSpec, source: Checkpoint, expert: Expert) -> None:
+def _check_against_config(model: ModelSpec, source: Checkpoint, reader: sources.Reader, expert: Expert) -> None:
     """A config.json that disagrees with the tensors would make the converted model unloadable."""
     hidden, inter = model.value("hidden_size"), model.value("intermediate_size")
-    down = model.down_projection
     for proj, parts in expert.parts.items():
         if "weight" not in parts:
             continue
-        shape = source.info(parts["weight"]).spec.shape
-        expected = (hidden, inter) if proj == down else (inter, hidden)
+        shape = reader.matrix_shape(source.info(parts["weight"]).spec.shape)
+        expected = model.projection_shape(proj)
         if len(shape) != 2 or (shape[0], shape[1] * 2) != expected:
             raise FormatError(f"shape {list(shape)} does not match config.json ({model.config_key('hidden_size')}"
                               f"={hidden}, {model.config_key('intermediate_size')}={inter} give logical "

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from requant import expressions, formats, model as model_lib
+from requant import expressions, formats, model as model_lib, sources
 from requant.errors import UnsupportedError
 from requant.formats import fp8_block, mxfp4
 from requant.io.fsutil import atomic_write_json
@@ -155,8 +155,8 @@ class _Values:
             w, s = fp8_block.encode(torch.from_numpy(self.normal(shape, 0.02)))
             siblings[name[: -len(".weight")] + ".scale"] = s
             return w.view(torch.float8_e4m3fn)
-        if spec.dtype == "F8_E8M0" and name in siblings:
-            return siblings.pop(name).view(torch.float8_e8m0fnu)
+        if name in siblings:
+            return siblings.pop(name).view(DTYPES[spec.dtype][1])
         if spec.dtype == "I64":  # a token -> expert ids table (hash routing): distinct experts per token
             ids = np.argsort(self.rng.random((shape[0], siblings["__experts"])), axis=1)[:, : shape[1]]
             return torch.from_numpy(ids.astype(np.int64))
@@ -244,12 +244,21 @@ def write_checkpoint(dest: str, dims: Dims | None = None, seed: int = 0, hard: H
 
 def _fill(writer: ShardWriter, specs, values: _Values, dims: Dims, pooled: bool) -> None:
     siblings = {"__experts": dims.experts}
+    reader = sources.reader(dims.spec)
     for spec in specs:
+        ref = dims.spec.expert_tensor(spec.name)
         if spec.dtype == "I8":  # a routed expert's MXFP4 weight; its scale follows it
             rows, half_k = spec.shape
             w, s = values.expert(rows, half_k * 2, pooled)
             writer.write(spec.name, w)
             siblings[spec.name[: -len(".weight")] + ".scale"] = s
+        elif ref and ref.expert is None and ref.part == dims.spec.stacked_parts["weight"]:
+            # every expert of a block in one MXFP4 tensor; the scales tensor comes later
+            rows, words = reader.matrix_shape(spec.shape)
+            encoded = [values.expert(rows, words * mxfp4.CODEC.elements_per_word, pooled) for _ in range(spec.shape[0])]
+            writer.write(spec.name, torch.stack([w.view(torch.uint8) for w, _ in encoded]).reshape(spec.shape))
+            scale_name = reader.tensor_name(ref.block, None, ref.proj, "scale")
+            siblings[scale_name] = torch.stack([s.view(torch.uint8) for _, s in encoded])
         else:
             writer.write(spec.name, values.tensor(spec, siblings))
 

@@ -106,7 +106,7 @@ class _Side:
         self.ck = ck
         self.model = ModelSpec.for_config(ck.config, os.path.join(where, "config.json"))
         self.reader = sources.reader(self.model)
-        self.experts = {(e.block, e.expert): e for e in self.reader.experts(ck.names)}
+        self.experts = {(e.block, e.expert): e for e in sources.single_experts(self.model, ck.names, "validate")}
 
     def moe_blocks(self) -> list[str]:
         """Blocks with a router and routed experts, in layer order (the MTP blocks last)."""

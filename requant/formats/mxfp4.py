@@ -82,7 +82,8 @@ CODEC = formats.Codec(
     name="mxfp4",
     elements="e2m1",
     parts=(formats.Part("weight", formats.WEIGHT, ("I8", "U8"), lambda out, k, p: (out, k // 2)),
-           formats.Part("scale", formats.SCALE, ("F8_E8M0",), lambda out, k, p: (out, k // BLOCK))),
+           # gpt-oss stores its E8M0 scale bytes as U8
+           formats.Part("scale", formats.SCALE, ("F8_E8M0", "U8"), lambda out, k, p: (out, k // BLOCK))),
     elements_per_word=2,
     packed_dtype=torch.uint8,
     decode=lambda t: decode(t["weight"].view(torch.uint8), t["scale"]),

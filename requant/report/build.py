@@ -58,9 +58,8 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
     device = compute_device(device)
     with Checkpoint.open(src_path) as src, Checkpoint.open(dst_path) as dst:
         model = ModelSpec.for_config(src.config, os.path.join(src_path, "config.json"))
-        reader = sources.reader(model)
-        src_experts = {(e.block, e.expert): e for e in reader.experts(src.names)}
-        dst_experts = {(e.block, e.expert): e for e in reader.experts(dst.names)}
+        src_experts = {(e.block, e.expert): e for e in sources.single_experts(model, src.names, "report")}
+        dst_experts = {(e.block, e.expert): e for e in sources.single_experts(model, dst.names, "report")}
         common = [k for k in src_experts if k in dst_experts]
         unmatched = sorted(f"{model.experts_module(b)}.{i}" for b, i in set(src_experts) ^ set(dst_experts))
         blocks = model.select_blocks(layers, list(dict.fromkeys(b for b, _ in common)))

@@ -111,6 +111,7 @@ class Target:
             raise UnsupportedError(f"--out {self.name} takes {self.options_type.__name__}, "
                                    f"not {type(self.target_options).__name__}")
         self.engine = model.engine(options.engine)
+        self.reader = sources.reader(model)
         self.mtp = options.mtp or self._engine_mtp()
         self.forced_problems: list[str] = []
         self._bounds: dict[str, dict[str, float]] = {}
@@ -185,7 +186,7 @@ class Target:
         found = {}
         for proj in self.model.projections:
             parts = expert.parts.get(proj, {})
-            where = f"{self.model.experts_module(expert.block)}.{expert.expert}.{proj}"
+            where = expert.prefixes.get(proj) or f"{self.model.experts_module(expert.block)}.{expert.expert}.{proj}"
             needed = [p for p in codec.parts if p.required]
             missing = next((p.suffix for p in needed if p.suffix not in parts), None)
             if missing:
@@ -197,7 +198,7 @@ class Target:
                 raise FormatError(f"expected {codec.name.upper()} ({expected}), found {found_dtypes}",
                                   tensor=parts[codec.weight.suffix])
             try:
-                codec.check_shapes({suffix: spec.shape for suffix, spec in specs.items()})
+                codec.check_shapes({suffix: self.reader.unit_shape(spec.shape) for suffix, spec in specs.items()})
             except FormatError as e:
                 scale = parts[codec.part(formats.SCALE).suffix]
                 raise FormatError(str(e), file=self.source.shard_path(self.source.locations[scale]),
@@ -211,12 +212,17 @@ class Target:
         specs = self.source_expert_specs(expert)
         outputs = []
         for proj in self.model.projections:
-            rows, words = specs[proj][self.source_codec.weight.suffix].shape
+            rows, words = self.reader.unit_shape(specs[proj][self.source_codec.weight.suffix].shape)
             k = words * self.source_codec.elements_per_word
-            outputs += [TensorSpec(f"{expert.prefixes[proj]}.{part.suffix}", part.dtypes[0],
-                                   part.shape(rows, k, self.params))
-                        for part in self.codec.written_parts(self.params)]
+            for part in self.codec.written_parts(self.params):
+                name, stored = self.output(expert, proj, part.suffix)
+                outputs.append(TensorSpec(name, part.dtypes[0], stored(part.shape(rows, k, self.params))))
         return outputs
+
+    def output(self, expert: Expert, proj: str, part: str):
+        """(name, shape or tensor -> as stored) of one converted part, as the source's layout
+        stores this format."""
+        return self.reader.output(expert, proj, part, self.name, self.source)
 
     def source_inputs(self, expert: Expert) -> list[str]:
         """The source tensors a converted expert is read from, in projection order."""
@@ -246,9 +252,9 @@ class Target:
         encoders from MXFP4 take; invalid scales reported by name."""
         codec = self.source_codec
         parts = expert.parts[proj]
-        weight = tensors[parts[codec.weight.suffix]].view(torch.uint8).numpy()
-        scale_name = parts[codec.part(formats.SCALE).suffix]
-        scale = tensors[scale_name].view(torch.uint8).numpy()
+        weight_name, scale_name = parts[codec.weight.suffix], parts[codec.part(formats.SCALE).suffix]
+        weight, scale = (tensors[name].view(torch.uint8).reshape(self.reader.unit_shape(tensors[name].shape)).numpy()
+                         for name in (weight_name, scale_name))
         try:
             codec.check_scales(scale)
         except FormatError as e:

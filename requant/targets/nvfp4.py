@@ -41,11 +41,12 @@ class NVFP4Target(Target):
                 cast = self.encoder(weight, scale, max(shared) if shared else None, self.top, in_place=True)
             except FormatError as e:
                 raise FormatError(str(e), tensor=expert.parts[proj]["weight"]) from None
-            prefix = expert.prefixes[proj]
-            out[f"{prefix}.weight"] = torch.from_numpy(cast.weight)
-            out[f"{prefix}.weight_scale"] = torch.from_numpy(cast.weight_scale)
-            out[f"{prefix}.weight_scale_2"] = torch.tensor(cast.weight_scale_2, dtype=torch.float32)
-            out[f"{prefix}.input_scale"] = torch.tensor(input_scales[proj], dtype=torch.float32)
+            for part, value in (("weight", torch.from_numpy(cast.weight)),
+                                ("weight_scale", torch.from_numpy(cast.weight_scale)),
+                                ("weight_scale_2", torch.tensor(cast.weight_scale_2, dtype=torch.float32)),
+                                ("input_scale", torch.tensor(input_scales[proj], dtype=torch.float32))):
+                name, stored = self.output(expert, proj, part)
+                out[name] = stored(value)
             stats.tensors_converted += 1
             stats.blocks += cast.blocks
             stats.exact_blocks += cast.exact_blocks
@@ -61,6 +62,16 @@ class NVFP4Target(Target):
     def config(self, blocks: list[str], stats: Stats) -> dict:
         config = copy.deepcopy(self.model.config)
         fp4 = {"num_bits": 4, "type": "float", "group_size": GROUP, "dynamic": False}
+        modelopt = self.model.nvfp4_quantization_config
+        if modelopt:   # the model's own quantization_config described only its source experts
+            config["quantization_config"] = {
+                "config_groups": {"group_0": {"input_activations": dict(fp4), "weights": dict(fp4), "targets": ["Linear"]}},
+                "ignore": self.ignore(),
+                "quant_algo": modelopt["quant_algo"],
+                "producer": dict(PRODUCER),
+                "quant_method": modelopt["quant_method"],
+            }
+            return config
         # quant_method stays "fp8": engines dispatch DeepSeek-V4 on it, and the block-FP8
         # attention must keep loading as before.
         config.setdefault("quantization_config", {}).update({
@@ -76,6 +87,11 @@ class NVFP4Target(Target):
         return config
 
     def extra_files(self, blocks: list[str]) -> dict[str, dict]:
+        modelopt = self.model.nvfp4_quantization_config
+        if modelopt:
+            return {"hf_quant_config.json": {"producer": dict(PRODUCER), "quantization": {
+                "quant_algo": modelopt["quant_algo"], "kv_cache_quant_algo": None, "group_size": GROUP,
+                "exclude_modules": self.ignore()}}}
         return {"hf_quant_config.json": {
             "producer": dict(PRODUCER),
             "quantization": {

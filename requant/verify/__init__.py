@@ -129,7 +129,14 @@ def _check_expert_set(ctx: Context, experts, layout: Layout) -> None:
         out.add("error", "missing-layers", "layers with routed experts do not match num_hidden_layers", CONFIG_NAME,
                 f"{len(layer_blocks)} found, {model.value('num_layers')} expected")
     by_key = {(e.block, e.expert): e for e in experts}
+    reader = sources.reader(model)
+    stacked = {e.block: reader.expert_count(e, ctx.ck) for e in experts if e.expert is None}
     for block in blocks:
+        if block in stacked:
+            if stacked[block] != n_experts:
+                out.add("error", "missing-expert", "stacked routed experts do not number num_experts",
+                        model.experts_module(block), f"{stacked[block]} found, {n_experts} expected")
+            continue
         for i in range(n_experts):
             if (block, i) not in by_key:
                 out.add("error", "missing-expert", "routed expert has no tensors", f"{model.experts_module(block)}.{i}")

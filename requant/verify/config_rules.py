@@ -42,6 +42,9 @@ def check_nvfp4_config(ctx: Context, layout: Layout, seen: Observed) -> None:
     if not isinstance(qc, dict):
         out.add("error", "no-quantization-config", "config.json has no quantization_config", CONFIG_NAME)
         return
+    if model.nvfp4_quantization_config:
+        _check_modelopt_form(ctx, layout, qc, model.nvfp4_quantization_config)
+        return
     method = qc.get("quant_method")
     if method not in ("fp8", "deepseek_v4_fp8"):
         out.add("error", "quant-method", "quant_method must stay 'fp8': vLLM and SGLang dispatch DeepSeek-V4 NVFP4 "
@@ -82,6 +85,32 @@ def check_nvfp4_config(ctx: Context, layout: Layout, seen: Observed) -> None:
             out.add("warning", "config-groups", "config_groups weights are not {num_bits 4, float, group_size 16}",
                     CONFIG_NAME, name)
     _check_hf_quant_config(ctx, layout, qc)
+
+
+def _check_modelopt_form(ctx: Context, layout: Layout, qc: dict, expected: dict) -> None:
+    """A model whose NVFP4 output describes itself as ModelOpt exports it (gpt-oss): the method and
+    algorithm engines select ModelOpt's NVFP4 config by, in config.json and hf_quant_config.json,
+    and no ignore pattern over the NVFP4 experts."""
+    out = ctx.out
+    for key in ("quant_method", "quant_algo"):
+        if qc.get(key) != expected[key]:
+            out.add("error", key.replace("_", "-"), f"quantization_config.{key} must be {expected[key]!r} for "
+                    f"{ctx.model.name} NVFP4 experts", CONFIG_NAME, repr(qc.get(key)))
+    ignore = qc.get("ignore") or []
+    for block, codec in layout.codecs_by_block.items():
+        module = ctx.model.experts_module(block)
+        if codec is nvfp4.CODEC and ctx.model.ignored(module, ignore):
+            out.add("error", "ignored-nvfp4", "an ignore pattern matches NVFP4 experts (engines honouring it build "
+                    "unquantized experts)", module)
+    path = os.path.join(ctx.ck.path, HF_QUANT_CONFIG)
+    try:
+        hf = read_json(path).get("quantization") if os.path.exists(path) else None
+    except CheckpointError as e:
+        out.add("error", "hf-quant-config", "hf_quant_config.json cannot be read", detail=str(e))
+        return
+    if not isinstance(hf, dict) or hf.get("quant_algo") != expected["quant_algo"]:
+        out.add("warning", "hf-quant-config", f"hf_quant_config.json does not say quant_algo "
+                f"{expected['quant_algo']!r} (ModelOpt writes it beside config.json)", HF_QUANT_CONFIG)
 
 
 def _check_hf_quant_config(ctx: Context, layout: Layout, qc: dict) -> None:

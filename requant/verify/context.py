@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from requant import sources
 from requant.engine_check import MarlinSpan
 from requant.formats import Codec
 from requant.io.checkpoint import Checkpoint
@@ -20,14 +21,23 @@ class Context:
     out: Findings
 
     def where(self, expert: Expert, proj: str | None = None) -> str:
-        """How findings name an expert (or one of its projections)."""
-        name = f"{self.model.experts_module(expert.block)}.{expert.expert}"
+        """How findings name an expert, or a block's stacked experts (or one of its projections)."""
+        name = self.model.experts_module(expert.block)
+        if expert.expert is not None:
+            name = f"{name}.{expert.expert}"
         return f"{name}.{proj}" if proj else name
+
+    @property
+    def reader(self) -> sources.Reader:
+        return sources.reader(self.model)
+
+    def matrix_shape(self, tensor: str, codec: Codec) -> tuple:
+        """A stored expert tensor of `codec` as one expert's matrix (stacked layouts drop dim 0)."""
+        return self.reader.matrix_shape(self.ck.info(tensor).spec.shape, codec.name)
 
     def logical_shape(self, proj: str) -> tuple[int, int]:
         """[out, K] of a projection, from config.json's sizes."""
-        hidden, inter = self.model.value("hidden_size"), self.model.value("intermediate_size")
-        return (hidden, inter) if proj == self.model.down_projection else (inter, hidden)
+        return self.model.projection_shape(proj)
 
 
 @dataclass

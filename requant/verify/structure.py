@@ -32,7 +32,7 @@ def check_structure(ctx: Context, expert: Expert, codec: formats.Codec) -> dict[
             ctx.out.add("error", "missing-projection", "routed expert projection has no tensors", prefix)
             continue
         rows, k = ctx.logical_shape(proj)
-        params = codec.params_from_shapes({p: ctx.ck.info(n).spec.shape for p, n in parts.items()}, k)
+        params = codec.params_from_shapes({p: ctx.matrix_shape(n, codec) for p, n in parts.items()}, k)
         ok = True
         for part in codec.parts:
             name = f"{prefix}.{part.suffix}"
@@ -45,17 +45,18 @@ def check_structure(ctx: Context, expert: Expert, codec: formats.Codec) -> dict[
                     ok = ok and input_scale
                 continue
             spec = ctx.ck.info(parts[part.suffix]).spec
+            shape = ctx.matrix_shape(parts[part.suffix], codec)
             shapes = accepted_shapes(part, rows, k, params)
             if spec.dtype not in part.dtypes:
                 ctx.out.add("error", "wrong-dtype", f"{codec.name} .{part.suffix} has the wrong dtype", name,
                             f"{spec.dtype}, expected {'/'.join(part.dtypes)}")
                 ok = False
-            elif part.shape_checked and spec.shape not in shapes:
+            elif part.shape_checked and shape not in shapes:
                 ctx.out.add("error", "wrong-shape", f"{codec.name} .{part.suffix} has the wrong shape for "
                             "config.json's sizes", name,
-                            f"{list(spec.shape)}, expected {' or '.join(str(list(s)) for s in shapes)}")
+                            f"{list(shape)}, expected {' or '.join(str(list(s)) for s in shapes)}")
                 ok = False
-        declared = {p.suffix for p in codec.parts}
+        declared = {p.suffix for p in codec.parts} | set(ctx.model.carried_parts)
         for suffix in parts:
             if suffix not in declared:
                 severity = "error" if suffix == LEFTOVER_SOURCE_SCALE else "warning"
