@@ -73,3 +73,15 @@ def test_core_commands_work_without_the_extras_and_validate_names_it(tmp_path):
     assert "PASSED on cpu" in validate["stdout"] and "torch reference" in validate["stderr"]
     assert out["kernel_error"] == ("requant's fused-MoE kernel (validate, report's forward comparison) "
                                    "needs triton, which is not installed: pip install 'requant[gpu]'")
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject lists its packages by hand: a new subpackage left out would be missing from a
+    wheel install while an editable one still imports it."""
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "requant").rglob("__init__.py")}
+    assert found - listed == set()
