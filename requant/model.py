@@ -297,7 +297,13 @@ class ModelSpec:
     def quantization_ignore(self, fmt: str, mtp_converted: bool) -> list[str]:
         """Module patterns an output whose experts are `fmt` lists as left unquantized
         (quantization_config.ignore); the MTP block's experts leave the list when converted too."""
-        return list(self.recipe[f"{fmt}_ignore_mtp_converted" if mtp_converted else f"{fmt}_ignore"])
+        converted = self.recipe.get(f"{fmt}_ignore_mtp_converted") if mtp_converted else None
+        return list(self.recipe[f"{fmt}_ignore"] if converted is None else converted)
+
+    @property
+    def nvfp4_quant_methods(self) -> list[str]:
+        """The quant_method values an NVFP4 output that keeps the source's config form may carry."""
+        return list(self.recipe.get("nvfp4_quant_methods", ()))
 
     def ignored(self, module: str, patterns) -> bool:
         return any(fnmatch.fnmatchcase(module, p) for p in patterns)

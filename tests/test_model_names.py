@@ -15,19 +15,14 @@ PACKAGE = pathlib.Path(requant.__file__).parent
 MODEL_STRINGS = re.compile(r"deepseek|gpt[-_]oss|\bffn\.|\bmlp\.|experts\.|tid2eid|gate_up|down_proj|"
                            r"shared_experts|embed_tokens|lm_head", re.IGNORECASE)
 HOME = {"model.py", "sources.py"}
-# Known exceptions, each with why it is still here. Prose for people first, then DeepSeek-V4 engine
-# rules that still live in code: they are what remains to move into recipes/deepseek_v4.json
-# (its `engines` section) and are listed so that no new one slips in unseen.
+# Known exceptions, each with why it is still here: prose for people, naming the model a rule is
+# about. Rules themselves live in the recipes.
 EXPLAINED = {
     # error messages that name the model a rule is about, for the person reading them
     ("engine_check.py", "its DeepSeek-V4 model has no other FP8-block attention path"),
     ("kernels/fused_moe.py", "swiglu_alpha is the gpt-oss activation's sigmoid slope"),
     ("verify/config_rules.py", "vLLM and SGLang dispatch DeepSeek-V4 NVFP4"),
     ("verify/config_rules.py", "SGLang reads the NVFP4 details of DeepSeek-V4"),
-    # to move: the quant_method values DeepSeek-V4's FP8 config accepts (verify's NVFP4 config rule)
-    ("verify/config_rules.py", "deepseek_v4_fp8"),
-    # to move: DeepSeek-V4's BF16 linears in vLLM's module names, kept out of W4A16's FP8 class target
-    ("targets/w4a16.py", "lm_head"),
 }
 
 

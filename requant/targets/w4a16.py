@@ -29,8 +29,6 @@ DEFAULT_GROUP = 128
 DEFAULT_SCHEME = "sym"
 FP8_BLOCK = [128, 128]
 ACCURACY_KEY = "requant_accuracy"   # inside quantization_config; no loader reads it
-# vLLM module names (regexes) of BF16 linears that must not match the FP8 class target.
-IGNORE = ["lm_head", r"re:.*\.compressor\..*", r"re:.*\.indexer\.weights_proj$"]
 
 
 def sqnr_db(signal: float, error: float) -> float | None:
@@ -150,7 +148,7 @@ class W4A16Target(Target):
         qc.update({
             "quantization_status": "compressed",
             "config_groups": groups,
-            "ignore": list(IGNORE),
+            "ignore": self.model.quantization_ignore(self.name, self.mtp == "convert"),
             "kv_cache_scheme": None,
             "producer": dict(PRODUCER),
             ACCURACY_KEY: self.accuracy(stats),

@@ -46,7 +46,7 @@ def check_nvfp4_config(ctx: Context, layout: Layout, seen: Observed) -> None:
         _check_modelopt_form(ctx, layout, qc, model.nvfp4_quantization_config)
         return
     method = qc.get("quant_method")
-    if method not in ("fp8", "deepseek_v4_fp8"):
+    if method not in model.nvfp4_quant_methods:
         out.add("error", "quant-method", "quant_method must stay 'fp8': vLLM and SGLang dispatch DeepSeek-V4 NVFP4 "
                 "experts through the FP8 config (block-FP8 attention + moe_quant_algo)", CONFIG_NAME, repr(method))
     dtype = config.get("expert_dtype")
