@@ -248,9 +248,16 @@ class ModelSpec:
     def moe_input_norm(self, block: str) -> str:
         return self.recipe["moe_input_norm"].format(block=block)
 
-    def shared_expert(self, block: str, proj: str) -> str:
-        """Name prefix of one projection of the block's shared expert."""
-        return self.recipe["shared_expert"].format(block=block, proj=proj)
+    def shared_expert(self, block: str, proj: str) -> str | None:
+        """Name prefix of one projection of the block's shared expert; None for a model without one."""
+        template = self.recipe.get("shared_expert")
+        return None if template is None else template.format(block=block, proj=proj)
+
+    @property
+    def interleaved_gate_up(self) -> str | None:
+        """The projection that holds gate and up fused with interleaved rows (gpt-oss: even rows
+        gate, odd rows up); None where they are separate projections."""
+        return self.recipe.get("interleaved_gate_up")
 
     def router_tensor(self, block: str, role: str) -> str:
         """The block's router tensor of `role`: weight, bias (DeepSeek-V4: chooses experts only) or

@@ -13,7 +13,8 @@ One layer's experts are in memory at a time, so a full-size checkpoint fits one 
 On a CPU the kernel would run only through Triton's interpreter (hours for a full-size layer), so
 the routed experts go through that plain torch reference instead (moe.py, FP32, the same
 definition the kernel is judged by): each expert a token chose is read and decoded when first
-needed. The kernel is then not measured (kernel_rel_err is None); tests run it at small shapes.
+needed (a stacked layer, whose tensors hold every expert, is read once). Router, activation and
+biases are the recipe's (moe.py), in the kernel as in the reference. The kernel is then not measured (kernel_rel_err is None); tests run it at small shapes.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ class _Side:
         self.ck = ck
         self.model = ModelSpec.for_config(ck.config, os.path.join(where, "config.json"))
         self.reader = sources.reader(self.model)
-        self.experts = {(e.block, e.expert): e for e in sources.single_experts(self.model, ck.names, "validate")}
+        # (block, expert), or (block, None) for a layer's stacked [E, ...] tensors
+        self.experts = {(e.block, e.expert): e for e in self.reader.experts(ck.names)}
 
     def moe_blocks(self) -> list[str]:
         """Blocks with a router and routed experts, in layer order (the MTP blocks last)."""
@@ -120,7 +122,7 @@ class _Side:
 
 def kernel_format(side: _Side, block: str) -> str:
     """Format of a block's routed experts, as the kernel names it, from expert 0's first projection."""
-    expert = side.experts.get((block, 0))
+    expert = side.experts.get((block, 0)) or side.experts.get((block, None))
     parts = expert.parts.get(side.model.projections[0], {}) if expert else {}
     codec = formats.identify({part: side.ck.info(name).spec.dtype for part, name in parts.items()})
     if codec is None:
@@ -165,10 +167,91 @@ def dense_expert(w, e: int) -> torch.Tensor:
     return codec.decode({codec.part(role).suffix: t[e] for role, t in stored.items() if t is not None})
 
 
+ROLES = ("gate", "up", "down")
+
+
+@dataclass
+class LayerExperts:
+    """A layer's routed experts as the kernel and the reference take them: gate, up and down
+    projections stacked over experts, per-expert biases where the model has them."""
+
+    gate: object                 # kernels.weights.ExpertWeights
+    up: object
+    down: object
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None   # [E, I], [E, I], [E, H]
+    fused: list[list[str]]       # groups of ROLES engines load as one tensor (one Marlin factor each)
+
+    @property
+    def weights(self) -> list:
+        return [self.gate, self.up, self.down]
+
+    def with_weights(self, weights: dict) -> "LayerExperts":
+        return LayerExperts(*(weights[r] for r in ROLES), self.biases, self.fused)
+
+    def dense(self, e: int) -> tuple[torch.Tensor, ...]:
+        """Float32 (gate, up, down[, their biases]) of expert e, decoded by the plain torch decoders."""
+        found = tuple(dense_expert(w, e) for w in self.weights)
+        return found + tuple(b[e].float() for b in self.biases) if self.biases else found
+
+    def kernel_biases(self) -> dict:
+        return dict(zip(("b1", "b3", "b2"), self.biases)) if self.biases else {}
+
+
+def load_layer(side: _Side, block: str, fmt: str, experts: int | list[int], device) -> LayerExperts:
+    """Every (or the listed) routed expert of a block, as stored, on `device`."""
+    model = side.model
+    if (block, None) not in side.experts:   # one tensor per expert and projection
+        ws = [load_experts(side, block, p, fmt, experts, device) for p in model.projections]
+        role = dict(zip(model.projections, ROLES))
+        return LayerExperts(*ws, None, [[role[p] for p in group] for group in model.fused_projections])
+    if model.interleaved_gate_up is None:
+        raise UnsupportedError(f"{model.name}: stacked experts without an interleaved gate/up projection")
+    chosen = torch.arange(experts) if isinstance(experts, int) else torch.tensor(experts)
+    unit = side.experts[(block, None)]
+    (gate_up, b13), (down, b2) = (_stacked(side, block, unit.parts[p], fmt, chosen, device)
+                                  for p in (model.interleaved_gate_up, model.down_projection))
+    gate, up = (type(gate_up)(gate_up.format, gate_up.packed[:, i::2], gate_up.scale[:, i::2], gate_up.global_scale)
+                for i in (0, 1))   # row views, no copy
+    biases = None if b13 is None else (b13[:, 0::2], b13[:, 1::2], b2)
+    return LayerExperts(gate, up, down, biases, [["gate", "up"]])
+
+
+def _stacked(side: _Side, block: str, parts: dict[str, str], fmt: str, chosen: torch.Tensor, device):
+    """(ExpertWeights, bias or None) of one stacked projection: [E, rows, ...] tensors, stored
+    (E, in, out) where the recipe says the format is, a per-tensor scalar for all experts."""
+    from requant.kernels.weights import ExpertWeights
+
+    codec = formats.get(fmt)
+    transposed = side.model.stored_transposed(fmt)
+
+    def matrix(role):
+        part = codec.part(role)
+        if part is None or part.suffix not in parts:
+            return None
+        t = side.ck.tensor(parts[part.suffix])
+        if t.dim() < 2:   # one scalar for the stacked tensor
+            return t.reshape(-1)[:1].float().expand(len(chosen)).contiguous()
+        t = t.index_select(0, chosen).reshape(len(chosen), t.shape[1], -1)
+        t = (t.transpose(1, 2) if transposed else t).contiguous()
+        return t.view(torch.uint8) if t.dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e8m0fnu) else t
+
+    scale = matrix(formats.SCALE)
+    if scale.dtype == torch.uint8:
+        try:
+            codec.check_scales(scale.numpy())
+        except FormatError as e:
+            raise FormatError(f"{block}: {e}") from None
+    global_scale = matrix(formats.GLOBAL_SCALE)
+    weights = ExpertWeights(codec.name, matrix(formats.WEIGHT).view(codec.packed_dtype).to(device), scale.to(device),
+                            None if global_scale is None else global_scale.to(device))
+    bias = side.ck.tensor(parts["bias"]).index_select(0, chosen).float().to(device) if "bias" in parts else None
+    return weights, bias
+
+
 def _shared(side: _Side, block: str, device):
     names = set(side.ck.names)
     bases = [side.model.shared_expert(block, p) for p in side.model.projections]
-    if f"{bases[0]}.weight" not in names:
+    if bases[0] is None or f"{bases[0]}.weight" not in names:
         return None
 
     def scale(base):  # W4A16 output keeps these FP8 blocks but names their scales compressed-tensors' way
@@ -274,9 +357,12 @@ def cpu_notice(cfg: MoEConfig, layers: int, tokens: int | None) -> str:
 
 
 def _reference_experts(side: _Side, block: str, fmt: str):
-    """e -> float32 (gate, up, down) of expert e, read and decoded when first asked for."""
-    return lambda e: tuple(dense_expert(load_experts(side, block, p, fmt, [e], "cpu"), 0)
-                           for p in side.model.projections)
+    """e -> float32 (gate, up, down[, biases]) of expert e, read and decoded when first asked for
+    (a stacked layer is one read: its tensors hold every expert)."""
+    if (block, None) in side.experts:
+        layer = load_layer(side, block, fmt, side.model.value("num_experts"), "cpu")
+        return layer.dense
+    return lambda e: load_layer(side, block, fmt, [e], "cpu").dense(0)
 
 
 def _is_block_name(model: ModelSpec, name: str) -> bool:
@@ -320,10 +406,10 @@ def _validate_block(fm, a, b, block, cfg, tokens, device, gen, acts, serve_modes
             y = routed_experts(x, ids, weights, experts, cfg.activation, intermediate=observe if side is a else None)
             ws = None
         else:
-            ws = [load_experts(side, block, p, fmt, cfg.n_routed_experts, device) for p in side.model.projections]
-            y = fm.fused_moe(x, ids, weights, *ws, swiglu_limit=cfg.activation.limit).float()
+            ws = load_layer(side, block, fmt, cfg.n_routed_experts, device)
+            y = _kernel(fm, x, ids, weights, ws, cfg).float()
             if side is a:
-                ref = routed_experts(x, ids, weights, lambda e: tuple(dense_expert(w, e) for w in ws),
+                ref = routed_experts(x, ids, weights, ws.dense,
                                      cfg.activation, intermediate=observe)
                 kernel_rel = _metrics(ref, y)[0]
         shared = expert_forward(x.float(), router.shared, cfg.activation) if router.shared else 0.0
@@ -359,7 +445,8 @@ def written_input_scales(side: _Side, block: str, experts: int) -> tuple[float, 
     found = []
     down = side.model.down_projection
     for projs in ([p for p in side.model.projections if p != down], [down]):
-        parts = [side.experts.get((block, e), None) for e in range(experts)]
+        parts = ([side.experts[(block, None)]] if (block, None) in side.experts   # stacked: one unit
+                 else [side.experts.get((block, e), None) for e in range(experts)])
         if not all(x is not None and "input_scale" in x.parts.get(p, {}) for x in parts for p in projs):
             return None
         found.append(max(float(side.ck.tensor(x.parts[p]["input_scale"]).float().max()) for x in parts for p in projs))
@@ -374,16 +461,14 @@ class _Runner:
         self.fm, self.side, self.block, self.fmt, self.cfg = fm, side, block, fmt, cfg
         self.x, self.ids, self.weights, self.y_bf16, self.ws = x, ids, weights, y_bf16, ws
 
-    def _weights(self):
+    def _layer(self) -> LayerExperts:
         # The reference path reads experts lazily; Marlin's factor spans the whole layer, so it
         # needs them all (as stored: 4-bit plus scales).
-        return self.ws or [load_experts(self.side, self.block, p, self.fmt, self.cfg.n_routed_experts, "cpu")
-                           for p in self.side.model.projections]
+        return self.ws or load_layer(self.side, self.block, self.fmt, self.cfg.n_routed_experts, "cpu")
 
     def w4a4(self, scales: tuple[float, float]) -> torch.Tensor:
         if self.fm is not None:
-            return self.fm.fused_moe(self.x, self.ids, self.weights, *self.ws, swiglu_limit=self.cfg.activation.limit,
-                                     activation_scales=scales).float()
+            return _kernel(self.fm, self.x, self.ids, self.weights, self.ws, self.cfg, activation_scales=scales).float()
         a13, a2 = scales
         quantize = engine_numerics.fake_quantize_activations
         return routed_experts(quantize(self.x, a13), self.ids, self.weights,
@@ -391,16 +476,21 @@ class _Runner:
                               intermediate=lambda h: quantize(h.bfloat16(), a2).float())
 
     def marlin(self) -> tuple[torch.Tensor, int]:
-        model = self.side.model
-        served, flushed = serve.marlin_weights(dict(zip(model.projections, self._weights())), model.fused_projections)
-        ws = list(served.values())
+        layer = self._layer()
+        served, flushed = serve.marlin_weights(dict(zip(ROLES, layer.weights)), layer.fused)
         if not flushed:
             return self.y_bf16, 0
+        layer = layer.with_weights(served)
         if self.fm is not None:
-            return self.fm.fused_moe(self.x, self.ids, self.weights, *ws,
-                                     swiglu_limit=self.cfg.activation.limit).float(), flushed
-        return routed_experts(self.x, self.ids, self.weights, lambda e: tuple(dense_expert(w, e) for w in ws),
-                              self.cfg.activation), flushed
+            return _kernel(self.fm, self.x, self.ids, self.weights, layer, self.cfg).float(), flushed
+        return routed_experts(self.x, self.ids, self.weights, layer.dense, self.cfg.activation), flushed
+
+
+def _kernel(fm, x, ids, weights, layer: LayerExperts, cfg, **kwargs) -> torch.Tensor:
+    """The routed experts through requant's kernel, with the recipe's activation and the biases."""
+    act = cfg.activation
+    return fm.fused_moe(x, ids, weights, *layer.weights, swiglu_limit=act.limit, activation=act.kind,
+                        swiglu_alpha=act.alpha, **layer.kernel_biases(), **kwargs)
 
 
 def _served(run: _Runner, side, block, cfg, modes, calibrated):

@@ -135,11 +135,78 @@ def test_forced_nvfp4_output_is_recognised_and_judged(small, tmp_path):
     assert "quant-method" in codes
 
 
-@pytest.mark.parametrize("command", ["validate", "report"])
-def test_commands_that_read_single_experts_refuse_stacked_ones_in_one_line(small, tmp_path, command):
-    args = [command, small, small] + (["--out-dir", str(tmp_path / "r")] if command == "report" else [])
-    result = CliRunner().invoke(cli, args)
+def test_report_refuses_stacked_experts_in_one_line(small, tmp_path):
+    result = CliRunner().invoke(cli, ["report", small, small, "--out-dir", str(tmp_path / "r")])
     assert result.exit_code != 0
     assert result.output.strip().splitlines()[-1] == (
-        f"requant: error: {command} does not read stacked experts yet (gpt_oss stores each layer's experts "
+        "requant: error: report does not read stacked experts yet (gpt_oss stores each layer's experts "
         "in [E, ...] tensors); verify and inspect do")
+
+
+def _release_decode(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float64 [E, out, in] by the release's own MXFP4 rule (see the decode test above)."""
+    b, s = blocks.view(torch.uint8).long(), scales.view(torch.uint8).long()
+    lut = torch.tensor(E2M1, dtype=torch.float64)
+    pairs = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1).reshape(*b.shape[:3], 32)
+    return (pairs * torch.exp2((s - 127).double())[..., None]).reshape(b.shape[0], b.shape[1], -1)
+
+
+def _gpt_oss_moe(ck: Checkpoint, block: str, x: torch.Tensor, top_k: int, limit: float) -> torch.Tensor:
+    """gpt-oss' routed experts written out from transformers' modeling_gpt_oss.py: router logits
+    with bias, softmax over the top k; gate/up interleaved (even rows gate), biases before the
+    clamp, (up + 1) * gate * sigmoid(1.702 gate), the down bias before the routing weight."""
+    t = lambda n: ck.tensor(f"{block}.mlp.{n}")  # noqa: E731
+    x = x.double()
+    logits = x @ t("router.weight").double().T + t("router.bias").double()
+    top = logits.topk(top_k, dim=-1)
+    weights = torch.softmax(top.values, dim=-1)
+    w13 = _release_decode(t("experts.gate_up_proj_blocks"), t("experts.gate_up_proj_scales"))
+    w2 = _release_decode(t("experts.down_proj_blocks"), t("experts.down_proj_scales"))
+    b13, b2 = t("experts.gate_up_proj_bias").double(), t("experts.down_proj_bias").double()
+    y = torch.zeros_like(x)
+    for i in range(x.shape[0]):
+        for k in range(top_k):
+            e = int(top.indices[i, k])
+            gu = w13[e] @ x[i] + b13[e]
+            gate, up = gu[0::2].clamp(max=limit), gu[1::2].clamp(-limit, limit)
+            h = (up + 1) * gate * torch.sigmoid(1.702 * gate)
+            y[i] += weights[i, k] * (w2[e] @ h + b2[e])
+    return y
+
+
+def test_validate_runs_gpt_oss_routing_activation_and_biases(small, tmp_path):
+    """validate's CPU reference on the source equals gpt-oss' forward written out above, and the
+    forced NVFP4 output (ModelOpt's transposed layout) validates as lossless against it."""
+    from requant.moe import MoEConfig, route, routed_experts
+    from requant.validate import _reference_experts, _router, _Side, kernel_format, validate
+
+    dest = str(tmp_path / "nvfp4")
+    assert CliRunner().invoke(cli, ["convert", small, dest, "--out", "nvfp4", "--force", "--quiet"]).exit_code == 0
+    with Checkpoint.open(small) as ck:
+        side = _Side(ck, small)
+        cfg = MoEConfig.from_model(side.model)
+        block = side.moe_blocks()[1]
+        gen = torch.Generator().manual_seed(0)
+        x = (torch.randn(5, cfg.hidden_size, generator=gen) * 0.5).bfloat16().float()
+        ids, weights = route(x, _router(side, block, "cpu"), cfg)
+        got = routed_experts(x, ids, weights, _reference_experts(side, block, kernel_format(side, block)),
+                             cfg.activation)
+        expected = _gpt_oss_moe(ck, block, x, cfg.router.top_k, cfg.activation.limit)
+    assert float((got.double() - expected).norm() / expected.norm()) < 1e-5
+    result = validate(small, dest, tokens=8, device="cpu", progress=False, serve_modes=["bf16"])
+    assert [r.layer for r in result.layers] == ["model.layers.0", "model.layers.1"]
+    assert result.passed and all(r.rel_err <= 1e-3 and r.routing_agreement == 1.0 for r in result.layers)
+
+
+def test_validate_through_the_kernel(small, tmp_path):
+    """The same comparison through requant's kernel (Triton's interpreter here): the interleaved
+    gate/up as row views, the recipe's activation and the biases; W4A4 serving too."""
+    from requant.validate import validate
+
+    dest = str(tmp_path / "nvfp4")
+    assert CliRunner().invoke(cli, ["convert", small, dest, "--out", "nvfp4", "--force", "--quiet"]).exit_code == 0
+    result = validate(small, dest, layers="0", tokens=4, device="cpu", progress=False, kernel=True,
+                      serve_modes=["bf16", "nvfp4-w4a4"])
+    (layer,) = result.layers
+    assert layer.passed and layer.rel_err <= 1e-3 and layer.kernel_rel_err <= 1e-2
+    assert [s.mode for s in layer.serving][:1] == ["bf16"] and any(s.mode == "nvfp4-w4a4" for s in layer.serving)
