@@ -91,6 +91,14 @@ class StackedReader:
             return (columns, shape[1])
         return (shape[1], columns)
 
+    def as_matrices(self, t, fmt: str):
+        """A stacked part read as [E, rows, columns] in the codec's (out, in) orientation (a view);
+        a per-tensor scalar (ModelOpt's weight_scale_2) stays as it is."""
+        if t.dim() < 2:
+            return t
+        t = t.reshape(t.shape[0], t.shape[1], -1)
+        return t.transpose(1, 2) if self.model.stored_transposed(fmt) else t
+
     def unit_shape(self, shape: tuple) -> tuple:
         """The unit's matrix of a stacked part: every expert's rows one after the other
         ([E, out, K/32, 16] -> (E*out, K/2)); a conversion over it sees the whole stacked tensor,
@@ -130,16 +138,6 @@ def _stored(x, experts: int, transpose: bool):
 
 Reader = PerExpertReader | StackedReader
 READERS = {"per_expert": PerExpertReader, "stacked": StackedReader}
-
-
-def single_experts(model: ModelSpec, names, command: str) -> list[Expert]:
-    """The routed experts among `names` for a command that reads them one by one (validate,
-    report); a stacked layout is refused until those commands read [E, ...] tensors."""
-    experts = reader(model).experts(names)
-    if any(e.expert is None for e in experts):
-        raise UnsupportedError(f"{command} does not read stacked experts yet ({model.name} stores each "
-                               "layer's experts in [E, ...] tensors); verify and inspect do")
-    return experts
 
 
 def reader(model: ModelSpec) -> Reader:

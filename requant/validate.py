@@ -222,17 +222,15 @@ def _stacked(side: _Side, block: str, parts: dict[str, str], fmt: str, chosen: t
     from requant.kernels.weights import ExpertWeights
 
     codec = formats.get(fmt)
-    transposed = side.model.stored_transposed(fmt)
 
     def matrix(role):
         part = codec.part(role)
         if part is None or part.suffix not in parts:
             return None
-        t = side.ck.tensor(parts[part.suffix])
+        t = side.reader.as_matrices(side.ck.tensor(parts[part.suffix]), fmt)
         if t.dim() < 2:   # one scalar for the stacked tensor
             return t.reshape(-1)[:1].float().expand(len(chosen)).contiguous()
-        t = t.index_select(0, chosen).reshape(len(chosen), t.shape[1], -1)
-        t = (t.transpose(1, 2) if transposed else t).contiguous()
+        t = t.index_select(0, chosen).contiguous()
         return t.view(torch.uint8) if t.dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e8m0fnu) else t
 
     scale = matrix(formats.SCALE)

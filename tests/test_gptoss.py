@@ -135,12 +135,37 @@ def test_forced_nvfp4_output_is_recognised_and_judged(small, tmp_path):
     assert "quant-method" in codes
 
 
-def test_report_refuses_stacked_experts_in_one_line(small, tmp_path):
-    result = CliRunner().invoke(cli, ["report", small, small, "--out-dir", str(tmp_path / "r")])
-    assert result.exit_code != 0
-    assert result.output.strip().splitlines()[-1] == (
-        "requant: error: report does not read stacked experts yet (gpt_oss stores each layer's experts "
-        "in [E, ...] tensors); verify and inspect do")
+def test_report_compares_stacked_experts(small, tmp_path):
+    """report reads each layer's stacked tensors once and compares every expert: the forced NVFP4
+    output (ModelOpt's transposed layout) is exact block for block; one changed code is found in
+    its expert."""
+    dest = str(tmp_path / "nvfp4")
+    assert CliRunner().invoke(cli, ["convert", small, dest, "--out", "nvfp4", "--force", "--quiet"]).exit_code == 0
+
+    def report(name):
+        result = CliRunner().invoke(cli, ["report", small, dest, "--out-dir", str(tmp_path / name), "--json",
+                                          "--quiet", "--serve", "bf16"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)
+
+    exact = report("exact")
+    assert [(l["block"], l["experts"]) for l in exact["by_layer"]] == [("model.layers.0", 8), ("model.layers.1", 8)]
+    assert exact["overall"]["exact_block_fraction"] == 1.0 and exact["overall"]["max_abs_error"] == 0
+    with Checkpoint.open(dest) as ck:
+        name = "model.layers.1.mlp.experts.down_proj"
+        where = ck.info(name)
+        path = ck.shard_path(ck.locations[name])
+    with open(path, "r+b") as f:   # expert 3's first byte of ModelOpt's [E, in/2, out] weight
+        at = where.start + 3 * where.spec.shape[1] * where.spec.shape[2]
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x77]))
+    changed = report("changed")
+    layer = {l["block"]: l for l in changed["by_layer"]}["model.layers.1"]
+    assert layer["metrics"]["exact_blocks"] == layer["metrics"]["blocks"] - 1
+    fractions = changed["exact_block_map"]["fraction"][1]
+    assert fractions[3] < 1.0 and fractions[2] == 1.0
 
 
 def _release_decode(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

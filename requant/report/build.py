@@ -8,6 +8,7 @@ threads, one per core by default: reading (pread) and torch's kernels release th
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -52,14 +53,44 @@ def compare_expert(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, proje
     return out
 
 
+def compare_stacked(reader, src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, projections,
+                    device: str = "cpu") -> dict[int, dict[str, ErrorSums]]:
+    """expert -> proj -> ErrorSums for a layer's stacked experts: each part read once, then every
+    expert's matrix decoded and compared."""
+    out: dict[int, dict[str, ErrorSums]] = {}
+    for proj in projections:
+        ca, cb = _codec_of(src, a.parts[proj]), _codec_of(dst, b.parts[proj])
+        if ca is None or cb is None:
+            raise UnsupportedError(f"{a.block}, {proj}: format not recognised "
+                                   f"({ca.name if ca else 'unknown'} vs {cb.name if cb else 'unknown'})")
+        ta = {p: reader.as_matrices(t, ca.name) for p, t in _read(src, a.parts[proj], ca, device).items()}
+        tb = {p: reader.as_matrices(t, cb.name) for p, t in _read(dst, b.parts[proj], cb, device).items()}
+        experts = next(t for t in ta.values() if t.dim() == 3).shape[0]
+        for e in range(experts):
+            ea, eb = ({p: t[e] if t.dim() == 3 else t for p, t in ts.items()} for ts in (ta, tb))
+            block = ca.block_size(ca.params_from_shapes({p: tuple(t.shape) for p, t in ea.items()}))
+            out.setdefault(e, {})[proj] = compare(ca.decode(ea), cb.decode(eb), block)
+    return out
+
+
+def _collect(per: dict, key: tuple, result: dict) -> None:
+    """Record one work item's comparison: an expert's (proj -> sums) or a stacked layer's (expert -> ...)."""
+    if key[1] is not None:
+        per[key] = result
+    else:
+        per.update({(key[0], e): stats for e, stats in result.items()})
+
+
 def build(src_path: str, dst_path: str, layers: str | None = None, workers: int | None = None,
           progress: bool = True, device: str | None = None) -> dict:
     started = time.monotonic()
     device = compute_device(device)
     with Checkpoint.open(src_path) as src, Checkpoint.open(dst_path) as dst:
         model = ModelSpec.for_config(src.config, os.path.join(src_path, "config.json"))
-        src_experts = {(e.block, e.expert): e for e in sources.single_experts(model, src.names, "report")}
-        dst_experts = {(e.block, e.expert): e for e in sources.single_experts(model, dst.names, "report")}
+        reader = sources.reader(model)
+        # (block, expert), or (block, None) for a layer's stacked [E, ...] tensors
+        src_experts = {(e.block, e.expert): e for e in reader.experts(src.names)}
+        dst_experts = {(e.block, e.expert): e for e in reader.experts(dst.names)}
         common = [k for k in src_experts if k in dst_experts]
         unmatched = sorted(f"{model.experts_module(b)}.{i}" for b, i in set(src_experts) ^ set(dst_experts))
         blocks = model.select_blocks(layers, list(dict.fromkeys(b for b, _ in common)))
@@ -76,14 +107,14 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
             window = workers * 2   # experts in flight: bounds memory
             pending = {}
             for key in selected:
-                pending[key] = pool.submit(compare_expert, src, dst, src_experts[key], dst_experts[key], projections,
-                                           device)
+                work = compare_expert if key[1] is not None else functools.partial(compare_stacked, reader)
+                pending[key] = pool.submit(work, src, dst, src_experts[key], dst_experts[key], projections, device)
                 if len(pending) >= window:
                     done = next(iter(pending))
-                    per[done] = pending.pop(done).result()
+                    _collect(per, done, pending.pop(done).result())
                     bar.update(1)
             for key, fut in pending.items():
-                per[key] = fut.result()
+                _collect(per, key, fut.result())
                 bar.update(1)
         codec_names = {b: {"source": _codec_name(src, src_experts[k].parts[projections[0]]),
                            "candidate": _codec_name(dst, dst_experts[k].parts[projections[0]])}
