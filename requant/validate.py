@@ -318,6 +318,7 @@ def validate(src: str, dst: str, layers: str | None = None, tokens: int = 64, de
     on a CPU: small shapes only). `notice` gets one line when the CPU reference runs.
     serve_modes: serve.MODES to report; None picks them from each layer's format and the GPU."""
     device = compute_device(device)
+    kernel_forced = kernel is True
     kernel = device == "cuda" if kernel is None else kernel
     fm = _kernel_module(device) if kernel else None
     capability = torch.cuda.get_device_capability() if device == "cuda" else None
@@ -327,6 +328,14 @@ def validate(src: str, dst: str, layers: str | None = None, tokens: int = 64, de
         cfg = MoEConfig.from_model(a.model)
         if MoEConfig.from_model(b.model) != cfg:
             raise RequantError("the two checkpoints' config.json disagree on the MoE shape")
+        if fm is not None and not fm.fits(cfg.hidden_size, cfg.intermediate_size):
+            why = (f"requant's kernel takes K in tiles of {fm.K_TILE}, not hidden {cfg.hidden_size} / "
+                   f"intermediate {cfg.intermediate_size}")
+            if kernel_forced:
+                raise UnsupportedError(why)
+            fm, device = None, "cpu"
+            if notice is not None:
+                notice(f"validate: {why}")
         both = set(b.moe_blocks())
         blocks = a.model.select_blocks(layers, [blk for blk in a.moe_blocks() if blk in both])
         if fm is None and notice is not None:

@@ -235,3 +235,16 @@ def test_validate_through_the_kernel(small, tmp_path):
     (layer,) = result.layers
     assert layer.passed and layer.rel_err <= 1e-3 and layer.kernel_rel_err <= 1e-2
     assert [s.mode for s in layer.serving][:1] == ["bf16"] and any(s.mode == "nvfp4-w4a4" for s in layer.serving)
+
+
+def test_kernel_refuses_dims_off_its_k_tile_in_one_line(tmp_path):
+    """gpt-oss' 2880 is not a whole number of the kernel's 128-wide K tiles: forced onto the kernel,
+    validate says so (on a GPU, unforced, it runs the torch reference instead, with a notice)."""
+    from requant.errors import UnsupportedError
+    from requant.validate import validate
+
+    src = str(tmp_path / "src")
+    synth.write_checkpoint(src, synth.Dims("gpt-oss-20b", layers=1, hidden=160, intermediate=96))
+    with pytest.raises(UnsupportedError, match="tiles of 128, not hidden 160 / intermediate 96"):
+        validate(src, src, tokens=2, device="cpu", progress=False, kernel=True)
+    assert validate(src, src, tokens=2, device="cpu", progress=False).passed

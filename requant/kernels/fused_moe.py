@@ -478,11 +478,19 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
     return (packed if packed.stride(-1) == 1 else packed.contiguous()).view(torch.int32)
 
 
+K_TILE = 128   # the kernel's K step: the 16 words `_mma_tile` lays out
+
+
+def fits(hidden_size: int, intermediate_size: int) -> bool:
+    """Whether a layer's two K dimensions (gate/up: hidden, down: intermediate) are whole K tiles."""
+    return hidden_size % K_TILE == 0 and intermediate_size % K_TILE == 0
+
+
 def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pairs, compute, cfg, act,
             bias=None, bias3=None, perm_out=False):
     """One GEMM launch; `out` is [pairs, N], or when split (`_split`) FP32 partials [S, pairs, N]
     ([S, 2, pairs, N] for w1/w3). `act` (a SwiGLU) is fused after w1/w3 unless split."""
-    if w.k % cfg.block_k or cfg.block_k != 128 or w.group % 8:
+    if w.k % cfg.block_k or cfg.block_k != K_TILE or w.group % 8:
         raise ValueError(f"K={w.k}, group {w.group} do not fit block_k={cfg.block_k} (the kernel takes K tiles of "
                          "128, the 16 words that `_mma_tile` lays out, and groups of whole words)")
     gated = w3 is not None
