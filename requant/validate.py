@@ -133,29 +133,40 @@ def kernel_format(side: _Side, block: str) -> str:
 def load_experts(side: _Side, block: str, proj: str, fmt: str, experts: int | list[int], device):
     """One projection of every expert of a block (or of the listed experts), stacked as stored, on
     `device`, as the codec's parts say."""
-    from requant.kernels.weights import ExpertWeights
-
     codec = formats.get(fmt)
     chosen = range(experts) if isinstance(experts, int) else experts
     present = side.experts[(block, chosen[0])].parts[proj]
 
-    def stack(role):
+    def read(role):
         part = codec.part(role)
         if part is None or part.suffix not in present:
             return None
-        t = torch.stack([side.tensor(block, e, proj, part.suffix) for e in chosen])
-        return t.view(torch.uint8) if t.dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e8m0fnu) else t
+        return torch.stack([side.tensor(block, e, proj, part.suffix) for e in chosen])
 
-    scale = stack(formats.SCALE)
+    return _expert_weights(codec, read, len(chosen), f"{block}.{proj}", device)
+
+
+_BYTE_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e8m0fnu)
+
+
+def _expert_weights(codec, read, experts: int, where: str, device):
+    """ExpertWeights from `read(role)`: that part of every expert stacked on dim 0 as stored (None:
+    absent); byte-coded parts viewed as bytes, their scales checked."""
+    from requant.kernels.weights import ExpertWeights
+
+    def part(role):
+        t = read(role)
+        return t.view(torch.uint8) if t is not None and t.dtype in _BYTE_DTYPES else t
+
+    scale = part(formats.SCALE)
     if scale.dtype == torch.uint8:   # byte-coded scales (E8M0, E4M3) can hold bytes no valid file has
         try:
             codec.check_scales(scale.numpy())
         except FormatError as e:
-            raise FormatError(f"{block}.{proj}: {e}") from None
-    global_scale = stack(formats.GLOBAL_SCALE)
-    zero_point = stack(formats.ZERO_POINT)
-    return ExpertWeights(codec.name, stack(formats.WEIGHT).view(codec.packed_dtype).to(device), scale.to(device),
-                         None if global_scale is None else global_scale.reshape(len(chosen)).float().to(device),
+            raise FormatError(f"{where}: {e}") from None
+    global_scale, zero_point = part(formats.GLOBAL_SCALE), part(formats.ZERO_POINT)
+    return ExpertWeights(codec.name, part(formats.WEIGHT).view(codec.packed_dtype).to(device), scale.to(device),
+                         None if global_scale is None else global_scale.reshape(experts).float().contiguous().to(device),
                          None if zero_point is None else zero_point.to(device))
 
 
@@ -219,29 +230,18 @@ def load_layer(side: _Side, block: str, fmt: str, experts: int | list[int], devi
 def _stacked(side: _Side, block: str, parts: dict[str, str], fmt: str, chosen: torch.Tensor, device):
     """(ExpertWeights, bias or None) of one stacked projection: [E, rows, ...] tensors, stored
     (E, in, out) where the recipe says the format is, a per-tensor scalar for all experts."""
-    from requant.kernels.weights import ExpertWeights
-
     codec = formats.get(fmt)
 
-    def matrix(role):
+    def read(role):
         part = codec.part(role)
         if part is None or part.suffix not in parts:
             return None
         t = side.reader.as_matrices(side.ck.tensor(parts[part.suffix]), fmt)
         if t.dim() < 2:   # one scalar for the stacked tensor
-            return t.reshape(-1)[:1].float().expand(len(chosen)).contiguous()
-        t = t.index_select(0, chosen).contiguous()
-        return t.view(torch.uint8) if t.dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e8m0fnu) else t
+            return t.reshape(-1)[:1].expand(len(chosen))
+        return t.index_select(0, chosen).contiguous()
 
-    scale = matrix(formats.SCALE)
-    if scale.dtype == torch.uint8:
-        try:
-            codec.check_scales(scale.numpy())
-        except FormatError as e:
-            raise FormatError(f"{block}: {e}") from None
-    global_scale = matrix(formats.GLOBAL_SCALE)
-    weights = ExpertWeights(codec.name, matrix(formats.WEIGHT).view(codec.packed_dtype).to(device), scale.to(device),
-                            None if global_scale is None else global_scale.to(device))
+    weights = _expert_weights(codec, read, len(chosen), block, device)
     bias = side.ck.tensor(parts["bias"]).index_select(0, chosen).float().to(device) if "bias" in parts else None
     return weights, bias
 
