@@ -241,7 +241,7 @@ def _stacked(side: _Side, block: str, parts: dict[str, str], fmt: str, chosen: t
             return t.reshape(-1)[:1].expand(len(chosen))
         return t.index_select(0, chosen).contiguous()
 
-    weights = _expert_weights(codec, read, len(chosen), block, device)
+    weights = _expert_weights(codec, read, len(chosen), parts.get(codec.part(formats.SCALE).suffix, block), device)
     bias = side.ck.tensor(parts["bias"]).index_select(0, chosen).float().to(device) if "bias" in parts else None
     return weights, bias
 

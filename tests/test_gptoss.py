@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -248,3 +249,22 @@ def test_kernel_refuses_dims_off_its_k_tile_in_one_line(tmp_path):
     with pytest.raises(UnsupportedError, match="tiles of 128, not hidden 160 / intermediate 96"):
         validate(src, src, tokens=2, device="cpu", progress=False, kernel=True)
     assert validate(src, src, tokens=2, device="cpu", progress=False).passed
+
+
+
+@pytest.mark.parametrize("command", ["validate", "report"])
+def test_a_nan_scale_in_stacked_experts_is_one_line_naming_the_tensor(small, tmp_path, command):
+    bad = str(tmp_path / "bad")
+    shutil.copytree(small, bad)
+    name = "model.layers.0.mlp.experts.down_proj_scales"
+    with Checkpoint.open(bad) as ck:
+        where, path = ck.info(name), ck.shard_path(ck.locations[name])
+    with open(path, "r+b") as f:
+        f.seek(where.start + 5)
+        f.write(b"\xff")
+    args = [command, small, bad, "--quiet"] + (["--out-dir", str(tmp_path / "r")] if command == "report" else [])
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("requant: error:") and name in last and "E8M0 scale is NaN" in last
+    assert not os.path.exists(tmp_path / "r")

@@ -36,8 +36,8 @@ def check_scales(scales: np.ndarray) -> None:
         return
     nan = scales == E8M0_NAN
     if nan.any():
-        row, col = np.argwhere(nan)[0]
-        raise FormatError(f"E8M0 scale is NaN (byte 0xFF) at [{row}, {col}], {int(nan.sum())} in all")
+        at = ", ".join(str(int(i)) for i in np.argwhere(nan)[0])   # any rank: stacked experts too
+        raise FormatError(f"E8M0 scale is NaN (byte 0xFF) at [{at}], {int(nan.sum())} in all")
 
 
 def max_exponent(scales: np.ndarray) -> int | None:

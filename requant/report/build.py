@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from requant import __version__, formats, sources
 from requant.compute import compute_device, default_workers
-from requant.errors import UnsupportedError
+from requant.errors import FormatError, UnsupportedError
 from requant.io.checkpoint import Checkpoint
 from requant.model import Expert, ModelSpec
 from requant.report.weights import HIST_BINS, HIST_LOG10_MAX, HIST_LOG10_MIN, ErrorSums, compare
@@ -38,18 +38,33 @@ def _read(ck: Checkpoint, parts: dict[str, str], codec: formats.Codec, device: s
     return {p: ck.tensor(n).to(device) for p, n in parts.items() if p in codec.decoded_parts}
 
 
+def _codecs(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, proj: str, where: str):
+    """The two sides' codecs of one projection; a one-line error when either is not recognised."""
+    ca, cb = _codec_of(src, a.parts[proj]), _codec_of(dst, b.parts[proj])
+    if ca is None or cb is None:
+        raise UnsupportedError(f"{where}, {proj}: format not recognised "
+                               f"({ca.name if ca else 'unknown'} vs {cb.name if cb else 'unknown'})")
+    return ca, cb
+
+
+def _decode(codec: formats.Codec, tensors: dict, ck: Checkpoint, parts: dict[str, str]):
+    """codec.decode, its errors (bytes no valid file holds: scales) naming the file and tensor."""
+    try:
+        return codec.decode(tensors)
+    except FormatError as e:
+        name = parts[codec.part(formats.SCALE).suffix]
+        raise FormatError(str(e), file=ck.shard_path(ck.locations[name]), tensor=name) from None
+
+
 def compare_expert(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, projections,
                    device: str = "cpu") -> dict[str, ErrorSums]:
     """proj -> ErrorSums of dst's decoding against src's, for one expert."""
     out = {}
     for proj in projections:
-        ca, cb = _codec_of(src, a.parts[proj]), _codec_of(dst, b.parts[proj])
-        if ca is None or cb is None:
-            raise UnsupportedError(f"expert {a.expert} of {a.block}, {proj}: format not recognised "
-                                   f"({ca.name if ca else 'unknown'} vs {cb.name if cb else 'unknown'})")
+        ca, cb = _codecs(src, dst, a, b, proj, f"expert {a.expert} of {a.block}")
         ta, tb = _read(src, a.parts[proj], ca, device), _read(dst, b.parts[proj], cb, device)
         block = ca.block_size(ca.params_from_shapes({p: tuple(t.shape) for p, t in ta.items()}))
-        out[proj] = compare(ca.decode(ta), cb.decode(tb), block)
+        out[proj] = compare(_decode(ca, ta, src, a.parts[proj]), _decode(cb, tb, dst, b.parts[proj]), block)
     return out
 
 
@@ -59,17 +74,15 @@ def compare_stacked(reader, src: Checkpoint, dst: Checkpoint, a: Expert, b: Expe
     expert's matrix decoded and compared."""
     out: dict[int, dict[str, ErrorSums]] = {}
     for proj in projections:
-        ca, cb = _codec_of(src, a.parts[proj]), _codec_of(dst, b.parts[proj])
-        if ca is None or cb is None:
-            raise UnsupportedError(f"{a.block}, {proj}: format not recognised "
-                                   f"({ca.name if ca else 'unknown'} vs {cb.name if cb else 'unknown'})")
+        ca, cb = _codecs(src, dst, a, b, proj, a.block)
         ta = {p: reader.as_matrices(t, ca.name) for p, t in _read(src, a.parts[proj], ca, device).items()}
         tb = {p: reader.as_matrices(t, cb.name) for p, t in _read(dst, b.parts[proj], cb, device).items()}
         experts = next(t for t in ta.values() if t.dim() == 3).shape[0]
         for e in range(experts):
             ea, eb = ({p: t[e] if t.dim() == 3 else t for p, t in ts.items()} for ts in (ta, tb))
             block = ca.block_size(ca.params_from_shapes({p: tuple(t.shape) for p, t in ea.items()}))
-            out.setdefault(e, {})[proj] = compare(ca.decode(ea), cb.decode(eb), block)
+            out.setdefault(e, {})[proj] = compare(_decode(ca, ea, src, a.parts[proj]), _decode(cb, eb, dst, b.parts[proj]),
+                                                  block)
     return out
 
 
