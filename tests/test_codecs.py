@@ -90,3 +90,40 @@ def test_a_target_refuses_options_of_another():
     with pytest.raises(UnsupportedError, match="^--scale-headroom applies to --out nvfp4 only$"):
         TARGETS["w4a16"].options_from({"scale_headroom": 2})
     assert TARGETS["w4a16"].options_from({"group_size": 64}).group_size == 64
+
+
+def _cast_pair(seed=0):
+    w, s = mxfp4_source(seed)
+    w.reshape(-1)[::7] = 0x88   # -0 in both nibbles, which the cast writes as +0
+    cast = formats.encoder("mxfp4", "nvfp4")(w.copy(), s, mxfp4.max_exponent(s))
+    a = {"weight": torch.from_numpy(w), "scale": torch.from_numpy(s)}
+    b = {"weight": torch.from_numpy(cast.weight), "weight_scale": torch.from_numpy(cast.weight_scale).view(
+        torch.float8_e4m3fn), "weight_scale_2": torch.tensor(cast.weight_scale_2)}
+    return a, b
+
+
+def test_identical_energy_confirms_the_lossless_cast_from_the_bytes_and_nothing_else():
+    a, b = _cast_pair()
+    assert not torch.equal(a["weight"], b["weight"])   # the -0 bytes differ
+    decoded = mxfp4.CODEC.decode(a).double()
+    energy = formats.identical_energy(mxfp4.CODEC, a, nvfp4.CODEC, b)
+    assert energy == pytest.approx(float((decoded * decoded).sum()), rel=1e-12)
+    # one code changed, one block scale changed, a NaN source scale: not shown equal
+    flipped = dict(b, weight=b["weight"].clone())
+    flipped["weight"][3, 5] ^= 0x01
+    rescaled = dict(b, weight_scale=b["weight_scale"].view(torch.uint8).clone())
+    rescaled["weight_scale"][10, 3] += 8   # exponent + 1
+    rescaled["weight_scale"] = rescaled["weight_scale"].view(torch.float8_e4m3fn)
+    nan = dict(a, scale=a["scale"].clone())
+    nan["scale"][0, 0] = 0xFF
+    for sa, sb in ((a, flipped), (a, rescaled), (nan, b)):
+        assert formats.identical_energy(mxfp4.CODEC, sa, nvfp4.CODEC, sb) is None
+    # a codec without code tables (INT4's zero points) is never compared on the bytes
+    assert formats.identical_energy(int4.CODEC, a, nvfp4.CODEC, b) is None
+
+
+def test_byte_pairs_on_the_cpu_equals_the_plain_lookup():
+    table = torch.randn(256, 2)
+    packed = torch.randint(0, 256, (9, 14), dtype=torch.uint8)[:, 2:12]   # a non-contiguous view
+    plain = table[packed.long()].reshape(9, -1)
+    assert torch.equal(formats.byte_pairs(table, packed), plain)

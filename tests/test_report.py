@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from requant.cli import cli
 from requant.convert import convert
-from requant.report import make_report
+from requant.report import make_report, weights
 from requant.synth import Dims, HardCases
 from requant.targets import Options
 from requant.targets.nvfp4 import NVFP4Options
@@ -65,14 +65,16 @@ def _nv(t, prefix):
     return E2M1[_nibbles(t[f"{prefix}.weight"])] * np.repeat(val, 16, axis=1) * g
 
 
-def test_numbers_match_an_independent_computation(pair, tmp_path):
+def test_numbers_match_an_independent_computation(pair, tmp_path, monkeypatch):
     src, dst, _ = pair
+    monkeypatch.setattr(weights, "_CHUNK_ELEMENTS", 3 * 256 + 1)   # several row chunks, a partial last one
     report = make_report(src, dst, str(tmp_path / "r"), progress=False, forward=False)
     a, b = _load(src), _load(dst)
     prefixes = sorted({k.rsplit(".", 1)[0] for k in a if ".ffn.experts." in k})
     sa2 = se2 = sab = sb2 = 0.0
     blocks = exact = 0
     max_abs = 0.0
+    hist = np.zeros(len(report["error_histogram"]["log10_abs_error_edges"]) - 1, dtype=np.int64)
     for p in prefixes:
         x = _mx(a, p)
         y = _nv(b, p) if f"{p}.weight_scale" in b else _mx(b, p)
@@ -81,7 +83,13 @@ def test_numbers_match_an_independent_computation(pair, tmp_path):
         max_abs = max(max_abs, np.abs(e).max())
         eq = (e == 0).reshape(x.shape[0], -1, 32).all(axis=-1)
         blocks, exact = blocks + eq.size, exact + int(eq.sum())
+        # bins of powers of two from 2^-40, the ends taking everything beyond
+        err = np.abs(e[e != 0]).astype(np.float32)
+        hist += np.bincount(np.clip(np.floor(np.log2(err)).astype(int) + 40, 0, len(hist) - 1), minlength=len(hist))
     o = report["overall"]
+    assert hist.sum() > 0 and sum(np.array(c) for c in report["error_histogram"]["by_projection"].values()).tolist() \
+        == hist.tolist()
+    assert report["error_histogram"]["log10_abs_error_edges"][0] == pytest.approx(-40 * math.log10(2))
     assert o["blocks"] == blocks and o["exact_blocks"] == exact and 0 < blocks - exact
     assert o["sqnr_db"] == pytest.approx(10 * math.log10(sa2 / se2), rel=1e-6)
     assert o["rel_rmse"] == pytest.approx(math.sqrt(se2 / sa2), rel=1e-6)

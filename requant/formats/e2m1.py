@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from requant.formats import CodeTables, byte_pairs
+
 MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 MAX = 6.0
 # Midpoints between neighbouring magnitudes; index i lies between magnitude i and i+1.
@@ -24,11 +26,18 @@ def signed_values(dtype: torch.dtype = torch.float32, device=None) -> torch.Tens
 _PAIRS = torch.stack([signed_values()[torch.arange(256) & 0x0F], signed_values()[torch.arange(256) >> 4]], dim=1)
 
 
+_BYTES = np.arange(256)
+# Nibble 0x8 is -0: a byte with it written as +0 (its sign bit cleared) has the same two values.
+TABLES = CodeTables(
+    canonical=np.where((_BYTES & 0x07) == 0, _BYTES & ~0x08, _BYTES).astype(np.uint8)
+    & np.where((_BYTES & 0x70) == 0, ~0x80, 0xFF).astype(np.uint8),
+    squares=np.add.outer(*[(_PAIRS.numpy() ** 2).sum(1)] * 2).reshape(-1).astype(np.float32),
+)
+
+
 def decode_packed(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., K/2] -> float32 values [..., K]: one table lookup per byte yields both elements."""
-    packed = packed.view(torch.uint8)
-    values = _PAIRS.to(packed.device).index_select(0, packed.reshape(-1).int())
-    return values.view(*packed.shape[:-1], packed.shape[-1] * 2)
+    return byte_pairs(_PAIRS, packed)
 
 
 def round_to_nibbles(x: np.ndarray) -> np.ndarray:

@@ -94,8 +94,7 @@ def decode(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor |
     groups = scale.shape[1]
     if scale.shape[0] != rows or k % groups:
         raise FormatError(f"weight_scale shape {list(scale.shape)} does not match weight_packed {list(packed.shape)}")
-    byte = packed.contiguous().view(torch.uint8).reshape(-1).int()
-    q = _BYTE_VALUES.to(packed.device).index_select(0, byte).view(rows, groups, k // groups)
+    q = formats.byte_pairs(_BYTE_VALUES, packed.contiguous().view(torch.uint8)).view(rows, groups, k // groups)
     if zero_point is not None:
         q -= unpack_zero_point(zero_point, rows).to(torch.float32)[..., None]
     q *= scale.to(torch.float32)[..., None]

@@ -91,4 +91,7 @@ CODEC = formats.Codec(
     group_sizes=(BLOCK,),
     kernel_code=1,
     check_scales=check_scales,
+    code_tables=e2m1.TABLES,
+    # 0xFF (NaN) gives inf here, which no other scale equals: such blocks are decoded (and refused).
+    block_scales=lambda t: torch.exp2(t["scale"].view(torch.uint8).to(torch.float32) - E8M0_BIAS),
 )

@@ -165,4 +165,7 @@ CODEC = formats.Codec(
     kernel_code=0,
     # The lossless cast on the bits: (weight, scale, k_max, top, in_place) -> CastResult.
     encoders={"mxfp4": cast_from_mxfp4},
+    code_tables=e2m1.TABLES,
+    # the factor decode multiplies each block's codes by, computed the same way
+    block_scales=lambda t: t["weight_scale"].view(torch.float8_e4m3fn).to(torch.float32) * formats.scalar(t["weight_scale_2"]),
 )

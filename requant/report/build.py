@@ -20,7 +20,7 @@ from requant.compute import compute_device, default_workers
 from requant.errors import FormatError, UnsupportedError
 from requant.io.checkpoint import Checkpoint
 from requant.model import Expert, ModelSpec
-from requant.report.weights import HIST_BINS, HIST_LOG10_MAX, HIST_LOG10_MIN, ErrorSums, compare
+from requant.report.weights import ErrorSums, compare, hist_edges_log10, identical
 
 SCHEMA = "requant.report/1"
 
@@ -56,6 +56,18 @@ def _decode(codec: formats.Codec, tensors: dict, ck: Checkpoint, parts: dict[str
         raise FormatError(str(e), file=ck.shard_path(ck.locations[name]), tensor=name) from None
 
 
+def _compare(ca: formats.Codec, ta: dict, src: Checkpoint, pa: dict[str, str],
+             cb: formats.Codec, tb: dict, dst: Checkpoint, pb: dict[str, str]) -> ErrorSums:
+    """One projection's sums: from the stored codes when they show equal values, else decoded."""
+    block = ca.block_size(ca.params_from_shapes({p: tuple(t.shape) for p, t in ta.items()}))
+    energy = formats.identical_energy(ca, ta, cb, tb)
+    if energy is not None:
+        out, packed = ta[ca.weight.suffix].shape
+        n = out * packed * ca.elements_per_word
+        return identical(n, n // block, energy)
+    return compare(_decode(ca, ta, src, pa), _decode(cb, tb, dst, pb), block)
+
+
 def compare_expert(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, projections,
                    device: str = "cpu") -> dict[str, ErrorSums]:
     """proj -> ErrorSums of dst's decoding against src's, for one expert."""
@@ -63,8 +75,7 @@ def compare_expert(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, proje
     for proj in projections:
         ca, cb = _codecs(src, dst, a, b, proj, f"expert {a.expert} of {a.block}")
         ta, tb = _read(src, a.parts[proj], ca, device), _read(dst, b.parts[proj], cb, device)
-        block = ca.block_size(ca.params_from_shapes({p: tuple(t.shape) for p, t in ta.items()}))
-        out[proj] = compare(_decode(ca, ta, src, a.parts[proj]), _decode(cb, tb, dst, b.parts[proj]), block)
+        out[proj] = _compare(ca, ta, src, a.parts[proj], cb, tb, dst, b.parts[proj])
     return out
 
 
@@ -80,9 +91,7 @@ def compare_stacked(reader, src: Checkpoint, dst: Checkpoint, a: Expert, b: Expe
         experts = next(t for t in ta.values() if t.dim() == 3).shape[0]
         for e in range(experts):
             ea, eb = ({p: t[e] if t.dim() == 3 else t for p, t in ts.items()} for ts in (ta, tb))
-            block = ca.block_size(ca.params_from_shapes({p: tuple(t.shape) for p, t in ea.items()}))
-            out.setdefault(e, {})[proj] = compare(_decode(ca, ea, src, a.parts[proj]), _decode(cb, eb, dst, b.parts[proj]),
-                                                  block)
+            out.setdefault(e, {})[proj] = _compare(ca, ea, src, a.parts[proj], cb, eb, dst, b.parts[proj])
     return out
 
 
@@ -164,7 +173,6 @@ def _assemble(src_path, dst_path, model, blocks, per, codec_names, unmatched, n_
                          "experts": sum(1 for (b, _) in per if b == block),
                          "metrics": layer.metrics(),
                          "by_projection": {p: s.metrics() for p, s in layer_proj.items()}})
-    step = (HIST_LOG10_MAX - HIST_LOG10_MIN) / HIST_BINS
     return {
         "schema": SCHEMA,
         "generated_by": {"name": "requant", "version": __version__},
@@ -177,7 +185,7 @@ def _assemble(src_path, dst_path, model, blocks, per, codec_names, unmatched, n_
         "by_layer": by_layer,
         "exact_block_map": {"blocks": blocks, "experts": n_experts, "fraction": exact_map},
         "error_histogram": {
-            "log10_abs_error_edges": [HIST_LOG10_MIN + i * step for i in range(HIST_BINS + 1)],
+            "log10_abs_error_edges": hist_edges_log10(),
             "by_projection": {p: s.hist for p, s in by_proj.items()},
             "zero_error_elements": {p: s.zero_error for p, s in by_proj.items()},
         },

@@ -57,11 +57,12 @@ class DeepCompare:
         found = []
         src = self.source_experts.get((expert.block, expert.expert))
         for proj, codec in readable.items():
-            try:
-                values = codec.decode(self._tensors(self.ctx.ck, expert.parts[proj], codec))
-            except UnsupportedError as e:
-                return found + [("skipped", str(e))]
+            tensors = self._tensors(self.ctx.ck, expert.parts[proj], codec)
             if self.source is None:
+                try:
+                    values = codec.decode(tensors)
+                except UnsupportedError as e:
+                    return found + [("skipped", str(e))]
                 found.append(("ok", proj, 0, 0, int((~torch.isfinite(values)).sum())))
                 continue
             if src is None or proj not in src.parts:
@@ -74,7 +75,16 @@ class DeepCompare:
                                        "requant decodes")
             src_tensors = self._tensors(self.source, src_parts, src_codec)
             params = src_codec.params_from_shapes({p: tuple(t.shape) for p, t in src_tensors.items()})
-            found.append(("ok", proj, *exactness(src_codec.decode(src_tensors), values, src_codec.block_size(params))))
+            block = src_codec.block_size(params)
+            if formats.identical_energy(src_codec, src_tensors, codec, tensors) is not None:
+                blocks = src_tensors[src_codec.weight.suffix].numel() * src_codec.elements_per_word // block
+                found.append(("ok", proj, blocks, blocks, 0))   # the same values, seen on the stored bytes
+                continue
+            try:
+                values = codec.decode(tensors)
+            except UnsupportedError as e:
+                return found + [("skipped", str(e))]
+            found.append(("ok", proj, *exactness(src_codec.decode(src_tensors), values, block)))
         return found
 
     def _tensors(self, ck: Checkpoint, parts: dict[str, str], codec: formats.Codec) -> dict[str, torch.Tensor]:
