@@ -13,6 +13,7 @@ An expert is its weights (gate [I, H], up [I, H], down [H, I]), optionally follo
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -154,13 +155,29 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
                    act: Activation, intermediate: Intermediate | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) in FP32, one expert at a time.
     `intermediate` sees (and may replace) each expert's input to its down projection."""
-    x = x.float()
-    y = torch.zeros_like(x)
-    for e in ids.unique().tolist():
+    return routed_experts_variants([(x, intermediate)], ids, weights, experts, act)[0]
+
+
+def routed_experts_variants(inputs: list[tuple[torch.Tensor, Intermediate | None]], ids: torch.Tensor,
+                            weights: torch.Tensor, experts: ExpertFn, act: Activation,
+                            workers: int = 1) -> list[torch.Tensor]:
+    """routed_experts for several (x, intermediate) variants of the same tokens and routing, each
+    expert fetched once for all of them (fetching, i.e. reading and decoding, is the cost on a
+    CPU). `workers` threads fetch and compute experts side by side; their contributions are
+    summed in expert order, so the result does not depend on the thread count."""
+    ys = [torch.zeros_like(x, dtype=torch.float32) for x, _ in inputs]
+
+    def contribution(e: int):
         rows, slots = (ids == e).nonzero(as_tuple=True)
         expert = tuple(w.float() for w in experts(e))
-        y.index_add_(0, rows, expert_forward(x[rows], expert, act, intermediate) * weights[rows, slots, None])
-    return y
+        scale = weights[rows, slots, None]
+        return rows, [expert_forward(x.float()[rows], expert, act, hook) * scale for x, hook in inputs]
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        for rows, parts in pool.map(contribution, ids.unique().tolist()):
+            for y, part in zip(ys, parts):
+                y.index_add_(0, rows, part)
+    return ys
 
 
 def moe_forward(x: torch.Tensor, layer: MoELayer, cfg: MoEConfig,

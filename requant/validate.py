@@ -34,7 +34,7 @@ from requant.extras import require
 from requant.formats import engine_numerics, fp8_block
 from requant.io.checkpoint import Checkpoint
 from requant.model import ModelSpec
-from requant.moe import MoEConfig, MoELayer, expert_forward, route, routed_experts
+from requant.moe import MoEConfig, MoELayer, expert_forward, route, routed_experts, routed_experts_variants
 
 # Converted against source: (max relative error, min cosine).
 # A lossless NVFP4 cast (or an unchanged layer) decodes to the same weights, and the kernel then
@@ -408,10 +408,16 @@ def _validate_block(fm, a, b, block, cfg, tokens, device, gen, acts, serve_modes
     for side, router in ((a, ra), (b, rb)):
         fmt = kernel_format(side, block)
         ids, weights = route(x, router, cfg, token_ids)
+        calibrated = None if acts is None else (float(x.abs().max()), max(h_amax, default=0.0))
+        w4a4 = {}   # input scales -> the converted layer's W4A4 output (CPU: computed in the same pass)
         if fm is None:
-            experts = _reference_experts(side, block, fmt)
-            y = routed_experts(x, ids, weights, experts, cfg.activation, intermediate=observe if side is a else None)
-            ws = None
+            scales = []
+            if side is b and "nvfp4-w4a4" in modes:
+                scales = list(dict.fromkeys(_w4a4_policies(side, block, cfg, calibrated).values()))
+            variants = [(x, observe if side is a else None)] + [_w4a4_inputs(x, s) for s in scales]
+            ys = routed_experts_variants(variants, ids, weights, _reference_experts(side, block, fmt),
+                                         cfg.activation, workers=default_workers())
+            y, w4a4, ws = ys[0], dict(zip(scales, ys[1:])), None
         else:
             ws = load_layer(side, block, fmt, cfg.n_routed_experts, device)
             y = _kernel(fm, x, ids, weights, ws, cfg).float()
@@ -424,8 +430,7 @@ def _validate_block(fm, a, b, block, cfg, tokens, device, gen, acts, serve_modes
         routed.append(y)
         fmts.append((fmt, ids))
         if side is b:
-            calibrated = None if acts is None else (float(x.abs().max()), max(h_amax, default=0.0))
-            runner = _Runner(fm, side, block, fmt, cfg, x, ids, weights, y, ws)
+            runner = _Runner(fm, side, block, fmt, cfg, x, ids, weights, y, ws, w4a4)
             for mode, policy, scales, flushed, y_mode in _served(runner, side, block, cfg, modes, calibrated):
                 out = (y_mode + shared).bfloat16()
                 rel_m, cos_m, max_m = _metrics(outputs[0], out)
@@ -464,9 +469,10 @@ class _Runner:
     """The converted layer's routed experts, recomputed for a serving mode: through the kernel where
     it ran, else through the torch reference (a CPU), with the same numerics."""
 
-    def __init__(self, fm, side, block, fmt, cfg, x, ids, weights, y_bf16, ws):
+    def __init__(self, fm, side, block, fmt, cfg, x, ids, weights, y_bf16, ws, w4a4_outputs):
         self.fm, self.side, self.block, self.fmt, self.cfg = fm, side, block, fmt, cfg
         self.x, self.ids, self.weights, self.y_bf16, self.ws = x, ids, weights, y_bf16, ws
+        self.w4a4_outputs = w4a4_outputs   # CPU: computed with y_bf16, each expert decoded once
 
     def _layer(self) -> LayerExperts:
         # The reference path reads experts lazily; Marlin's factor spans the whole layer, so it
@@ -474,13 +480,9 @@ class _Runner:
         return self.ws or load_layer(self.side, self.block, self.fmt, self.cfg.n_routed_experts, "cpu")
 
     def w4a4(self, scales: tuple[float, float]) -> torch.Tensor:
-        if self.fm is not None:
-            return _kernel(self.fm, self.x, self.ids, self.weights, self.ws, self.cfg, activation_scales=scales).float()
-        a13, a2 = scales
-        quantize = engine_numerics.fake_quantize_activations
-        return routed_experts(quantize(self.x, a13), self.ids, self.weights,
-                              _reference_experts(self.side, self.block, self.fmt), self.cfg.activation,
-                              intermediate=lambda h: quantize(h.bfloat16(), a2).float())
+        if self.fm is None:
+            return self.w4a4_outputs[scales]
+        return _kernel(self.fm, self.x, self.ids, self.weights, self.ws, self.cfg, activation_scales=scales).float()
 
     def marlin(self) -> tuple[torch.Tensor, int]:
         layer = self._layer()
@@ -500,6 +502,21 @@ def _kernel(fm, x, ids, weights, layer: LayerExperts, cfg, **kwargs) -> torch.Te
                         swiglu_alpha=act.alpha, **layer.kernel_biases(), **kwargs)
 
 
+def _w4a4_inputs(x: torch.Tensor, scales: tuple[float, float]):
+    """(x, intermediate hook) of the torch reference for W4A4 under (w1/w3, w2) input scales."""
+    a13, a2 = scales
+    quantize = engine_numerics.fake_quantize_activations
+    return quantize(x, a13), lambda h: quantize(h.bfloat16(), a2).float()
+
+
+def _w4a4_policies(side, block, cfg, calibrated) -> dict[str, tuple[float, float]]:
+    """policy -> (w1/w3, w2) input scales, for the policies that apply to this layer."""
+    policies = {"written": written_input_scales(side, block, cfg.n_routed_experts), "1.0": (1.0, 1.0)}
+    if calibrated is not None:
+        policies["calibrated"] = tuple(serve.calibrated_input_scale(m) for m in calibrated)
+    return {policy: scales for policy, scales in policies.items() if scales is not None}
+
+
 def _served(run: _Runner, side, block, cfg, modes, calibrated):
     """(mode, policy, input scales, flushed blocks, routed output) for each serving mode of the
     converted layer; `calibrated` is the (x, intermediate) absolute maxima of real inputs, or None."""
@@ -510,12 +527,8 @@ def _served(run: _Runner, side, block, cfg, modes, calibrated):
             y, flushed = run.marlin()
             yield mode, None, None, flushed, y
         else:
-            policies = {"written": written_input_scales(side, block, cfg.n_routed_experts), "1.0": (1.0, 1.0)}
-            if calibrated is not None:
-                policies["calibrated"] = tuple(serve.calibrated_input_scale(m) for m in calibrated)
-            for policy, scales in policies.items():
-                if scales is not None:
-                    yield mode, policy, scales, 0, run.w4a4(scales)
+            for policy, scales in _w4a4_policies(side, block, cfg, calibrated).items():
+                yield mode, policy, scales, 0, run.w4a4(scales)
 
 
 def format_table(result: ValidationResult) -> str:

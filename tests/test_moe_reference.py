@@ -8,7 +8,8 @@ import torch
 
 from requant.errors import UnsupportedError
 from requant.model import ModelSpec
-from requant.moe import Activation, MoEConfig, MoELayer, Router, expert_forward, moe_forward, route
+from requant.moe import (Activation, MoEConfig, MoELayer, Router, expert_forward, moe_forward, route, routed_experts,
+                         routed_experts_variants)
 
 CONFIG = {"model_type": "deepseek_v4", "hidden_size": 2, "moe_intermediate_size": 1, "n_routed_experts": 4,
           "num_experts_per_tok": 2, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "num_hash_layers": 3}
@@ -168,3 +169,29 @@ def test_activation_bounds_hold():
         u = torch.linspace(-50, 50, 2001)[None, :]
         h = act(g, u).abs().max()
         assert float(h) <= act.bound() * (1 + 1e-6) and float(h) >= act.bound() * 0.999, act.kind
+
+
+def test_variants_fetch_each_expert_once_and_equal_separate_passes():
+    """routed_experts_variants: one fetch per expert for all variants, on any thread count, and each
+    variant's output bit-equal to its own routed_experts pass."""
+    gen = torch.Generator().manual_seed(3)
+    experts = {e: (torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen),
+                   torch.randn(16, 8, generator=gen)) for e in range(6)}
+    fetched = []
+
+    def fetch(e):
+        fetched.append(e)
+        return experts[e]
+
+    x = torch.randn(10, 16, generator=gen)
+    ids = torch.randint(0, 6, (10, 2), generator=gen)
+    weights = torch.rand(10, 2, generator=gen)
+    act = Activation("swiglu_clamp", 10.0)
+    variants = [(x, None), (x * 2, lambda h: h.round())]
+    for workers in (1, 3):
+        fetched.clear()
+        ys = routed_experts_variants(variants, ids, weights, fetch, act, workers=workers)
+        assert sorted(fetched) == ids.unique().tolist()
+        for (xv, hook), y in zip(variants, ys):
+            assert torch.equal(y, routed_experts(xv, ids, weights, experts.__getitem__, act, intermediate=hook))
+    assert not torch.equal(ys[0], ys[1])
