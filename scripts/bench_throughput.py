@@ -181,7 +181,8 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/requant-throughput")
     ap.add_argument("--group-size", default="32")
     ap.add_argument("--report-layers", default=None, help="--layers for report (default: every block)")
-    ap.add_argument("--skip", default="", help="comma-separated: cpu-w4a16, report, verify, validate")
+    ap.add_argument("--skip", default="", help="comma-separated: cpu-w4a16, report, verify, validate; convert: "
+                    "no cp, encoder or conversion steps, the outputs of an earlier run in --workdir are read")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     cuda = torch.cuda.is_available()
@@ -195,6 +196,18 @@ def main() -> None:
     print(f"source {size / 1e9:.2f} GB, {workers} cores, "
           f"{torch.cuda.get_device_name() if cuda else 'no GPU'}, torch {torch.__version__}", flush=True)
     rows = []   # (what, seconds, note)
+    if "convert" in skip:
+        nv, w4_out = (os.path.join(a.workdir, n) for n in ("nvfp4", f"w4a16-{'cuda' if cuda else 'cpu'}"))
+        for out in (nv, w4_out):
+            if not os.path.exists(os.path.join(out, "config.json")):
+                sys.exit(f"--skip convert: {out} is not a converted checkpoint")
+    else:
+        nv, w4_out = conversions(a, src, size, skip, cuda, workers, rows)
+    measure(a, src, nv, w4_out, skip, cuda, workers, rows)
+
+
+def conversions(a, src, size, skip, cuda, workers, rows):
+    """cp, the encoder alone, the conversions and the worker probe; -> (NVFP4 output, W4A16 output)."""
     evict(src)
     t_cp = copy_seconds(src, os.path.join(a.workdir, "copy"))
     print(f"cp -r + sync (the I/O floor): {t_cp:.1f} s ({size / t_cp / 1e9:.2f} GB/s)", flush=True)
@@ -236,7 +249,11 @@ def main() -> None:
               f"({int(m[1]) / 1024:.0f} MiB after imports and planning)", flush=True)
     else:
         print("worker probe failed:", probe.stderr[-400:], flush=True)
+    return nv, w4_out
 
+
+def measure(a, src, nv, w4_out, skip, cuda, workers, rows):
+    """report, verify --deep and validate on the converted checkpoints."""
     if "report" not in skip:
         layers = [f"layers.{x}" if x.isdigit() else x for x in a.report_layers.split(",")] if a.report_layers else None
         for label, out in (("NVFP4", nv), ("W4A16", w4_out)):
