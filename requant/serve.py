@@ -60,24 +60,37 @@ def applies(mode: str, dst_format: str) -> bool:
     return mode != "nvfp4-w4a4" or _w4a4(dst_format)
 
 
-def marlin_weights(weights: dict, fused: list[list[str]]) -> tuple[dict, int]:
-    """({proj: ExpertWeights}, blocks flushed) as vLLM 0.33.0's Marlin serves NVFP4 experts: one
-    factor for each group of projections it loads as one tensor, over all experts together
-    (`fused`: the model's, e.g. DeepSeek-V4's w1 and w3 as w13), one for each other projection."""
+def marlin_factors(scales: dict, fused: list[list[str]]) -> dict[str, float]:
+    """proj -> vLLM 0.33.0's Marlin factor, from every expert's NVFP4 block scales (bytes) of each
+    projection: one factor for each group of projections it loads as one tensor, over all experts
+    together (`fused`: the model's, e.g. DeepSeek-V4's w1 and w3 as w13), one for each other."""
+    groups = fused + [[p] for p in scales if not any(p in g for g in fused)]
+    return {p: engine_numerics.marlin_scale_factor(*(scales[q] for q in group)) for group in groups for p in group}
+
+
+def marlin_served(w, factor: float):
+    """(ExpertWeights w with the block scales Marlin zeroes under `factor` set to 0, how many)."""
     from requant.kernels.weights import ExpertWeights
 
-    if formats.get(next(iter(weights.values())).format).part(formats.GLOBAL_SCALE) is None:
-        return weights, 0   # Marlin rescales FP4 block scales against a global scale; others run as stored
-    groups = fused + [[p] for p in weights if not any(p in g for g in fused)]
+    scale, flushed = engine_numerics.marlin_flush(w.scale, factor)
+    return ExpertWeights(w.format, w.packed, scale, w.global_scale, w.zero_point), flushed
+
+
+def rescaled_by_marlin(fmt: str) -> bool:
+    """Whether Marlin rescales this format's block scales: against a global scale (NVFP4); others run as stored."""
+    return formats.get(fmt).part(formats.GLOBAL_SCALE) is not None
+
+
+def marlin_weights(weights: dict, fused: list[list[str]]) -> tuple[dict, int]:
+    """({proj: ExpertWeights}, blocks flushed) as vLLM 0.33.0's Marlin serves the layer's experts."""
+    if not rescaled_by_marlin(next(iter(weights.values())).format):
+        return weights, 0
+    factors = marlin_factors({p: w.scale for p, w in weights.items()}, fused)
     out, flushed = {}, 0
-    for group in groups:
-        factor = engine_numerics.marlin_scale_factor(*(weights[p].scale for p in group))
-        for p in group:
-            w = weights[p]
-            scale, n = engine_numerics.marlin_flush(w.scale, factor)
-            out[p] = ExpertWeights(w.format, w.packed, scale, w.global_scale, w.zero_point)
-            flushed += n
-    return {p: out[p] for p in weights}, flushed
+    for p, w in weights.items():
+        out[p], n = marlin_served(w, factors[p])
+        flushed += n
+    return out, flushed
 
 
 def calibrated_input_scale(amax: float) -> float:

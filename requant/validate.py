@@ -199,6 +199,17 @@ class LayerExperts:
     def with_weights(self, weights: dict) -> "LayerExperts":
         return LayerExperts(*(weights[r] for r in ROLES), self.biases, self.fused)
 
+    def expert(self, e: int) -> "LayerExperts":
+        """Expert e alone, as views."""
+        from requant.kernels.weights import ExpertWeights
+
+        def one(t):
+            return None if t is None else t[e:e + 1]
+
+        return LayerExperts(*(ExpertWeights(w.format, *(one(t) for t in (w.packed, w.scale, w.global_scale, w.zero_point)))
+                              for w in self.weights),
+                            None if self.biases is None else tuple(one(b) for b in self.biases), self.fused)
+
     def dense(self, e: int) -> tuple[torch.Tensor, ...]:
         """Float32 (gate, up, down[, their biases]) of expert e, decoded by the plain torch decoders."""
         found = tuple(dense_expert(w, e) for w in self.weights)
@@ -208,13 +219,37 @@ class LayerExperts:
         return dict(zip(("b1", "b3", "b2"), self.biases)) if self.biases else {}
 
 
+def fused_roles(side: _Side, block: str) -> list[list[str]]:
+    """Groups of ROLES engines load as one tensor."""
+    if (block, None) in side.experts:   # stacked: gate and up are one interleaved tensor
+        return [["gate", "up"]]
+    role = dict(zip(side.model.projections, ROLES))
+    return [[role[p] for p in group] for group in side.model.fused_projections]
+
+
+def layer_scales(side: _Side, block: str, fmt: str) -> dict[str, torch.Tensor]:
+    """role -> the block scales of every expert of a block [E, N, K/g] as stored (bytes where
+    byte-coded), without reading the weights: all a layer-wide scale rule (Marlin's) needs."""
+    suffix = formats.get(fmt).part(formats.SCALE).suffix
+    model = side.model
+    if (block, None) in side.experts:
+        unit = side.experts[(block, None)]
+        gate_up, down = (side.reader.as_matrices(side.ck.tensor(unit.parts[p][suffix]), fmt)
+                         for p in (model.interleaved_gate_up, model.down_projection))
+        found = {"gate": gate_up[:, 0::2], "up": gate_up[:, 1::2], "down": down}
+    else:
+        experts = int(model.value("num_experts"))
+        found = {r: torch.stack([side.tensor(block, e, p, suffix) for e in range(experts)])
+                 for r, p in zip(ROLES, model.projections)}
+    return {r: t.view(torch.uint8) if t.dtype in _BYTE_DTYPES else t for r, t in found.items()}
+
+
 def load_layer(side: _Side, block: str, fmt: str, experts: int | list[int], device) -> LayerExperts:
     """Every (or the listed) routed expert of a block, as stored, on `device`."""
     model = side.model
     if (block, None) not in side.experts:   # one tensor per expert and projection
         ws = [load_experts(side, block, p, fmt, experts, device) for p in model.projections]
-        role = dict(zip(model.projections, ROLES))
-        return LayerExperts(*ws, None, [[role[p] for p in group] for group in model.fused_projections])
+        return LayerExperts(*ws, None, fused_roles(side, block))
     if model.interleaved_gate_up is None:
         raise UnsupportedError(f"{model.name}: stacked experts without an interleaved gate/up projection")
     chosen = torch.arange(experts) if isinstance(experts, int) else torch.tensor(experts)
@@ -224,7 +259,7 @@ def load_layer(side: _Side, block: str, fmt: str, experts: int | list[int], devi
     gate, up = (type(gate_up)(gate_up.format, gate_up.packed[:, i::2], gate_up.scale[:, i::2], gate_up.global_scale)
                 for i in (0, 1))   # row views, no copy
     biases = None if b13 is None else (b13[:, 0::2], b13[:, 1::2], b2)
-    return LayerExperts(gate, up, down, biases, [["gate", "up"]])
+    return LayerExperts(gate, up, down, biases, fused_roles(side, block))
 
 
 def _stacked(side: _Side, block: str, parts: dict[str, str], fmt: str, chosen: torch.Tensor, device):
@@ -363,13 +398,19 @@ def cpu_notice(cfg: MoEConfig, layers: int, tokens: int | None) -> str:
             f"layer(s) x {tokens if tokens else 'the given'} tokens (--layers and --tokens choose fewer)")
 
 
-def _reference_experts(side: _Side, block: str, fmt: str):
-    """e -> float32 (gate, up, down[, biases]) of expert e, read and decoded when first asked for
-    (a stacked layer is one read: its tensors hold every expert)."""
+def _reference_layer(side: _Side, block: str, fmt: str) -> Callable[[int], LayerExperts]:
+    """e -> a LayerExperts whose expert 0 is expert e as stored, read when asked for (a stacked
+    layer is one read: its tensors hold every expert)."""
     if (block, None) in side.experts:
         layer = load_layer(side, block, fmt, side.model.value("num_experts"), "cpu")
-        return layer.dense
-    return lambda e: load_layer(side, block, fmt, [e], "cpu").dense(0)
+        return layer.expert
+    return lambda e: load_layer(side, block, fmt, [e], "cpu")
+
+
+def _reference_experts(side: _Side, block: str, fmt: str):
+    """e -> float32 (gate, up, down[, biases]) of expert e, read and decoded when first asked for."""
+    stored = _reference_layer(side, block, fmt)
+    return lambda e: stored(e).dense(0)
 
 
 def _is_block_name(model: ModelSpec, name: str) -> bool:
@@ -474,25 +515,35 @@ class _Runner:
         self.x, self.ids, self.weights, self.y_bf16, self.ws = x, ids, weights, y_bf16, ws
         self.w4a4_outputs = w4a4_outputs   # CPU: computed with y_bf16, each expert decoded once
 
-    def _layer(self) -> LayerExperts:
-        # The reference path reads experts lazily; Marlin's factor spans the whole layer, so it
-        # needs them all (as stored: 4-bit plus scales).
-        return self.ws or load_layer(self.side, self.block, self.fmt, self.cfg.n_routed_experts, "cpu")
-
     def w4a4(self, scales: tuple[float, float]) -> torch.Tensor:
         if self.fm is None:
             return self.w4a4_outputs[scales]
         return _kernel(self.fm, self.x, self.ids, self.weights, self.ws, self.cfg, activation_scales=scales).float()
 
     def marlin(self) -> tuple[torch.Tensor, int]:
-        layer = self._layer()
-        served, flushed = serve.marlin_weights(dict(zip(ROLES, layer.weights)), layer.fused)
+        if self.fm is not None:
+            served, flushed = serve.marlin_weights(dict(zip(ROLES, self.ws.weights)), self.ws.fused)
+            if not flushed:
+                return self.y_bf16, 0
+            return _kernel(self.fm, self.x, self.ids, self.weights, self.ws.with_weights(served), self.cfg).float(), flushed
+        if not serve.rescaled_by_marlin(self.fmt):
+            return self.y_bf16, 0
+        # Marlin's factor spans the layer: every expert's scales are read (not their weights), then
+        # the experts the tokens chose are decoded with the blocks it flushes zeroed.
+        scales = layer_scales(self.side, self.block, self.fmt)
+        factors = serve.marlin_factors(scales, fused_roles(self.side, self.block))
+        flushed = sum(engine_numerics.marlin_flush(scales[r], factors[r])[1] for r in ROLES)
         if not flushed:
             return self.y_bf16, 0
-        layer = layer.with_weights(served)
-        if self.fm is not None:
-            return _kernel(self.fm, self.x, self.ids, self.weights, layer, self.cfg).float(), flushed
-        return routed_experts(self.x, self.ids, self.weights, layer.dense, self.cfg.activation), flushed
+        stored = _reference_layer(self.side, self.block, self.fmt)
+
+        def served(e):
+            layer = stored(e)
+            return layer.with_weights({r: serve.marlin_served(w, factors[r])[0]
+                                       for r, w in zip(ROLES, layer.weights)}).dense(0)
+
+        return routed_experts_variants([(self.x, None)], self.ids, self.weights, served, self.cfg.activation,
+                                       workers=default_workers())[0], flushed
 
 
 def _kernel(fm, x, ids, weights, layer: LayerExperts, cfg, **kwargs) -> torch.Tensor:

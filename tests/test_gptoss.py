@@ -268,3 +268,21 @@ def test_a_nan_scale_in_stacked_experts_is_one_line_naming_the_tensor(small, tmp
     last = result.output.strip().splitlines()[-1]
     assert last.startswith("requant: error:") and name in last and "E8M0 scale is NaN" in last
     assert not os.path.exists(tmp_path / "r")
+
+
+def test_layer_scales_are_the_scales_load_layer_reads(small, tmp_path):
+    """Marlin's CPU path reads a layer's scales alone (layer_scales): for stacked experts they are
+    exactly those load_layer reads with the weights, gate and up as the interleaved rows."""
+    from requant.validate import ROLES, _Side, fused_roles, layer_scales, load_layer
+
+    dest = str(tmp_path / "nvfp4")
+    assert CliRunner().invoke(cli, ["convert", small, dest, "--out", "nvfp4", "--force", "--quiet"]).exit_code == 0
+    with Checkpoint.open(dest) as ck:
+        side = _Side(ck, dest)
+        block = side.moe_blocks()[0]
+        layer = load_layer(side, block, "nvfp4", side.model.value("num_experts"), "cpu")
+        scales = layer_scales(side, block, "nvfp4")
+        assert fused_roles(side, block) == layer.fused == [["gate", "up"]]
+        for role, w in zip(ROLES, layer.weights):
+            assert torch.equal(scales[role], w.scale), role
+        assert not torch.equal(scales["gate"], scales["up"])
