@@ -382,10 +382,10 @@ def validate(src: str, dst: str, layers: str | None = None, tokens: int = 64, de
     return ValidationResult(src, dst, device, results)
 
 
-# Seconds per decoded expert weight (both checkpoints counted) of the CPU reference on one core;
-# decoding dominates. From one full-size layer on a 2-vCPU machine: 217 s while other jobs held
-# it at load 4.5-6.5 (scripts/bench_throughput_results.md), so this errs long on a quiet machine.
-_CPU_SECONDS_PER_WEIGHT = 1e-8
+# Seconds per decoded expert weight (both checkpoints counted) of the CPU reference on one core,
+# every mode included; decoding dominates. From one full-size layer on a 2-vCPU machine: 32-52 s
+# (scripts/bench_throughput_results.md), so this errs long on a quiet machine.
+_CPU_SECONDS_PER_WEIGHT = 5e-9
 
 
 def cpu_notice(cfg: MoEConfig, layers: int, tokens: int | None) -> str:
@@ -532,7 +532,7 @@ class _Runner:
         # the experts the tokens chose are decoded with the blocks it flushes zeroed.
         scales = layer_scales(self.side, self.block, self.fmt)
         factors = serve.marlin_factors(scales, fused_roles(self.side, self.block))
-        flushed = sum(engine_numerics.marlin_flush(scales[r], factors[r])[1] for r in ROLES)
+        flushed = sum(engine_numerics.marlin_flush(e, factors[r])[1] for r in ROLES for e in scales[r])
         if not flushed:
             return self.y_bf16, 0
         stored = _reference_layer(self.side, self.block, self.fmt)

@@ -82,8 +82,11 @@ def marlin_scale_factor(*scales: torch.Tensor) -> float:
     """vLLM 0.33.0's power-of-two factor for one fused GEMM of a layer (BF16 activations): the
     largest non-zero E4M3 block scale of all `scales` (uint8 bytes) times the factor lands in
     (224, 448]; 1 when it is 448 already (or every scale is zero). fp16 activations get no factor."""
-    positive = [v[v > 0] for v in (s.view(torch.float8_e4m3fn).float() for s in scales)]
-    return marlin_factor(max((float(v.max()) for v in positive if v.numel()), default=0.0))
+    def largest(s):   # over one expert at a time: a layer's scales as float32 would be GBs
+        v = s.view(torch.float8_e4m3fn).float()
+        return float(torch.where(v > 0, v, 0.0).max()) if v.numel() else 0.0
+
+    return marlin_factor(max((largest(e) for s in scales for e in (s if s.dim() > 2 else [s])), default=0.0))
 
 
 def marlin_factor(largest: float) -> float:
