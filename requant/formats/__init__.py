@@ -95,6 +95,14 @@ class Codec:
     def decoded_parts(self) -> tuple[str, ...]:
         return tuple(p.suffix for p in self.parts if p.role in _DECODED)
 
+    def rows(self, tensors: dict[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor] | None:
+        """The stored parts of rows start:stop (output channels) of a projection, as views; None when
+        a part is not laid out one row per output channel (INT4 zero points pack 8 rows a word)."""
+        roles = {p.suffix: p.role for p in self.parts}
+        if any(roles.get(name) not in (WEIGHT, SCALE, GLOBAL_SCALE, INPUT_SCALE) for name in tensors):
+            return None
+        return {name: t[start:stop] if roles[name] in (WEIGHT, SCALE) else t for name, t in tensors.items()}
+
     def matches(self, dtypes_by_part: dict[str, str]) -> bool:
         return all(dtypes_by_part.get(p.suffix) in p.dtypes for p in self.parts if p.role in _IDENTIFYING)
 

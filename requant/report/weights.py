@@ -90,11 +90,16 @@ def _all_per_block(mask: torch.Tensor, block: int) -> torch.Tensor:
     return mask.view(mask.shape[0], -1, block).all(dim=-1)
 
 
+def chunk_rows(k: int, device) -> int:
+    """Rows of K elements compared per step on `device` (a GPU takes a projection whole)."""
+    return 1 << 62 if torch.device(device).type != "cpu" else max(1, _CHUNK_ELEMENTS // max(k, 1))
+
+
 def _chunks(a: torch.Tensor, b: torch.Tensor):
     if a.shape != b.shape:
         raise FormatError(f"decoded shapes differ: {list(a.shape)} vs {list(b.shape)}")
     rows, k = a.shape
-    step = rows if a.device.type != "cpu" else max(1, _CHUNK_ELEMENTS // max(k, 1))
+    step = chunk_rows(k, a.device)
     for r in range(0, rows, step):
         yield a[r:r + step], b[r:r + step]
 
@@ -121,9 +126,18 @@ def compare(a: torch.Tensor, b: torch.Tensor, block: int) -> ErrorSums:
     The CPU time of a report is these passes: they run over row chunks that stay in cache, and each
     pass works in place where it can.
     """
+    return compare_chunks(_chunks(a, b), block)
+
+
+def compare_chunks(chunks, block: int) -> ErrorSums:
+    """compare over (a, b) row chunks of one projection, given as they are decoded."""
     sums = ErrorSums()
-    exponents = torch.zeros(256, dtype=torch.int64, device=a.device)
-    for a_, b_ in _chunks(a, b):
+    exponents = None
+    for a_, b_ in chunks:
+        if a_.shape != b_.shape:
+            raise FormatError(f"decoded shapes differ: {list(a_.shape)} vs {list(b_.shape)}")
+        if exponents is None:
+            exponents = torch.zeros(256, dtype=torch.int64, device=a_.device)
         err = b_ - a_
         sum_e2 = _dot(err, err)
         if not math.isfinite(sum_e2):   # NaN/inf in b: only then pay for a mask
@@ -149,6 +163,8 @@ def compare(a: torch.Tensor, b: torch.Tensor, block: int) -> ErrorSums:
         sums.n += err.numel()
         # |e| >= 0, so its bits shifted right by 23 are its biased exponent (0 for zeros and subnormals)
         exponents += torch.bincount((err.view(torch.int32) >> 23).view(-1), minlength=256)
+    if exponents is None:
+        return sums
     exponents[0] -= sums.zero_error   # exact zeros are counted apart
     low, high = HIST_MIN_EXPONENT + _F32_BIAS, HIST_MAX_EXPONENT + _F32_BIAS - 1
     counts = exponents.tolist()
