@@ -19,6 +19,7 @@ biases are the recipe's (moe.py), in the kernel as in the reference. The kernel 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -28,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from requant import formats, serve, sources
-from requant.compute import compute_device, default_workers
+from requant.compute import compute_device, default_workers, torch_threads
 from requant.errors import FormatError, RequantError, UnsupportedError
 from requant.extras import require
 from requant.formats import engine_numerics, fp8_block
@@ -377,8 +378,10 @@ def validate(src: str, dst: str, layers: str | None = None, tokens: int = 64, de
             notice(cpu_notice(cfg, len(blocks), tokens if acts is None else None))
         gen = torch.Generator().manual_seed(seed)
         results = []
-        for block in tqdm(blocks, desc="validate", unit="layer", disable=not progress):
-            results.append(_validate_block(fm, a, b, block, cfg, tokens, device, gen, acts, serve_modes, capability))
+        # the CPU reference spreads experts over threads: torch's own on top oversubscribe the cores
+        with torch_threads(1) if fm is None else contextlib.nullcontext():
+            for block in tqdm(blocks, desc="validate", unit="layer", disable=not progress):
+                results.append(_validate_block(fm, a, b, block, cfg, tokens, device, gen, acts, serve_modes, capability))
     return ValidationResult(src, dst, device, results)
 
 

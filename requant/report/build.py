@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from tqdm import tqdm
 
 from requant import __version__, formats, sources
-from requant.compute import compute_device, default_workers
+from requant.compute import compute_device, default_workers, torch_threads
 from requant.errors import FormatError, UnsupportedError
 from requant.io.checkpoint import Checkpoint
 from requant.model import Expert, ModelSpec
@@ -133,7 +133,7 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
         nbytes += sum(src.info(n).nbytes for k in selected for p in src_experts[k].parts.values() for n in p.values())
         workers = workers or default_workers()
         with tqdm(total=len(selected), unit="expert", desc="report", disable=not progress, dynamic_ncols=True) as bar, \
-                ThreadPoolExecutor(workers) as pool:
+                ThreadPoolExecutor(workers) as pool, torch_threads(1):   # the pool is the parallelism
             window = workers * 2   # experts in flight: bounds memory
             pending = {}
             for key in selected:

@@ -11,6 +11,7 @@ time; only scales are read unless --deep (deep).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 from dataclasses import asdict
@@ -18,6 +19,7 @@ from dataclasses import asdict
 from tqdm import tqdm
 
 from requant import formats, sources
+from requant.compute import torch_threads
 from requant.errors import RequantError
 from requant.io.checkpoint import CONFIG_NAME
 from requant.model import ModelSpec
@@ -87,20 +89,22 @@ def _verify_experts(ctx: Context, result: dict, deep: bool, source: str | None, 
 
     seen = Observed()
     deep_compare = DeepCompare(ctx, source, device) if deep else None
-    try:
-        for expert in tqdm(experts, unit="expert", desc="verify", disable=not progress, dynamic_ncols=True):
-            codec = layout.codecs_by_block[expert.block]
-            readable = check_structure(ctx, expert, codec)
-            if codec in SCALE_CHECKS:
-                SCALE_CHECKS[codec](ctx, expert, list(readable), seen)
-            if deep_compare:   # decoded by the pool while this loop reads the next experts' scales
-                deep_compare.submit(expert, readable)
-            result["experts_checked"] += 1
-        if deep_compare:
-            deep_compare.finish()
-    finally:
-        if deep_compare:
-            deep_compare.close()
+    # with --deep the pool's threads are the parallelism: torch's own on top oversubscribe the cores
+    with torch_threads(1) if deep else contextlib.nullcontext():
+        try:
+            for expert in tqdm(experts, unit="expert", desc="verify", disable=not progress, dynamic_ncols=True):
+                codec = layout.codecs_by_block[expert.block]
+                readable = check_structure(ctx, expert, codec)
+                if codec in SCALE_CHECKS:
+                    SCALE_CHECKS[codec](ctx, expert, list(readable), seen)
+                if deep_compare:   # decoded by the pool while this loop reads the next experts' scales
+                    deep_compare.submit(expert, readable)
+                result["experts_checked"] += 1
+            if deep_compare:
+                deep_compare.finish()
+        finally:
+            if deep_compare:
+                deep_compare.close()
 
     for (block, proj), values in seen.input_scales.items():
         if len(values) > 1:
