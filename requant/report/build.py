@@ -21,7 +21,7 @@ from requant.errors import FormatError, UnsupportedError
 from requant.io.checkpoint import Checkpoint
 from requant.model import Expert, ModelSpec
 from requant.report import weights
-from requant.report.weights import ErrorSums, compare, hist_edges_log10, identical
+from requant.report.weights import ErrorSums, compare_chunks, hist_edges_log10, identical
 
 SCHEMA = "requant.report/1"
 
@@ -66,14 +66,8 @@ def _compare(ca: formats.Codec, ta: dict, src: Checkpoint, pa: dict[str, str],
         out, packed = ta[ca.weight.suffix].shape
         n = out * packed * ca.elements_per_word
         return identical(n, n // block, energy)
-    out, k = ta[ca.weight.suffix].shape[0], ta[ca.weight.suffix].shape[-1] * ca.elements_per_word
-    step = weights.chunk_rows(k, ta[ca.weight.suffix].device)
-    if step < out and ca.rows(ta, 0, 1) is not None and cb.rows(tb, 0, 1) is not None:
-        # decoded a row chunk at a time, each compared while it is still in cache
-        return weights.compare_chunks(((_decode(ca, ca.rows(ta, r, r + step), src, pa),
-                                        _decode(cb, cb.rows(tb, r, r + step), dst, pb)) for r in range(0, out, step)),
-                                      block)
-    return compare(_decode(ca, ta, src, pa), _decode(cb, tb, dst, pb), block)
+    chunks = weights.decoded_row_chunks(ca, ta, cb, tb, lambda t: _decode(ca, t, src, pa), lambda t: _decode(cb, t, dst, pb))
+    return compare_chunks(chunks, block)
 
 
 def compare_expert(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, projections,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -95,6 +96,20 @@ def chunk_rows(k: int, device) -> int:
     return 1 << 62 if torch.device(device).type != "cpu" else max(1, _CHUNK_ELEMENTS // max(k, 1))
 
 
+def decoded_row_chunks(ca, ta: dict, cb, tb: dict, decode_a: Callable, decode_b: Callable):
+    """(a rows, b rows) of two stored projections (codecs ca, cb; parts ta, tb), decoded a chunk
+    of rows at a time, so that each chunk is compared while it is still in cache; decoded whole
+    (then compared by chunks) where a codec's parts are not laid out by rows."""
+    weight = ta[ca.weight.suffix]
+    rows, k = weight.shape[0], weight.shape[-1] * ca.elements_per_word
+    step = chunk_rows(k, weight.device)
+    if step >= rows or ca.rows(ta, 0, 1) is None or cb.rows(tb, 0, 1) is None:
+        yield from _chunks(decode_a(ta), decode_b(tb))
+        return
+    for r in range(0, rows, step):
+        yield decode_a(ca.rows(ta, r, r + step)), decode_b(cb.rows(tb, r, r + step))
+
+
 def _chunks(a: torch.Tensor, b: torch.Tensor):
     if a.shape != b.shape:
         raise FormatError(f"decoded shapes differ: {list(a.shape)} vs {list(b.shape)}")
@@ -109,10 +124,13 @@ def identical(n: int, blocks: int, energy: float) -> ErrorSums:
     return ErrorSums(n=n, blocks=blocks, exact_blocks=blocks, sum_a2=energy, sum_b2=energy, zero_error=n)
 
 
-def exactness(a: torch.Tensor, b: torch.Tensor, block: int) -> tuple[int, int, int]:
-    """(blocks, blocks of b equal to a's, non-finite values of b): all that verify --deep counts."""
+def exactness(chunks, block: int) -> tuple[int, int, int]:
+    """(blocks, blocks of b equal to a's, non-finite values of b) over (a, b) row chunks: all that
+    verify --deep counts."""
     blocks = exact = nonfinite = 0
-    for a_, b_ in _chunks(a, b):
+    for a_, b_ in chunks:
+        if a_.shape != b_.shape:
+            raise FormatError(f"decoded shapes differ: {list(a_.shape)} vs {list(b_.shape)}")
         same = _all_per_block(a_ == b_, block)
         blocks += same.numel()
         exact += int(same.sum())
@@ -120,17 +138,13 @@ def exactness(a: torch.Tensor, b: torch.Tensor, block: int) -> tuple[int, int, i
     return blocks, exact, nonfinite
 
 
-def compare(a: torch.Tensor, b: torch.Tensor, block: int) -> ErrorSums:
-    """Statistics of b against reference a (both float32 [out, in]); exactness per K block.
-
-    The CPU time of a report is these passes: they run over row chunks that stay in cache, and each
-    pass works in place where it can.
-    """
-    return compare_chunks(_chunks(a, b), block)
-
-
 def compare_chunks(chunks, block: int) -> ErrorSums:
-    """compare over (a, b) row chunks of one projection, given as they are decoded."""
+    """Statistics of b against reference a over their (a, b) row chunks (float32 [rows, in]);
+    exactness per K block.
+
+    The CPU time of a report is these passes: a chunk stays in cache across them, and each pass
+    works in place where it can.
+    """
     sums = ErrorSums()
     exponents = None
     for a_, b_ in chunks:

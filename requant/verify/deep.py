@@ -13,7 +13,7 @@ from requant.compute import compute_device, default_workers
 from requant.errors import UnsupportedError
 from requant.io.checkpoint import Checkpoint
 from requant.model import Expert
-from requant.report.weights import exactness
+from requant.report.weights import decoded_row_chunks, exactness
 from requant.verify.context import Context
 
 
@@ -81,10 +81,10 @@ class DeepCompare:
                 found.append(("ok", proj, blocks, blocks, 0))   # the same values, seen on the stored bytes
                 continue
             try:
-                values = codec.decode(tensors)
+                found.append(("ok", proj, *exactness(
+                    decoded_row_chunks(src_codec, src_tensors, codec, tensors, src_codec.decode, codec.decode), block)))
             except UnsupportedError as e:
                 return found + [("skipped", str(e))]
-            found.append(("ok", proj, *exactness(src_codec.decode(src_tensors), values, block)))
         return found
 
     def _tensors(self, ck: Checkpoint, parts: dict[str, str], codec: formats.Codec) -> dict[str, torch.Tensor]:
