@@ -13,8 +13,8 @@ without disturbing other processes' caches):
 - the time to read every expert tensor of both checkpoints (the same threads pread'ing them: the
   I/O floor a report cannot beat), then report (--no-forward) for the NVFP4 and the W4A16 output;
 - verify --deep --source on the W4A16 output;
-- validate of one full-size layer (64 tokens) on the device the CLI picks (the torch reference on
-  a CPU).
+- validate of one full-size layer (64 tokens, every serving mode) on the device the CLI picks (the
+  torch reference on a CPU).
 
     python scripts/bench_throughput.py --workdir /tmp/requant-throughput [--report-layers 0]
 """
@@ -277,8 +277,9 @@ def measure(a, src, nv, w4_out, skip, cuda, workers, rows):
 
     if "validate" not in skip:
         evict(src, nv)
-        t, log = run("validate", src, nv, "--layers", "0", "--tokens", "64", "--quiet")
-        print(f"validate one full-size layer, 64 tokens ({'cuda' if cuda else 'cpu'}): {t:.1f} s", flush=True)
+        t, log = run("validate", src, nv, "--layers", "0", "--tokens", "64", "--serve", "all", "--quiet")
+        print(f"validate one full-size layer, 64 tokens, every serving mode ({'cuda' if cuda else 'cpu'}): {t:.1f} s",
+              flush=True)
         print("\n".join(line for line in log.splitlines() if "about" in line or "PASSED" in line or "FAILED" in line))
 
 
