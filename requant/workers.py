@@ -1,8 +1,9 @@
 """Where a conversion's units are encoded: threads of this process, or forked worker processes.
 
 A task reads its unit's input tensors, encodes them and writes the outputs at their planned
-offsets in the shard being written; only the unit's Stats come back, so no tensor crosses a
-process boundary. Threads suit targets whose encoding is cheap (NVFP4's bit cast) or runs on a GPU;
+offsets in the shard being written (an expert's outputs mostly straight to the disk, past the
+page cache: write_tensors); only the unit's Stats come back, so no tensor crosses a process
+boundary. Threads suit targets whose encoding is cheap (NVFP4's bit cast) or runs on a GPU;
 a CPU-heavy target (W4A16's scale search) on a CPU device gets processes: real parallelism,
 whatever the GIL. A process worker holds one expert's inputs and outputs plus the encoder's
 scratch: a full-size W4A16 worker peaks at about 400 MiB RSS, 240 MiB of it torch and the plan
@@ -25,7 +26,7 @@ from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 
 import torch
 
-from requant.io.safetensors import TensorInfo, read_tensor, write_tensors
+from requant.io.safetensors import PAGE, TensorInfo, open_direct, read_tensor, write_tensors
 from requant.plan import Plan
 from requant.targets import Stats, Unit
 
@@ -33,15 +34,25 @@ _FORKED_PLAN: Plan | None = None   # the plan process workers inherit
 
 
 _ALIGN = 64
-_scratch = threading.local()   # per worker thread (or process): the buffer its inputs are read into
+_scratch = threading.local()   # per worker thread (or process): the buffers its inputs and outputs pass through
 
 
 def _input_buffer(nbytes: int) -> torch.Tensor:
     """This thread's read buffer, grown to `nbytes`: reused from unit to unit, so reading costs no
     fresh pages (each new one a page fault and a zero-fill by the kernel). Pinned in a GPU thread."""
-    buf = getattr(_scratch, "buffer", None)
+    buf = getattr(_scratch, "inputs", None)
     if buf is None or buf.numel() < nbytes:
-        buf = _scratch.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=getattr(_scratch, "pinned", False))
+        buf = _scratch.inputs = torch.empty(nbytes, dtype=torch.uint8, pin_memory=getattr(_scratch, "pinned", False))
+    return buf
+
+
+def _staging_buffer(nbytes: int) -> torch.Tensor:
+    """This thread's page-aligned buffer for direct writes (write_tensors), grown to `nbytes`."""
+    buf = getattr(_scratch, "staging", None)
+    if buf is None or buf.numel() < nbytes:
+        whole = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+        start = -whole.data_ptr() % PAGE
+        buf = _scratch.staging = whole[start: start + nbytes]
     return buf
 
 
@@ -66,10 +77,15 @@ def encode_unit(unit: Unit, reads: list[tuple[str, str, TensorInfo]], out_path: 
             os.close(fd)
     outputs, stats = unit.encode(tensors)
     fd = os.open(out_path, os.O_WRONLY)
+    direct = None
     try:
-        write_tensors(fd, [(spec, outputs[spec.name], offsets[spec.name]) for spec in unit.outputs])
+        direct = open_direct(out_path)
+        write_tensors(fd, [(spec, outputs[spec.name], offsets[spec.name]) for spec in unit.outputs],
+                      direct, _staging_buffer)
     finally:
         os.close(fd)
+        if direct is not None:
+            os.close(direct)
     return stats
 
 

@@ -3,9 +3,11 @@
 Writes (once) a full-scale synthetic checkpoint whose one layer shard holds real data (the rest are
 holes), then times, alternating on the same disk: `cp` of that shard (+ fsync, as requant fsyncs),
 `requant`'s conversion of it with 1 and 2 workers (in a child process under /usr/bin/time -v, for
-peak RSS), and ModelOpt's reference cast on a few experts, extrapolated to the shard. With
---cache cold (the default) the shard is dropped from the page cache before every run
-(posix_fadvise DONTNEED on that file: no root needed, other processes' caches untouched).
+peak RSS), the same with 2 workers writing through the page cache (as before direct writes), and
+ModelOpt's reference cast on a few experts, extrapolated to the shard. With --cache cold (the
+default) the shard is dropped from the page cache before every run (posix_fadvise DONTNEED on
+that file: no root needed, other processes' caches untouched). The load average is printed with
+each run: the machine may be shared.
 
     python scripts/bench_convert.py --workdir /tmp/requant-bench [--cache cold|warm]
     python scripts/bench_convert.py --src CHECKPOINT --shard-index 1   # a layer shard of another one
@@ -23,6 +25,8 @@ import sys
 import time
 
 SHARD_INDEX = 4  # layers.3: a bias-routed layer with the ratio-128 compressor
+REQUANT = {"requant w=1": (1, True), "requant w=2": (2, True),   # label: workers, direct writes
+           "requant w=2 cached": (2, False)}                     # every write through the page cache
 
 CHILD = """
 import os, sys, time
@@ -32,7 +36,10 @@ from requant.plan import make_plan
 from requant.convert import write_shard
 from requant.targets import Options
 from requant.workers import Encoders
-src, dst, index, workers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+from requant.io import safetensors
+src, dst, index, workers, direct = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+if not direct:
+    safetensors.DIRECT_MIN_BYTES = 1 << 62   # every write through the page cache
 plan = make_plan(Checkpoint.open(src), "nvfp4", Options())
 start = time.perf_counter()
 shard = plan.shards[index]
@@ -80,7 +87,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default="/tmp/requant-bench")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--reference-experts", type=int, default=2)
+    ap.add_argument("--reference-experts", type=int, default=2, help="0: skip ModelOpt's reference cast")
     ap.add_argument("--cache", choices=["cold", "warm"], default="cold")
     ap.add_argument("--src", help="an existing synthetic checkpoint (default: write one under --workdir)")
     ap.add_argument("--shard-index", type=int, default=SHARD_INDEX, help="its layer shard to convert")
@@ -105,7 +112,7 @@ def main() -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
 
-    rows = {"cp": [], "requant w=1": [], "requant w=2": []}
+    rows = {"cp": [], **{label: [] for label in REQUANT}}
     rss = {}
     exact = ""
 
@@ -115,14 +122,17 @@ def main() -> None:
             drop_from_cache(shard)
         if label == "cp":
             rows["cp"].append(copy_with_fsync(shard, os.path.join(out, "copy.safetensors")))
+            print(f"cp: {rows['cp'][-1]:.2f} s  (load {os.getloadavg()[0]:.1f})", flush=True)
             os.remove(os.path.join(out, "copy.safetensors"))
         else:
-            workers = int(label[-1])
-            cmd = ["/usr/bin/time", "-v", sys.executable, "-c", CHILD, src, out, str(args.shard_index), str(workers)]
+            workers, direct = REQUANT[label]
+            cmd = ["/usr/bin/time", "-v", sys.executable, "-c", CHILD, src, out, str(args.shard_index), str(workers),
+                   str(int(direct))]
             _, log = timed(cmd)
             rows[label].append(float(re.search(r"SECONDS ([\d.]+)", log).group(1)))
-            rss[workers] = max(rss.get(workers, 0),
-                               int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", log).group(1)))
+            print(f"{label}: {rows[label][-1]:.2f} s  (load {os.getloadavg()[0]:.1f})", flush=True)
+            rss[label] = max(rss.get(label, 0),
+                             int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", log).group(1)))
             exact = re.search(r"EXACT (\d+) BLOCKS (\d+)", log).groups()
             os.remove(os.path.join(out, name))
         os.sync()       # the deleted output's writeback and discards must not land on the next run
@@ -133,17 +143,18 @@ def main() -> None:
         for label in labels[r % len(labels):] + labels[: r % len(labels)]:
             run(label)
 
-    ref = reference_seconds_per_expert(src, args.reference_experts, args.shard_index)
     experts = synth.Dims(full_scale=True).experts
     cp_time = statistics.median(rows["cp"])
     print(f"\nshard {name}: {size / 2**30:.2f} GiB ({args.cache} page cache), {experts} experts x 3 projections; "
           f"exact blocks {int(exact[0]):,} / {int(exact[1]):,}")
-    print(f"{'method':<14}{'median s':>10}{'GiB/s':>8}{'x cp':>7}{'peak RSS MiB':>14}")
+    print(f"{'method':<20}{'median s':>10}{'GiB/s':>8}{'x cp':>7}{'peak RSS MiB':>14}")
     for label, times in rows.items():
         t = statistics.median(times)
-        w = int(label[-1]) if label.startswith("requant") else None
-        print(f"{label:<14}{t:>10.2f}{size / t / 2**30:>8.2f}{t / cp_time:>7.2f}"
-              f"{(rss[w] / 1024 if w else float('nan')):>14.0f}")
+        print(f"{label:<20}{t:>10.2f}{size / t / 2**30:>8.2f}{t / cp_time:>7.2f}"
+              f"{rss[label] / 1024 if label in rss else float('nan'):>14.0f}")
+    if not args.reference_experts:
+        return
+    ref = reference_seconds_per_expert(src, args.reference_experts, args.shard_index)
     best = min(statistics.median(rows["requant w=1"]), statistics.median(rows["requant w=2"]))
     print(f"ModelOpt reference: {ref:.2f} s per expert ({args.reference_experts} timed) -> "
           f"{ref * experts:.0f} s per shard, {ref * experts / best:.0f}x requant's best")

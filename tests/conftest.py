@@ -73,3 +73,18 @@ def tree(path: str) -> dict[str, str]:
                 with open(p, "rb") as f:
                     out[os.path.relpath(p, path)] = hashlib.sha256(f.read()).hexdigest()
     return out
+
+
+def direct_writes_supported(directory: str) -> bool:
+    """Whether files in `directory` open with O_DIRECT (no: macOS, older kernels' tmpfs)."""
+    from requant.io.safetensors import open_direct
+
+    probe = os.path.join(directory, ".direct-probe")
+    open(probe, "wb").close()
+    try:
+        fd = open_direct(probe)
+        if fd is not None:
+            os.close(fd)
+        return fd is not None
+    finally:
+        os.remove(probe)

@@ -8,6 +8,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import threading
 
 import pytest
 from click.testing import CliRunner
@@ -15,9 +16,9 @@ from click.testing import CliRunner
 from requant import convert as convert_mod
 from requant import synth
 from requant.cli import cli
-from requant.io import fsutil, journal
+from requant.io import fsutil, journal, safetensors
 from requant.io.fsutil import DirLock
-from tests.conftest import output_tree, tree
+from tests.conftest import direct_writes_supported, output_tree, tree
 
 DIMS = synth.Dims(layers=3, experts=6)
 INDEX = "model.safetensors.index.json"
@@ -108,21 +109,39 @@ def tmpfs(path: str, size: str):
         subprocess.run(["umount", path], check=False)
 
 
-def test_real_disk_full_on_tmpfs(tiny, tmp_path, monkeypatch):
-    """A real ENOSPC from the kernel: a filler file takes the space the plan counted on."""
+@pytest.mark.parametrize("direct", [False, True])
+def test_real_disk_full_on_tmpfs(tiny, tmp_path, monkeypatch, direct):
+    """A real ENOSPC from the kernel: a filler file takes the space the plan counted on, at the
+    start of shard 2; or (direct) just as the first expert's outputs go out through the direct
+    writes that a full-size model's experts take (tmpfs accepts O_DIRECT)."""
     mnt = str(tmp_path / "mnt")
     with tmpfs(mnt, "8m"):
         dst, filler = os.path.join(mnt, "dst"), os.path.join(mnt, "filler")
+        lock = threading.Lock()
 
         def fill():
-            with open(filler, "wb") as f:
-                try:
-                    while True:
-                        f.write(b"\0" * 65536)
-                        f.flush()
-                except OSError:
-                    pass
-        at_step(monkeypatch, 11, fill)   # start of shard 2
+            with lock:
+                if os.path.exists(filler):
+                    return
+                with open(filler, "wb") as f:
+                    try:
+                        while True:
+                            f.write(b"\0" * 65536)
+                            f.flush()
+                    except OSError:
+                        pass
+        if direct:
+            if not direct_writes_supported(mnt):
+                pytest.skip("this kernel's tmpfs refuses O_DIRECT")
+            monkeypatch.setattr(safetensors, "DIRECT_MIN_BYTES", 0)
+            write_staged = safetensors._write_staged
+
+            def fill_then_write(*args):
+                fill()
+                return write_staged(*args)
+            monkeypatch.setattr(safetensors, "_write_staged", fill_then_write)
+        else:
+            at_step(monkeypatch, 11, fill)   # start of shard 2
         result = invoke(tiny[0], dst)
         assert result.exit_code == 1 and "No space left on device" in one_line(result)
         assert not os.path.exists(os.path.join(dst, INDEX))

@@ -2,17 +2,21 @@
 
 Reading parses and validates the header only; tensor bytes are fetched with pread on demand.
 Writing lays out the header from a list of tensor specs first, so each tensor's place in the file
-is known before any data exists and tensors can be written in any order, by any thread.
+is known before any data exists and tensors can be written in any order, by any thread. Large
+stretches can bypass the page cache (O_DIRECT, Linux): see write_tensors.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from requant.errors import CheckpointError
@@ -38,6 +42,8 @@ DTYPES: dict[str, tuple[int, torch.dtype]] = {
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit the reference safetensors parser enforces
 ALIGNMENT = 8
+PAGE = 4096                   # direct writes cover whole pages: none is shared with a buffered write
+DIRECT_MIN_BYTES = 1 << 20    # smaller stretches go through the page cache (a direct write waits for the disk)
 
 
 @dataclass(frozen=True)
@@ -258,9 +264,17 @@ class ShardWriter:
             self.fd = -1
 
 
-def write_tensors(fd: int, items: list[tuple[TensorSpec, object, int]]) -> None:
+def write_tensors(fd: int, items: list[tuple[TensorSpec, object, int]], direct: int | None = None,
+                  staging: Callable[[int], torch.Tensor] | None = None) -> None:
     """Write (spec, tensor or bytes-like, offset) items into open file `fd`; tensors that follow
-    each other in the file go out in one pwritev."""
+    each other in the file go out in one pwritev.
+
+    With `direct` (the same file from open_direct) and `staging` (staging(n): a reused page-aligned
+    uint8 buffer of at least n bytes), a stretch of DIRECT_MIN_BYTES or more is copied into the
+    buffer and its whole pages go straight to the disk. Writing through the page cache costs this
+    machine several times the CPU of that copy (scripts/bench_convert_results.md); the partial
+    pages at the stretch's ends, which neighbouring writes share, still go through the cache.
+    """
     runs: list[tuple[int, list[memoryview]]] = []   # (offset, buffers) of contiguous stretches
     end = None
     for spec, data, offset in sorted(items, key=lambda item: item[2]):
@@ -272,7 +286,52 @@ def write_tensors(fd: int, items: list[tuple[TensorSpec, object, int]]) -> None:
         runs[-1][1].append(raw.cast("B"))
         end = offset + spec.nbytes
     for offset, buffers in runs:
-        _pwritev_all(fd, buffers, offset)
+        if direct is not None and staging is not None and sum(map(len, buffers)) >= DIRECT_MIN_BYTES:
+            _write_staged(fd, direct, staging, buffers, offset)
+        else:
+            _pwritev_all(fd, buffers, offset)
+
+
+def open_direct(path: str) -> int | None:
+    """`path` opened for writing with O_DIRECT (DMA from user memory to the disk, no page cache),
+    or None where the platform (macOS, Windows) or the file system refuses it."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | flag)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return None
+        raise
+
+
+def _write_staged(fd: int, direct: int, staging: Callable[[int], torch.Tensor], buffers: list[memoryview],
+                  offset: int) -> None:
+    """One contiguous stretch: copied to a page-aligned buffer laid out as the file is (the stretch
+    starts at its offset's place within a page), whole pages written direct, ends buffered."""
+    lead = offset % PAGE
+    size = sum(map(len, buffers))
+    stage = staging(lead + size).numpy()
+    pos = lead
+    for b in buffers:
+        stage[pos: pos + len(b)] = np.frombuffer(b, dtype=np.uint8)
+        pos += len(b)
+    view = memoryview(stage)
+    first = -(-offset // PAGE) * PAGE
+    last = max(first, (offset + size) // PAGE * PAGE)   # [first, last): whole pages
+    base = offset - lead
+    if first > offset:
+        _pwrite_all(fd, view[lead: min(first, offset + size) - base], offset)
+    if last > first:
+        try:
+            _pwrite_all(direct, view[first - base: last - base], first)
+        except OSError as e:   # a file system that opens O_DIRECT but wants other alignments
+            if e.errno != errno.EINVAL:
+                raise
+            _pwrite_all(fd, view[first - base: last - base], first)
+    if offset + size > last:
+        _pwrite_all(fd, view[last - base: lead + size], last)
 
 
 _IOV_MAX = 1024   # buffers per pwritev (Linux's limit)
