@@ -329,8 +329,8 @@ def validate(src: str, dst: str, layers: str | None = None, tokens: int = 64, de
         if MoEConfig.from_model(b.model) != cfg:
             raise RequantError("the two checkpoints' config.json disagree on the MoE shape")
         if fm is not None and not fm.fits(cfg.hidden_size, cfg.intermediate_size):
-            why = (f"requant's kernel takes K in tiles of {fm.K_TILE}, not hidden {cfg.hidden_size} / "
-                   f"intermediate {cfg.intermediate_size}")
+            why = (f"requant's kernel takes K in multiples of {fm.K_STEP} (whole int32 words), not hidden "
+                   f"{cfg.hidden_size} / intermediate {cfg.intermediate_size}")
             if kernel_forced:
                 raise UnsupportedError(why)
             fm, device = None, "cpu"

@@ -277,9 +277,10 @@ def _mma_rows(BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, BLOCK_N: tl.constexpr,
-                 KW: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr):
-    """Scale (raw) and zero point of every word of the tile starting at word column kw.
+def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOCK_N: tl.constexpr,
+                 KW: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr):
+    """Scale (raw) and zero point of every word of the tile starting at word column kw; zero for
+    groups at or beyond K (the last tile when not EVEN_K), whatever the memory there holds.
 
     One load per group, broadcast to its words: the tile's layout then follows the weight words
     (vector stores of the dequantized planes) instead of a per-word gather of repeated bytes.
@@ -289,6 +290,8 @@ def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, BLOCK_N
     G: tl.constexpr = KW // WPG if KW >= WPG else 1
     groups = kw // WPG + tl.arange(0, G)
     mask = n_mask[:, None]
+    if not EVEN_K:
+        mask = mask & (groups < K // GROUP)[None, :]
     scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + groups[None, :], mask=mask, other=0)
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, G, KW // G)), (BLOCK_N, KW))
     zero = 8
@@ -314,7 +317,7 @@ def _moe_gemm_kernel(
     ROUTE_WEIGHT: tl.constexpr, ACTIVATION: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
     COMPUTE: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PERM_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, WORDS_16B: tl.constexpr,
 ):
     """out[pair, n] for the pairs of one M block (one expert) and one N tile.
 
@@ -331,6 +334,13 @@ def _moe_gemm_kernel(
     out + s * stride_os (w1's at +0, w3's at + stride_og when GATED, before the SwiGLU, which
     needs the whole sum: `_swiglu_partials_kernel`). Decode batches touch few experts, and
     slicing K gives every SM weights to stream.
+
+    K need not be whole tiles (not EVEN_K: gpt-oss's 2880 is 22.5): the last tile's scales (and
+    words) beyond K load as zero, so its weights there are exactly zero, and A's columns beyond
+    K are zero too (`permute_k` pads x; with PERM_OUT the output's padding columns, up to whole
+    tiles, are stored as zeros for the next GEMM). WORDS_16B: the host checked that rows of words
+    start on 16 bytes (K a multiple of 32 and aligned strides); saying so keeps the weight loads
+    16 bytes wide when the stride is not a multiple of 16 words (2880 / 8 = 360).
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -345,6 +355,10 @@ def _moe_gemm_kernel(
     KW: tl.constexpr = BLOCK_K // 8
     offs_w = tl.arange(0, KW)
     a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[None, :] * stride_am + tl.arange(0, BLOCK_K)[:, None]
+    words_k = K // 8  # words per row that hold weights
+    if WORDS_16B:
+        stride_wn = tl.multiple_of(stride_wn, 4)
+        words_k = tl.multiple_of(words_k, 4)
     w_offs = offs_n[:, None] * stride_wn + offs_w[None, :]
 
     e = expert.to(tl.int64)
@@ -353,30 +367,36 @@ def _moe_gemm_kernel(
     z_ptr += e * stride_ze
     # The host splits K on tile boundaries; saying so keeps the weight loads 16 bytes wide (the
     # compiler cannot see it through the division, and 4-byte copies made split-K 2.5x slower).
-    k_begin = tl.multiple_of(pid_k * (K // SPLIT_K), BLOCK_K)
-    k_end = k_begin + K // SPLIT_K
-    s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, BLOCK_N, KW, GROUP,
-                          HAS_ZP)
+    slice_k = tl.cdiv(K, BLOCK_K) // SPLIT_K * BLOCK_K
+    k_begin = tl.multiple_of(pid_k * slice_k, BLOCK_K)
+    k_end = k_begin + slice_k
+    if pid_n * BLOCK_N >= N:  # a tile of PERM_OUT's padding only: no weights, its zeros are stored
+        k_end = k_begin
+    s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW, GROUP,
+                          HAS_ZP, EVEN_K)
     if GATED:
         w3_ptr += e * stride_we
         s3_ptr += e * stride_se
         z3_ptr += e * stride_ze
-        s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, BLOCK_N, KW, GROUP,
-                              HAS_ZP)
+        s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW,
+                              GROUP, HAS_ZP, EVEN_K)
         acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         kw = k0 // 8
         kw_next = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K) // 8  # the last tile reloads itself
-        words = tl.load(w_ptr + w_offs + kw, mask=n_mask[:, None], other=0)
+        w_mask = n_mask[:, None]
+        if not EVEN_K:  # the zero scales beyond K zero the weights; this keeps the loads inside the tensor
+            w_mask = w_mask & (kw + offs_w < words_k)[None, :]
+        words = tl.load(w_ptr + w_offs + kw, mask=w_mask, other=0)
         w_tile = _mma_tile(_dequant(words, s1, z1, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
-        s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, BLOCK_N, KW, GROUP,
-                              HAS_ZP)
+        s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW, GROUP,
+                              HAS_ZP, EVEN_K)
         if GATED:
-            words3 = tl.load(w3_ptr + w_offs + kw, mask=n_mask[:, None], other=0)
+            words3 = tl.load(w3_ptr + w_offs + kw, mask=w_mask, other=0)
             w3_tile = _mma_tile(_dequant(words3, s3, z3, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
-            s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, BLOCK_N, KW,
-                                  GROUP, HAS_ZP)
+            s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW,
+                                  GROUP, HAS_ZP, EVEN_K)
         a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
         acc = tl.dot(w_tile, a, acc, input_precision=DOT_PRECISION)
         if GATED:
@@ -384,12 +404,13 @@ def _moe_gemm_kernel(
 
     offs_n = pid_n * BLOCK_N + _mma_rows(BLOCK_N)  # the accumulator's rows
     n_mask = offs_n < N
+    n_store = tl.cdiv(N, BLOCK_K) * BLOCK_K if PERM_OUT else N  # the zeros of a padded last tile too
     if HAS_GLOBAL:
         acc *= tl.load(gs_ptr + e)
     if HAS_BIAS:
         acc += _bias(b_ptr, e, stride_be, stride_bn, offs_n, n_mask, pid_k, SPLIT_K)
     out_ptr += pid_k * stride_os
-    out_mask = row_mask[None, :] & n_mask[:, None]
+    out_mask = row_mask[None, :] & (offs_n < n_store)[:, None]
     if GATED:
         if HAS_GLOBAL:
             acc3 *= tl.load(gs3_ptr + e)  # w3's own global scale, never w1's
@@ -443,10 +464,12 @@ def _swiglu_partials_kernel(part_ptr, stride_ps, stride_pg, h_ptr, stride_hm, N,
                             LIMIT: tl.constexpr, ALPHA: tl.constexpr, SPLIT_K: tl.constexpr,
                             PERM_OUT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
     """h[pair] = the gated activation of the summed split-K partials of w1 and w3 (row `pair` of
-    each; their biases are already in slice 0)."""
+    each; their biases are already in slice 0). With PERM_OUT, h's columns up to whole K tiles,
+    zeros beyond N, as `_moe_gemm_kernel` stores them."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
+    n_store = tl.cdiv(N, BLOCK_K) * BLOCK_K if PERM_OUT else N
     ptrs = part_ptr + row * N + offs
     g = tl.zeros((BLOCK,), dtype=tl.float32)
     u = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -455,14 +478,17 @@ def _swiglu_partials_kernel(part_ptr, stride_ps, stride_pg, h_ptr, stride_hm, N,
         u += tl.load(ptrs + s * stride_ps + stride_pg, mask=mask, other=0.0)
     h = _swiglu(g, u, ACTIVATION, LIMIT, ALPHA)
     tl.store(h_ptr + row * stride_hm + _out_columns(offs, PERM_OUT, BLOCK_K), h.to(h_ptr.dtype.element_ty),
-             mask=mask)
+             mask=offs < n_store)
 
 
 def permute_k(x: torch.Tensor, block_k: int) -> torch.Tensor:
     """Columns of x reordered within each 128-column tile as `_mma_tile` orders the weights: new
-    column 32q + 8m + 2l + n0 holds old column 32l + 8q + 2m + n0."""
+    column 32q + 8m + 2l + n0 holds old column 32l + 8q + 2m + n0; zero columns pad the last tile."""
     rows, k = x.shape
-    return x.view(rows, k // block_k, 4, 4, 4, 2).permute(0, 1, 3, 4, 2, 5).reshape(rows, k)
+    padded = padded_k(k)
+    if padded != k:
+        x = torch.nn.functional.pad(x, (0, padded - k))
+    return x.view(rows, padded // block_k, 4, 4, 4, 2).permute(0, 1, 3, 4, 2, 5).reshape(rows, padded)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
@@ -479,20 +505,29 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
 
 
 K_TILE = 128   # the kernel's K step: the 16 words `_mma_tile` lays out
+K_STEP = 8     # what K must be a multiple of: whole int32 words (K tiles are padded, `permute_k`)
+
+
+def padded_k(k: int) -> int:
+    """A GEMM input's width in the kernel: K padded to whole K tiles."""
+    return triton.cdiv(k, K_TILE) * K_TILE
 
 
 def fits(hidden_size: int, intermediate_size: int) -> bool:
-    """Whether a layer's two K dimensions (gate/up: hidden, down: intermediate) are whole K tiles."""
-    return hidden_size % K_TILE == 0 and intermediate_size % K_TILE == 0
+    """Whether the kernel takes a layer's two K dimensions (gate/up: hidden, down: intermediate)."""
+    return hidden_size % K_STEP == 0 and intermediate_size % K_STEP == 0
 
 
 def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pairs, compute, cfg, act,
             bias=None, bias3=None, perm_out=False):
     """One GEMM launch; `out` is [pairs, N], or when split (`_split`) FP32 partials [S, pairs, N]
     ([S, 2, pairs, N] for w1/w3). `act` (a SwiGLU) is fused after w1/w3 unless split."""
-    if w.k % cfg.block_k or cfg.block_k != K_TILE or w.group % 8:
+    if w.k % K_STEP or cfg.block_k != K_TILE or w.group % 8:
         raise ValueError(f"K={w.k}, group {w.group} do not fit block_k={cfg.block_k} (the kernel takes K tiles of "
-                         "128, the 16 words that `_mma_tile` lays out, and groups of whole words)")
+                         f"128, the 16 words that `_mma_tile` lays out, K a multiple of {K_STEP} and groups of whole "
+                         "words)")
+    if a.shape[1] != padded_k(w.k):
+        raise ValueError(f"A has {a.shape[1]} columns, not K={w.k} padded to whole tiles (`permute_k`)")
     gated = w3 is not None
     if gated and (w3.format != w.format or w3.packed.shape != w.packed.shape or w3.scale.shape != w.scale.shape
                   or (w3.zero_point is None) != (w.zero_point is None)):
@@ -507,7 +542,11 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
     b, b3 = (bias, bias3 if gated else bias) if bias is not None else (dummy, dummy)
     act = act or SwiGLU()
     split = _split(cfg, w.k)
-    grid = (triton.cdiv(w.n, cfg.block_n), block_expert.numel(), split)
+    n_tiles = triton.cdiv(padded_k(w.n) if perm_out else w.n, cfg.block_n)  # PERM_OUT pads the next GEMM's K
+    # 16-byte weight loads need rows of words on 16 bytes.
+    words_16b = all(t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0 and t.data_ptr() % 16 == 0
+                    for t in (words, words3))
+    grid = (n_tiles, block_expert.numel(), split)
     return _moe_gemm_kernel[grid](
         a, a.stride(0),
         words, w.scale, gs, zp,
@@ -524,20 +563,20 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         ALPHA=float(act.alpha), COMPUTE=_TL_DTYPES[compute], ASM=compute == torch.bfloat16,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", PERM_OUT=perm_out,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_K=w.k % cfg.block_k == 0, WORDS_16B=words_16b, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def _split(cfg: KernelConfig, k: int) -> int:
     """K slices for a GEMM of depth k: the most, up to cfg.split_k, that divide its K tiles."""
-    return max(s for s in range(1, cfg.split_k + 1) if (k // cfg.block_k) % s == 0)
+    return max(s for s in range(1, cfg.split_k + 1) if triton.cdiv(k, cfg.block_k) % s == 0)
 
 
 def gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act, b1=None, b3=None,
             perm_out=True) -> torch.Tensor:
     """The intermediate h [pairs, I] (compute dtype) = act(a W1.T + b1, a W3.T + b3) for a's rows,
-    its columns permuted for `down` when perm_out."""
-    h = torch.empty(pairs, w1.n, dtype=compute, device=a.device)
+    its columns permuted for `down` when perm_out (and then zero-padded to whole K tiles)."""
+    h = torch.empty(pairs, padded_k(w1.n) if perm_out else w1.n, dtype=compute, device=a.device)
     split = _split(cfg, w1.k)
     if split == 1:
         _launch(a, top_k, w1, w3, h, sorted_ids, block_expert, None, pairs, compute, cfg, act, b1, b3,
@@ -546,7 +585,7 @@ def gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act
     part = torch.empty(split, 2, pairs, w1.n, dtype=torch.float32, device=a.device)
     _launch(a, top_k, w1, w3, part, sorted_ids, block_expert, None, pairs, compute, cfg, act, b1, b3)
     block = 1024
-    _swiglu_partials_kernel[(pairs, triton.cdiv(w1.n, block))](
+    _swiglu_partials_kernel[(pairs, triton.cdiv(h.shape[1], block))](
         part, part.stride(0), part.stride(1), h, h.stride(0), w1.n, ACTIVATION=_ACTIVATION_CODES[act.kind],
         LIMIT=float(act.limit), ALPHA=float(act.alpha), SPLIT_K=split, PERM_OUT=perm_out, BLOCK_K=cfg.block_k,
         BLOCK=block, num_warps=4)
