@@ -19,7 +19,8 @@ from moe_fixtures import make_layer, nvfp4_dense, random_mxfp4  # noqa: E402
 from requant.errors import FormatError  # noqa: E402
 from requant.formats import mxfp4  # noqa: E402
 from requant.formats.engine_numerics import fake_quantize_activations  # noqa: E402
-from requant.kernels.fused_moe import ExpertWeights, KernelConfig, _words, fused_moe, moe_align  # noqa: E402
+from requant.kernels.fused_moe import (ExpertWeights, KernelConfig, _moe_align_torch, _words, fused_moe,  # noqa: E402
+                                       moe_align, permute_k, prepare)
 from requant.moe import Activation, MoEConfig, MoELayer, Router, route, routed_experts  # noqa: E402
 
 EXPERTS, HIDDEN, INTER, LIMIT = 8, 256, 128, 10.0
@@ -169,12 +170,15 @@ def test_hash_layer_routing():
     assert_matches(y, ref)
 
 
-def test_moe_align_invariants():
+@pytest.mark.parametrize("align", [moe_align, _moe_align_torch])
+def test_moe_align_invariants(align):
+    """Both ways of aligning (one Triton program at decode sizes, torch's sort beyond)."""
     gen = torch.Generator().manual_seed(6)
-    for tokens, top_k, block in [(1, 6, 16), (13, 3, 4), (40, 2, 16)]:
+    # (60, 4, 4): 68 blocks, more than one pass of the Triton program's 32-block loop.
+    for tokens, top_k, block in [(1, 6, 16), (13, 3, 4), (40, 2, 16), (60, 4, 4)]:
         ids, _ = random_routing(tokens, top_k, gen)
         ids[: tokens // 2] = ids[0]  # skew the load onto a few experts
-        sorted_ids, block_expert = moe_align(ids, EXPERTS, block)
+        sorted_ids, block_expert = align(ids, EXPERTS, block)
         pairs = tokens * top_k
         real = sorted_ids[sorted_ids < pairs]
         assert torch.equal(real.sort().values, torch.arange(pairs, dtype=torch.int32))  # each pair once
@@ -189,6 +193,22 @@ def test_moe_align_invariants():
         used = block_expert[block_expert >= 0]
         assert torch.equal(used, used.sort().values)
         assert (block_expert[len(used):] == -1).all()
+        assert (sorted_ids.view(-1, block)[len(used):] == pairs).all()
+        # Within an expert, pairs in their own order (either way, so the two agree exactly).
+        assert all(torch.equal(run, run.sort().values) for run in
+                   (real[(ids.flatten()[real.long()] == e)] for e in range(EXPERTS)))
+
+
+def test_prepared_activations_are_permuted_and_padded(monkeypatch):
+    """The one-launch prologue's A equals `permute_k` of x in the compute dtype, zeros padding
+    K = 160 to two whole tiles (whatever the buffer held before); its alignment equals torch's."""
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(5, 200, generator=gen).bfloat16()[:, :160]  # rows further apart than K
+    ids, _ = random_routing(5, 3, gen)
+    poison_float_buffers(monkeypatch)
+    a, sorted_ids, block_expert = prepare(x, ids, EXPERTS, 16, torch.float32)
+    assert a.dtype == torch.float32 and torch.equal(a, permute_k(x.float(), 128))
+    assert all(torch.equal(p, q) for p, q in zip((sorted_ids, block_expert), _moe_align_torch(ids, EXPERTS, 16)))
 
 
 def test_rejects_mismatched_scales():

@@ -91,13 +91,27 @@ def default_config(pairs: int, experts: int) -> KernelConfig:
     return KernelConfig(128, 128, 128, num_warps=8, num_stages=3)
 
 
+ALIGN_PAIRS = 2048  # pairs up to which one program aligns them (`_align`); beyond, torch's sort
+
+
+def _max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
+    # Each non-empty expert wastes less than one block, so this many blocks always suffice.
+    return triton.cdiv(pairs, block_m) + min(num_experts, pairs)
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort (token, k) pairs by expert, padding each expert's run to a multiple of block_m.
 
     Returns `sorted_ids` (pair index = token * top_k + k, or the pair count as padding) and
     `block_expert` (expert of each block of block_m rows, -1 for unused blocks). Sizes are upper
-    bounds known on the host, so nothing waits for the device.
+    bounds known on the host, so nothing waits for the device. One launch up to ALIGN_PAIRS pairs
+    (`prepare`), a dozen torch operations beyond.
     """
+    _, sorted_ids, block_expert = prepare(None, topk_ids, num_experts, block_m, None)
+    return sorted_ids, block_expert
+
+
+def _moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     flat = topk_ids.flatten().long()
     pairs = flat.numel()
     device = flat.device
@@ -109,13 +123,94 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     expert_of = flat[order]
     rank = torch.arange(pairs, device=device) - (torch.cumsum(counts, 0) - counts)[expert_of]
     dest = (block_end - blocks)[expert_of] * block_m + rank
-    # Each non-empty expert wastes less than one block, so this many blocks always suffice.
-    max_blocks = triton.cdiv(pairs, block_m) + min(num_experts, pairs)
+    max_blocks = _max_blocks(pairs, num_experts, block_m)
     sorted_ids = torch.full((max_blocks * block_m,), pairs, dtype=torch.int32, device=device)
     sorted_ids[dest] = order.to(torch.int32)
     block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=device), right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     return sorted_ids, block_expert
+
+
+def prepare(x: torch.Tensor | None, topk_ids: torch.Tensor, num_experts: int, block_m: int,
+            compute: torch.dtype | None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The GEMMs' inputs: A = x in the compute dtype, permuted and padded as `permute_k` does (None
+    without x), and `moe_align`'s sorted_ids and block_expert. One launch (`_prologue_kernel`) at
+    decode sizes, where the launches, not the work, took the time."""
+    pairs = topk_ids.numel()
+    device = topk_ids.device
+    max_blocks = _max_blocks(pairs, num_experts, block_m)
+    align = pairs <= ALIGN_PAIRS
+    if align:
+        sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
+        block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    else:
+        sorted_ids, block_expert = _moe_align_torch(topk_ids, num_experts, block_m)
+    rows, a = 0, None
+    if x is not None:
+        rows = x.shape[0]
+        a = torch.empty(rows, padded_k(x.shape[1]), dtype=compute, device=device)
+    if align or rows:
+        ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+        xa = a if x is None else x  # (unused without x)
+        _prologue_kernel[(int(align) + rows,)](
+            ids, sorted_ids, block_expert, pairs, num_experts, max_blocks,
+            xa, 0 if x is None else x.stride(0), 0 if x is None else x.stride(1), 0 if x is None else x.shape[1],
+            a if a is not None else sorted_ids, 0 if a is None else a.stride(0),
+            ALIGN=int(align), BLOCK_M=block_m, PAIRS=triton.next_power_of_2(max(pairs, 2)),
+            EXPERTS=triton.next_power_of_2(num_experts + 1), BLOCKS=min(32, triton.next_power_of_2(max_blocks)),
+            BLOCK_K=K_TILE, CHUNK=1024, num_warps=4)
+    return a, sorted_ids, block_expert
+
+
+@triton.jit
+def _prologue_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks,
+                     x_ptr, stride_xm, stride_xk, K, a_ptr, stride_am,
+                     ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr,
+                     BLOCKS: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+    """Program 0 (if ALIGN = 1) aligns the pairs (`_align`); each further program writes one row of A:
+    x's row cast, its columns in `permute_k`'s order, zeros up to whole K tiles."""
+    pid = tl.program_id(0)
+    if pid < ALIGN:
+        _align(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks, BLOCK_M, PAIRS,
+               EXPERTS, BLOCKS)
+    else:
+        row = (pid - ALIGN).to(tl.int64)
+        for c0 in range(0, tl.cdiv(K, BLOCK_K) * BLOCK_K, CHUNK):
+            p = c0 + tl.arange(0, CHUNK)
+            t = p % BLOCK_K  # column 32q + 8m + 2l + n0 of a tile holds x's 32l + 8q + 2m + n0
+            col = p - t + ((t >> 1) & 3) * 32 + (t >> 5) * 8 + ((t >> 3) & 3) * 2 + (t & 1)
+            v = tl.load(x_ptr + row * stride_xm + col * stride_xk, mask=col < K, other=0.0)
+            tl.store(a_ptr + row * stride_am + p, v.to(a_ptr.dtype.element_ty), mask=p < tl.cdiv(K, BLOCK_K) * BLOCK_K)
+
+
+@triton.jit
+def _align(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks, BLOCK_M: tl.constexpr,
+           PAIRS: tl.constexpr, EXPERTS: tl.constexpr, BLOCKS: tl.constexpr):
+    """`moe_align` in one program, for up to PAIRS pairs and EXPERTS - 1 experts (the last bin
+    counts the padding): a histogram and its prefix sums give each expert's first block and first
+    place in the pairs sorted by expert; each slot of each block then looks its pair up."""
+    offs = tl.arange(0, PAIRS)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=num_experts).to(tl.int32)
+    e = tl.arange(0, EXPERTS)
+    counts = tl.where(e < num_experts, tl.histogram(ids, EXPERTS), 0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, 0)
+    block_start = block_end - blocks
+    pair_start = tl.cumsum(counts, 0) - counts
+    order = tl.sort(ids * PAIRS + offs) % PAIRS  # pair indices by expert, in pair order within one
+    slot = tl.arange(0, BLOCK_M)
+    for b0 in range(0, max_blocks, BLOCKS):
+        b = b0 + tl.arange(0, BLOCKS)
+        expert = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), axis=1)  # searchsorted, right
+        used = expert < num_experts
+        tl.store(block_expert_ptr + b, tl.where(used, expert, -1), mask=b < max_blocks)
+        ex = tl.minimum(expert, num_experts - 1)
+        rank = (b - tl.gather(block_start, ex, 0))[:, None] * BLOCK_M + slot[None, :]
+        real = used[:, None] & (rank < tl.gather(counts, ex, 0)[:, None])
+        src = tl.where(real, tl.gather(pair_start, ex, 0)[:, None] + rank, 0)
+        pair = tl.reshape(tl.gather(order, tl.reshape(src, (BLOCKS * BLOCK_M,)), 0), (BLOCKS, BLOCK_M))
+        dest = b[:, None] * BLOCK_M + slot[None, :]
+        tl.store(sorted_ids_ptr + dest, tl.where(real, pair, num_pairs), mask=(b < max_blocks)[:, None])
 
 
 @triton.jit
@@ -422,7 +517,7 @@ def _moe_gemm_kernel(
         else:
             acc = _swiglu(acc, acc3, ACTIVATION, LIMIT, ALPHA)
     if ROUTE_WEIGHT:
-        acc *= tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[None, :]
+        acc *= tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)[None, :]
     cols = _out_columns(offs_n, PERM_OUT and SPLIT_K == 1, BLOCK_K)
     out_ptrs = out_ptr + pairs.to(tl.int64)[None, :] * stride_om + cols[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -593,8 +688,9 @@ def gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act
 
 
 def down(h, w2, sorted_ids, block_expert, route_w, pairs, compute, cfg, b2=None) -> torch.Tensor:
-    """Per-pair outputs (h W2.T + b2) * routing weight: [S, pairs, H], FP32 partials when split (S
-    slices), else the compute dtype (BF16 on the GPU halves this buffer's traffic)."""
+    """Per-pair outputs (h W2.T + b2) * routing weight (route_w: [pairs], any float dtype): [S, pairs,
+    H], FP32 partials when split (S slices), else the compute dtype (BF16 on the GPU halves this
+    buffer's traffic)."""
     split = _split(cfg, w2.k)
     y = torch.empty(split, pairs, w2.n, dtype=torch.float32 if split > 1 else compute, device=h.device)
     _launch(h, 1, w2, None, y if split > 1 else y[0], sorted_ids, block_expert, route_w, pairs, compute, cfg, None,
@@ -646,16 +742,38 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
                          "activation='swiglu_oai' and only then")
     act = SwiGLU(activation, swiglu_limit, 1.0 if swiglu_alpha is None else swiglu_alpha)
     cfg = config or default_config(pairs, w1.experts)
-    sorted_ids, block_expert = moe_align(topk_ids, w1.experts, cfg.block_m)
     if activation_scales is not None:
         x = fake_quantize_activations(x.bfloat16(), activation_scales[0])
-    a = permute_k(x.to(compute), cfg.block_k)
+    a, sorted_ids, block_expert = prepare(x, topk_ids, w1.experts, cfg.block_m, compute)
     quantize_h = activation_scales is not None  # in the natural column order, then permuted here
     h = gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act, b1, b3,
                 perm_out=not quantize_h)
     if quantize_h:
         h = permute_k(fake_quantize_activations(h.bfloat16(), activation_scales[1]).to(compute), cfg.block_k)
-    route_w = topk_weights.to(torch.float32).flatten().contiguous()
-    y = down(h, w2, sorted_ids, block_expert, route_w, pairs, compute, cfg, b2)
-    # The top-k (and split-K) sum accumulates in FP32.
-    return y.view(-1, tokens, top_k, hidden).sum((0, 2), dtype=torch.float32).to(torch.bfloat16)
+    y = down(h, w2, sorted_ids, block_expert, topk_weights.contiguous(), pairs, compute, cfg, b2)
+    return topk_sum(y, top_k)
+
+
+def topk_sum(y: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[T, H] BF16 from `down`'s [S, T * top_k, H]: the sum over slices and top-k in FP32, one launch."""
+    slices, pairs, hidden = y.shape
+    # Triton's interpreter truncates to BF16 (the GPU rounds): there torch rounds the FP32 sums.
+    out = torch.empty(pairs // top_k, hidden, dtype=torch.float32 if interpreting() else torch.bfloat16,
+                      device=y.device)
+    block = 1024
+    _topk_sum_kernel[(pairs // top_k, triton.cdiv(hidden, block))](
+        y, y.stride(0), y.stride(1), out, hidden, SLICES=slices, TOP_K=top_k, BLOCK=block, num_warps=4)
+    return out.to(torch.bfloat16)
+
+
+@triton.jit
+def _topk_sum_kernel(y_ptr, stride_ys, stride_ym, out_ptr, H, SLICES: tl.constexpr, TOP_K: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SLICES):
+        for k in tl.static_range(TOP_K):
+            acc += tl.load(y_ptr + s * stride_ys + (token * TOP_K + k) * stride_ym + offs, mask=mask).to(tl.float32)
+    tl.store(out_ptr + token * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
