@@ -451,9 +451,9 @@ def _moe_gemm_kernel(
     offs_w = tl.arange(0, KW)
     a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[None, :] * stride_am + tl.arange(0, BLOCK_K)[:, None]
     words_k = K // 8  # words per row that hold weights
-    if WORDS_16B:
-        stride_wn = tl.multiple_of(stride_wn, 4)
-        words_k = tl.multiple_of(words_k, 4)
+    if WORDS_16B:  # as products of 4 (tl.multiple_of on an argument is lost), both are known multiples of 4
+        stride_wn = stride_wn // 4 * 4
+        words_k = K // 32 * 4
     w_offs = offs_n[:, None] * stride_wn + offs_w[None, :]
 
     e = expert.to(tl.int64)
