@@ -142,6 +142,7 @@ def bf16_baseline(w13, w2d, x, ids, weights):
 
 
 def main():
+    global E, H, I, TOP_K
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,4,16,64,256,1024,4096,16384")
     ap.add_argument("--formats", default="nvfp4,int4,mxfp4")
@@ -154,7 +155,6 @@ def main():
     ap.add_argument("--experts", type=int, default=E)
     ap.add_argument("--top-k", type=int, default=TOP_K)
     args = ap.parse_args()
-    global E, H, I, TOP_K
     E, H, I, TOP_K = args.experts, args.hidden, args.intermediate, args.top_k
     tokens_list = [int(t) for t in args.tokens.split(",")]
     formats = args.formats.split(",")

@@ -156,7 +156,7 @@ def prepare(x: torch.Tensor | None, topk_ids: torch.Tensor, num_experts: int, bl
             ids, sorted_ids, block_expert, pairs, num_experts, max_blocks,
             xa, 0 if x is None else x.stride(0), 0 if x is None else x.stride(1), 0 if x is None else x.shape[1],
             a if a is not None else sorted_ids, 0 if a is None else a.stride(0),
-            ALIGN=int(align), BLOCK_M=block_m, PAIRS=triton.next_power_of_2(max(pairs, 2)),
+            ALIGN=align, BLOCK_M=block_m, PAIRS=triton.next_power_of_2(max(pairs, 2)) if align else 2,
             EXPERTS=triton.next_power_of_2(num_experts + 1), BLOCKS=min(32, triton.next_power_of_2(max_blocks)),
             BLOCK_K=K_TILE, CHUNK=1024, num_warps=4)
     return a, sorted_ids, block_expert
@@ -167,20 +167,30 @@ def _prologue_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, num_e
                      x_ptr, stride_xm, stride_xk, K, a_ptr, stride_am,
                      ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr,
                      BLOCKS: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
-    """Program 0 (if ALIGN = 1) aligns the pairs (`_align`); each further program writes one row of A:
-    x's row cast, its columns in `permute_k`'s order, zeros up to whole K tiles."""
+    """Program 0 (if ALIGN) aligns the pairs (`_align`); each further program writes one row of A
+    (`_permute_row`). Without ALIGN `_align` is not compiled: its sort would not fit PAIRS there."""
     pid = tl.program_id(0)
-    if pid < ALIGN:
-        _align(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks, BLOCK_M, PAIRS,
-               EXPERTS, BLOCKS)
+    if ALIGN:
+        if pid == 0:
+            _align(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks, BLOCK_M, PAIRS,
+                   EXPERTS, BLOCKS)
+        else:
+            _permute_row(x_ptr, stride_xm, stride_xk, K, a_ptr, stride_am, pid - 1, BLOCK_K, CHUNK)
     else:
-        row = (pid - ALIGN).to(tl.int64)
-        for c0 in range(0, tl.cdiv(K, BLOCK_K) * BLOCK_K, CHUNK):
-            p = c0 + tl.arange(0, CHUNK)
-            t = p % BLOCK_K  # column 32q + 8m + 2l + n0 of a tile holds x's 32l + 8q + 2m + n0
-            col = p - t + ((t >> 1) & 3) * 32 + (t >> 5) * 8 + ((t >> 3) & 3) * 2 + (t & 1)
-            v = tl.load(x_ptr + row * stride_xm + col * stride_xk, mask=col < K, other=0.0)
-            tl.store(a_ptr + row * stride_am + p, v.to(a_ptr.dtype.element_ty), mask=p < tl.cdiv(K, BLOCK_K) * BLOCK_K)
+        _permute_row(x_ptr, stride_xm, stride_xk, K, a_ptr, stride_am, pid, BLOCK_K, CHUNK)
+
+
+@triton.jit
+def _permute_row(x_ptr, stride_xm, stride_xk, K, a_ptr, stride_am, row, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+    """A's row: x's row cast, its columns in `permute_k`'s order, zeros up to whole K tiles."""
+    row = row.to(tl.int64)
+    width = tl.cdiv(K, BLOCK_K) * BLOCK_K
+    for c0 in range(0, width, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        t = p % BLOCK_K  # column 32q + 8m + 2l + n0 of a tile holds x's 32l + 8q + 2m + n0
+        col = p - t + ((t >> 1) & 3) * 32 + (t >> 5) * 8 + ((t >> 3) & 3) * 2 + (t & 1)
+        v = tl.load(x_ptr + row * stride_xm + col * stride_xk, mask=col < K, other=0.0)
+        tl.store(a_ptr + row * stride_am + p, v.to(a_ptr.dtype.element_ty), mask=p < width)
 
 
 @triton.jit
