@@ -103,9 +103,16 @@ def layer_bytes(ws, ids) -> int:
     return used * per_expert
 
 
-def check(fmt, ws, gen, tokens, cfg=None, activation_scales=None, oai=False):
+def split_format(f: str) -> tuple[str, torch.dtype]:
+    """"nvfp4-fp16" is NVFP4 weights through the FP16 route; other names compute in BF16."""
+    return (f[:-5], torch.float16) if f.endswith("-fp16") else (f, torch.bfloat16)
+
+
+def check(fmt, ws, gen, tokens, cfg=None, activation_scales=None, oai=False, compute=torch.bfloat16):
     """Kernel vs FP32 torch reference; with activation_scales (W4A4) the reference gets the same
-    NVFP4-quantized GEMM inputs; oai: gpt-oss's activation with BF16 biases on all three GEMMs."""
+    NVFP4-quantized GEMM inputs; oai: gpt-oss's activation with BF16 biases on all three GEMMs.
+    Returns the relative error for each compute dtype (BF16, and `compute` if another) on the same
+    inputs, and whether every output was finite."""
     w1, w3, w2 = ws
     ids, weights = routing(tokens, gen)
     x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
@@ -115,7 +122,8 @@ def check(fmt, ws, gen, tokens, cfg=None, activation_scales=None, oai=False):
         act = OAI
         kwargs = dict(activation=OAI.kind, swiglu_limit=OAI.limit, swiglu_alpha=OAI.alpha,
                       b1=biases[0], b3=biases[1], b2=biases[2])
-    y = fm.fused_moe(x, ids, weights, w1, w3, w2, config=cfg, activation_scales=activation_scales, **kwargs)
+    ys = {c: fm.fused_moe(x, ids, weights, w1, w3, w2, config=cfg, activation_scales=activation_scales,
+                          compute_dtype=c, **kwargs) for c in dict.fromkeys((torch.bfloat16, compute))}
     expert = lambda e: (dense(w1, e), dense(w3, e), dense(w2, e), *(b[e] for b in biases))  # noqa: E731
     if activation_scales:
         a13, a2 = activation_scales
@@ -123,8 +131,8 @@ def check(fmt, ws, gen, tokens, cfg=None, activation_scales=None, oai=False):
                              intermediate=lambda h: fake_quantize_activations(h.bfloat16(), a2).float())
     else:
         ref = routed_experts(x, ids, weights, expert, act)
-    rel = float((y.float() - ref).norm() / ref.norm())
-    return rel, bool(torch.isfinite(y).all())
+    rel = {str(c).removeprefix("torch."): float((y.float() - ref).norm() / ref.norm()) for c, y in ys.items()}
+    return rel, all(bool(torch.isfinite(y).all()) for y in ys.values())
 
 
 def bf16_baseline(w13, w2d, x, ids, weights):
@@ -178,28 +186,30 @@ def main():
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
 
     weights = {f: [random_weights(f, n, k, gen) for n, k in ((I, H), (I, H), (H, I))]
-               for f in dict.fromkeys(formats + ["int4-asym"])}
+               for f in dict.fromkeys(split_format(f)[0] for f in formats + ["int4-asym"])}
     cases = [(1, None, None), (64, None, None), (4096, None, None),
              (300, fm.KernelConfig(64, 128, 128, 4, 4), None), (1, fm.KernelConfig(16, 64, 128, 4, 4, split_k=8), None),
              (5, fm.KernelConfig(16, 128, 128, 8, 4, 2), None)]
     for f, ws in weights.items():
+        compute = torch.float16 if f == "nvfp4" and "nvfp4-fp16" in formats else torch.bfloat16
         extra = [(64, None, (0.002, 0.004)), (1, None, (1.0, 1.0))] if f == "nvfp4" else []
         for tokens, cfg, scales, oai in [(t, c, s, False) for t, c, s in cases + extra] + [(1, None, None, True),
                                                                                       (64, None, None, True)]:
             try:
-                rel, finite = check(f, ws, gen, tokens, cfg, scales, oai)
+                rel, finite = check(f, ws, gen, tokens, cfg, scales, oai, compute)
             except Exception:  # report and go on: the timings are still worth having
                 traceback.print_exc()
                 continue
             results["correctness"].append({"format": f, "tokens": tokens, "config": str(cfg), "w4a4": scales,
                                            "oai": oai, "rel_err": rel, "finite": finite})
-            print(f"check {f:9s} tokens {tokens:5d} cfg {cfg} w4a4 {scales} oai {oai}: rel err {rel:.2e} "
+            errs = ", ".join(f"{c} {e:.2e}" for c, e in rel.items())
+            print(f"check {f:9s} tokens {tokens:5d} cfg {cfg} w4a4 {scales} oai {oai}: rel err {errs} "
                   f"finite {finite}", flush=True)
     if "int4-asym" not in formats:
         del weights["int4-asym"]
 
     # Is the GEMM on wgmma? Look at the compiled kernel of the large-batch config.
-    w1, w3, w2 = weights[formats[0]]
+    w1, w3, w2 = weights[split_format(formats[0])[0]]
     for cfg in (dataclasses.replace(fm.default_config(6, E), split_k=1), fm.default_config(6 * 16384, E)):
         try:
             ids, _ = routing(64, gen)
@@ -220,7 +230,7 @@ def main():
             traceback.print_exc()
 
     # BF16 baseline first (same run), dequantized from the first format's weights (the values do not change the time).
-    w1, w3, w2 = weights[formats[0]]
+    w1, w3, w2 = weights[split_format(formats[0])[0]]
     w13 = torch.stack([torch.cat([dense(w1, e), dense(w3, e)]).bfloat16() for e in range(E)])
     w2d = torch.stack([dense(w2, e).bfloat16() for e in range(E)])
     for tokens in tokens_list:
@@ -237,7 +247,8 @@ def main():
     del w13, w2d
 
     for f in formats:
-        w1, w3, w2 = weights[f]
+        fmt, compute = split_format(f)
+        w1, w3, w2 = weights[fmt]
         for tokens in tokens_list:
             ids, rw = routing(tokens, gen)
             x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
@@ -247,7 +258,9 @@ def main():
             best = None
             for cfg in cfgs:
                 try:
-                    t_full = do_bench_cudagraph(lambda: fm.fused_moe(x, ids, rw, w1, w3, w2, config=cfg), rep=200, return_mode="median")
+                    t_full = do_bench_cudagraph(lambda: fm.fused_moe(x, ids, rw, w1, w3, w2, config=cfg,
+                                                                     compute_dtype=compute),
+                                                rep=200, return_mode="median")
                 except Exception as e:  # a config that does not compile or fit is skipped, not fatal
                     print(f"  {f} {tokens} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
@@ -260,14 +273,14 @@ def main():
             if best is None:
                 continue
             t_full, cfg = best
-            a, sorted_ids, block_expert = fm.prepare(x, ids, E, cfg.block_m, torch.bfloat16)
+            a, sorted_ids, block_expert = fm.prepare(x, ids, E, cfg.block_m, compute)
             rwf = rw.flatten().contiguous()
             pairs = tokens * TOP_K
 
             def gemms():  # the two GEMMs (with split-K's SwiGLU of the partials), no prologue, no top-k sum
-                h = fm.gate_up(a, TOP_K, w1, w3, sorted_ids, block_expert, pairs, torch.bfloat16, cfg,
+                h = fm.gate_up(a, TOP_K, w1, w3, sorted_ids, block_expert, pairs, compute, cfg,
                                fm.SwiGLU(limit=LIMIT))
-                fm.down(h, w2, sorted_ids, block_expert, rwf, pairs, torch.bfloat16, cfg)
+                fm.down(h, w2, sorted_ids, block_expert, rwf, pairs, compute, cfg)
             t_gemm = do_bench_cudagraph(gemms, rep=200, return_mode="median")
             row = {"format": f, "tokens": tokens, "config": str(cfg), "ms_full": t_full, "ms_gemms": t_gemm,
                    "bytes": nbytes, "flops": flops}
@@ -280,7 +293,7 @@ def main():
         other = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = other  # its dataclasses look their module up
         spec.loader.exec_module(other)
-        for f in formats:
+        for f in (f for f in formats if split_format(f)[1] == torch.bfloat16):  # the older kernel: BF16 only
             w1, w3, w2 = weights[f]
             for tokens in tokens_list:
                 ids, rw = routing(tokens, gen)

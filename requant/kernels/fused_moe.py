@@ -305,7 +305,30 @@ def _pair_asm(int4: bool, asym: bool, m: int) -> str:
     return "\n".join(lines + ["fma.rn.bf16x2 t, t, s, z;", "mov.b32 {$0, $1}, t;", "}"])
 
 
+def _pair_asm_f16(m: int) -> str:
+    """PTX turning byte m of a word of E2M1 codes ($2) into its two weights as one f16x2 ($0, $1),
+    times the block scale's FP16 bits ($3) and 2^-6 (the caller's global scale takes 2^6 back).
+
+    An E2M1 code's sign moved to bit 7 and its 3 magnitude bits to bits 2-4 make an E4M3 byte
+    worth exactly code x 2^-6 (magnitude 1, the subnormal 0.5, lands as an E4M3 subnormal), which
+    Hopper converts two at a time (`cvt.rn.f16x2.e4m3x2`). The E4M3 bytes of the word's even
+    nibbles (t) and odd nibbles (u) are the same for its 4 bytes (ptxas computes them once); a
+    permute pairs byte m of each. code x 2^-6 x scale is exact in FP16: at most 6 significant
+    bits, from 2^-16 (a subnormal, still exact) to 6 x 2^-6 x 448 = 42. About 5 instructions per
+    pair against 6 for the BF16 route (scripts/bench_moe_results.md, run 7).
+    """
+    return "\n".join([
+        "{", ".reg .b32 t, u, v, s;", ".reg .b16 e, f;",
+        "shl.b32 t, $2, 2;", "and.b32 t, t, 0x1C1C1C1C;", "shl.b32 u, $2, 4;",
+        "lop3.b32 t, t, u, 0x80808080, 0xF8;",  # t | (u & 0x80808080): even nibbles' E4M3 bytes
+        "shr.b32 u, $2, 2;", "and.b32 u, u, 0x1C1C1C1C;",
+        "lop3.b32 u, u, $2, 0x80808080, 0xF8;",  # odd nibbles' E4M3 bytes
+        f"prmt.b32 v, t, u, {m | (4 + m) << 4:#x};", "mov.b32 {e, f}, v;", "cvt.rn.f16x2.e4m3x2 v, e;",
+        "mov.b32 s, {$3, $3};", "mul.rn.f16x2 v, v, s;", "mov.b32 {$0, $1}, v;", "}"])
+
+
 # Indexed by the byte m.
+_ASM_E2M1_F16 = tl.constexpr(tuple(_pair_asm_f16(m) for m in range(4)))
 _ASM_FP4 = tl.constexpr(tuple(_pair_asm(False, False, m) for m in range(4)))
 _ASM_INT4 = tl.constexpr(tuple(_pair_asm(True, False, m) for m in range(4)))
 _ASM_INT4_ZP = tl.constexpr(tuple(_pair_asm(True, True, m) for m in range(4)))
@@ -328,10 +351,23 @@ def _asm_pair(words, s, nz, M: tl.constexpr, FMT: tl.constexpr, HAS_ZP: tl.const
 
 
 @triton.jit
+def _asm_pair_f16(words, s, M: tl.constexpr):
+    return tl.inline_asm_elementwise(_ASM_E2M1_F16[M], "=h,=h,r,h", [words, s], (tl.float16, tl.float16), True, 1)
+
+
+@triton.jit
 def _dequant(words, scale_raw, zero, FMT: tl.constexpr, HAS_ZP: tl.constexpr, COMPUTE: tl.constexpr,
              ASM: tl.constexpr):
-    """The 8 nibble planes of a word tile as COMPUTE tiles: plane j holds nibble j of each word."""
-    if ASM:
+    """The 8 nibble planes of a word tile as COMPUTE tiles: plane j holds nibble j of each word.
+    FP16 (NVFP4 only, `_pair_asm_f16`): the planes are 2^-6 times the weights."""
+    if ASM and COMPUTE == tl.float16:
+        s = scale_raw.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.int16, bitcast=True)
+        p0, p1 = _asm_pair_f16(words, s, 0)
+        p2, p3 = _asm_pair_f16(words, s, 1)
+        p4, p5 = _asm_pair_f16(words, s, 2)
+        p6, p7 = _asm_pair_f16(words, s, 3)
+        planes = (p0, p1, p2, p3, p4, p5, p6, p7)
+    elif ASM:
         s = _scale_bf16_bits(scale_raw, FMT)
         nz = (zero | 0xC300).to(tl.int16)  # BF16 bits of -(128 + zero); unused unless HAS_ZP
         p0, p1 = _asm_pair(words, s, nz, 0, FMT, HAS_ZP)
@@ -510,15 +546,17 @@ def _moe_gemm_kernel(
     offs_n = pid_n * BLOCK_N + _mma_rows(BLOCK_N)  # the accumulator's rows
     n_mask = offs_n < N
     n_store = tl.cdiv(N, BLOCK_K) * BLOCK_K if PERM_OUT else N  # the zeros of a padded last tile too
+    # The FP16 route's weights are 2^-6 times the true ones (`_pair_asm_f16`).
+    gs_factor: tl.constexpr = 64.0 if ASM and COMPUTE == tl.float16 else 1.0
     if HAS_GLOBAL:
-        acc *= tl.load(gs_ptr + e)
+        acc *= tl.load(gs_ptr + e) * gs_factor
     if HAS_BIAS:
         acc += _bias(b_ptr, e, stride_be, stride_bn, offs_n, n_mask, pid_k, SPLIT_K)
     out_ptr += pid_k * stride_os
     out_mask = row_mask[None, :] & (offs_n < n_store)[:, None]
     if GATED:
         if HAS_GLOBAL:
-            acc3 *= tl.load(gs3_ptr + e)  # w3's own global scale, never w1's
+            acc3 *= tl.load(gs3_ptr + e) * gs_factor  # w3's own global scale, never w1's
         if HAS_BIAS:
             acc3 += _bias(b3_ptr, e, stride_be, stride_bn, offs_n, n_mask, pid_k, SPLIT_K)
         if SPLIT_K > 1:
@@ -596,7 +634,7 @@ def permute_k(x: torch.Tensor, block_k: int) -> torch.Tensor:
     return x.view(rows, padded // block_k, 4, 4, 4, 2).permute(0, 1, 3, 4, 2, 5).reshape(rows, padded)
 
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
@@ -633,6 +671,8 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
                          "words)")
     if a.shape[1] != padded_k(w.k):
         raise ValueError(f"A has {a.shape[1]} columns, not K={w.k} padded to whole tiles (`permute_k`)")
+    if compute == torch.float16 and w.format != "nvfp4":
+        raise ValueError(f"FP16 compute is NVFP4's route (`_pair_asm_f16`), not {w.format}'s")
     gated = w3 is not None
     if gated and (w3.format != w.format or w3.packed.shape != w.packed.shape or w3.scale.shape != w.scale.shape
                   or (w3.zero_point is None) != (w.zero_point is None)):
@@ -665,7 +705,7 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         A_ROW_DIV=a_row_div, FMT=w.codec.kernel_code, GROUP=w.group, HAS_ZP=w.zero_point is not None,
         HAS_GLOBAL=w.global_scale is not None, HAS_BIAS=bias is not None, GATED=gated,
         ROUTE_WEIGHT=route_w is not None, ACTIVATION=_ACTIVATION_CODES[act.kind], LIMIT=float(act.limit),
-        ALPHA=float(act.alpha), COMPUTE=_TL_DTYPES[compute], ASM=compute == torch.bfloat16,
+        ALPHA=float(act.alpha), COMPUTE=_TL_DTYPES[compute], ASM=compute != torch.float32,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", PERM_OUT=perm_out,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
         EVEN_K=w.k % cfg.block_k == 0, WORDS_16B=words_16b, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -700,9 +740,10 @@ def gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act
 def down(h, w2, sorted_ids, block_expert, route_w, pairs, compute, cfg, b2=None) -> torch.Tensor:
     """Per-pair outputs (h W2.T + b2) * routing weight (route_w: [pairs], any float dtype): [S, pairs,
     H], FP32 partials when split (S slices), else the compute dtype (BF16 on the GPU halves this
-    buffer's traffic)."""
+    buffer's traffic; BF16 too with FP16 compute, whose range the outputs need not fit)."""
     split = _split(cfg, w2.k)
-    y = torch.empty(split, pairs, w2.n, dtype=torch.float32 if split > 1 else compute, device=h.device)
+    dtype = torch.float32 if split > 1 else torch.bfloat16 if compute == torch.float16 else compute
+    y = torch.empty(split, pairs, w2.n, dtype=dtype, device=h.device)
     _launch(h, 1, w2, None, y if split > 1 else y[0], sorted_ids, block_expert, route_w, pairs, compute, cfg, None,
             b2)
     return y
@@ -738,6 +779,9 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     split so: de-interleave those first).
     activation_scales: (input_scale of w1/w3, of w2) to emulate a W4A4 engine: each GEMM's input
     (x, then the BF16 intermediate) is quantized to NVFP4 and decoded before the weights meet it.
+    compute_dtype: the GEMM inputs' dtype: BF16 on the GPU by default, FP32 under the interpreter;
+    FP16 for NVFP4 only (fewer instructions per weight, `_pair_asm_f16`): x and the intermediate in
+    FP16, exact for |x| in [2^-14, 65504] (x beyond that range overflows: opt in knowingly).
     """
     compute = compute_dtype or (torch.float32 if interpreting() else torch.bfloat16)
     tokens, hidden = x.shape
