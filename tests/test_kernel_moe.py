@@ -100,21 +100,23 @@ def poison_float_buffers(monkeypatch):
     monkeypatch.setattr(torch, "empty", nan_empty)
 
 
-@pytest.mark.parametrize("fmt,group,hidden,inter,split", [
-    ("mxfp4", 32, 160, 96, 1), ("mxfp4", 32, 160, 96, 2), ("nvfp4-any", 16, 176, 80, 1),
-    ("int4-sym", 32, 96, 160, 1), ("int4-asym", 32, 160, 96, 1),
+@pytest.mark.parametrize("fmt,group,hidden,inter,split,extra", [
+    ("mxfp4", 32, 160, 96, 1, 64), ("mxfp4", 32, 160, 96, 2, 64), ("nvfp4-any", 16, 176, 80, 1, 80),
+    ("int4-sym", 32, 96, 160, 1, 64), ("int4-asym", 32, 160, 96, 1, 64),
 ])
-def test_k_off_whole_tiles(fmt, group, hidden, inter, split, monkeypatch):
+def test_k_off_whole_tiles(fmt, group, hidden, inter, split, extra, monkeypatch):
     """K not a multiple of the 128-wide K tile (gpt-oss: 2880 = 22.5 tiles): the last tile is read
     up to K only, whatever lies beyond it in the weights' rows, and the intermediate's padding
     columns are zeros, not whatever memory held (split 2: w1/w3's 2 tiles in two slices, the last
-    one partial)."""
+    one partial). Rows `extra` longer than K: 64 gives row strides of whole 16-byte vectors with K
+    a multiple of 32 (the kernel's 16-byte route, WORDS_16B), 80 such strides with K = 16 mod 32
+    (which must not take it: its word count is no multiple of 4)."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{fmt}/{hidden}/{inter}/{split}".encode()))
     poison_float_buffers(monkeypatch)
     ids, weights = random_routing(7, 3, gen)
     cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=split)
-    y, ref, _ = run_case(fmt, ids, weights, gen, group=group, hidden=hidden, inter=inter, wrap=garbage_past_k,
-                         config=cfg)
+    y, ref, _ = run_case(fmt, ids, weights, gen, group=group, hidden=hidden, inter=inter, config=cfg,
+                         wrap=lambda w, gen: garbage_past_k(w, gen, extra))
     assert_matches(y, ref)
 
 

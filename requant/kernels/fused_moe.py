@@ -480,8 +480,8 @@ def _moe_gemm_kernel(
     words) beyond K load as zero, so its weights there are exactly zero, and A's columns beyond
     K are zero too (`permute_k` pads x; with PERM_OUT the output's padding columns, up to whole
     tiles, are stored as zeros for the next GEMM). WORDS_16B: the host checked that rows of words
-    start on 16 bytes (K a multiple of 32 and aligned strides); saying so keeps the weight loads
-    16 bytes wide when the stride is not a multiple of 16 words (2880 / 8 = 360).
+    start on 16 bytes and K is a multiple of 32 (whole 4-word vectors); saying so keeps the weight
+    loads 16 bytes wide when the stride is not a multiple of 16 words (2880 / 8 = 360).
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -688,9 +688,9 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
     act = act or SwiGLU()
     split = _split(cfg, w.k)
     n_tiles = triton.cdiv(padded_k(w.n) if perm_out else w.n, cfg.block_n)  # PERM_OUT pads the next GEMM's K
-    # 16-byte weight loads need rows of words on 16 bytes.
-    words_16b = all(t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0 and t.data_ptr() % 16 == 0
-                    for t in (words, words3))
+    # 16-byte weight loads need rows of words on 16 bytes, and K in whole 16-byte vectors.
+    words_16b = w.k % 32 == 0 and all(t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0 and t.data_ptr() % 16 == 0
+                                      for t in (words, words3))
     grid = (n_tiles, block_expert.numel(), split)
     return _moe_gemm_kernel[grid](
         a, a.stride(0),
