@@ -2,7 +2,9 @@
 
 Weights stay packed in device memory as int32 words of 8 nibbles; each program dequantizes its
 weight tile in registers (on the GPU with packed bf16x2 PTX, 2-3 instructions per weight) and
-feeds it to the tensor cores (`tl.dot`, wgmma) against BF16 activations, accumulating in FP32.
+feeds it to the tensor cores (`tl.dot`, wgmma) against BF16 activations, accumulating in FP32
+(NVFP4 may run in FP16 instead, `_pair_asm_f16`). K is padded to whole 128-wide tiles, the last
+one masked (`padded_k`).
 The tile is built in the order of wgmma's register operand (`_mma_tile`), so the dequantized
 weights never pass through shared memory.
 
@@ -11,9 +13,10 @@ when decoding) becomes the MMA's N dimension, which may be as small as 8-16, whi
 fill the 64-row M dimension.
 
 Pairs (token, k) are sorted by expert and padded per expert to the M tile (`moe_align`), as
-serving engines do. Two launches: w1/w3 with their biases and the gated activation fused (`SwiGLU`:
-DeepSeek's clamped SwiGLU or gpt-oss's), then w2 with its bias and the routing weight; the top-k
-sum is a torch reduction.
+serving engines do. Four launches at decode sizes: one prepares the GEMMs' inputs (`prepare`: the
+align and the activations' cast and column order), then w1/w3 with their biases and the gated
+activation fused (`SwiGLU`: DeepSeek's clamped SwiGLU or gpt-oss's), w2 with its bias and the
+routing weight, and the top-k sum (`topk_sum`); split-K adds a fifth.
 
 Under TRITON_INTERPRET=1 (CPU) bf16 dots and arithmetic are wrong, so everything takes a compute
 dtype: float32 there, bfloat16 on the GPU.
