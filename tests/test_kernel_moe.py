@@ -19,6 +19,7 @@ from moe_fixtures import make_layer, nvfp4_dense, random_mxfp4  # noqa: E402
 from requant.errors import FormatError  # noqa: E402
 from requant.formats import mxfp4  # noqa: E402
 from requant.formats.engine_numerics import fake_quantize_activations  # noqa: E402
+from requant.kernels import fused_moe as fused_moe_module  # noqa: E402
 from requant.kernels.fused_moe import (ExpertWeights, KernelConfig, _moe_align_torch, _words, fused_moe,  # noqa: E402
                                        moe_align, permute_k, prepare)
 from requant.moe import Activation, MoEConfig, MoELayer, Router, route, routed_experts  # noqa: E402
@@ -201,9 +202,13 @@ def test_moe_align_invariants(align):
                    (real[(ids.flatten()[real.long()] == e)] for e in range(EXPERTS)))
 
 
-def test_prepared_activations_are_permuted_and_padded(monkeypatch):
+@pytest.mark.parametrize("align_pairs", [2048, 4])
+def test_prepared_activations_are_permuted_and_padded(align_pairs, monkeypatch):
     """The one-launch prologue's A equals `permute_k` of x in the compute dtype, zeros padding
-    K = 160 to two whole tiles (whatever the buffer held before); its alignment equals torch's."""
+    K = 160 to two whole tiles (whatever the buffer held before); its alignment equals torch's.
+    align_pairs 4: more pairs than one program aligns, so torch aligns and the launch only
+    permutes."""
+    monkeypatch.setattr(fused_moe_module, "ALIGN_PAIRS", align_pairs)
     gen = torch.Generator().manual_seed(14)
     x = torch.randn(5, 200, generator=gen).bfloat16()[:, :160]  # rows further apart than K
     ids, _ = random_routing(5, 3, gen)
@@ -346,3 +351,5 @@ def test_activation_arguments_are_checked():
         fused_moe(x, ids, weights, w1, w3, w2, b1=torch.zeros(EXPERTS, INTER))
     with pytest.raises(FormatError, match="b2 must be"):
         fused_moe(x, ids, weights, w1, w3, w2, b2=torch.zeros(EXPERTS, INTER))
+    with pytest.raises(ValueError, match="FP16 compute is NVFP4's route"):
+        fused_moe(x, ids, weights, w1, w3, w2, compute_dtype=torch.float16)
