@@ -674,7 +674,7 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
                          "words)")
     if a.shape[1] != padded_k(w.k):
         raise ValueError(f"A has {a.shape[1]} columns, not K={w.k} padded to whole tiles (`permute_k`)")
-    if compute == torch.float16 and w.format != "nvfp4":
+    if compute == torch.float16 and w.codec.kernel_code != nvfp4.CODEC.kernel_code:
         raise ValueError(f"FP16 compute is NVFP4's route (`_pair_asm_f16`), not {w.format}'s")
     gated = w3 is not None
     if gated and (w3.format != w.format or w3.packed.shape != w.packed.shape or w3.scale.shape != w.scale.shape
