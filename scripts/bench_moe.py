@@ -9,6 +9,9 @@ counts and prints a table. Full results go to $OUT (or --out) as JSON.
     python3 scripts/bench_moe.py [--tokens 1,4,...] [--formats nvfp4,int4,mxfp4] [--sweep F1,F2]
                                  [--compare-with OLD/fused_moe.py] [--hidden H --intermediate I ...]
 
+Formats: nvfp4, int4, mxfp4, and nvfp4-fp16 (NVFP4 weights through the FP16 route; its checks
+report the BF16 route's error on the same inputs next to it).
+
 --compare-with times another version of the kernel module (say, the previous commit's) on the same
 inputs in the same run, with its own default configs, so that a change is judged against noise
 from one device, not across runs.
