@@ -365,8 +365,8 @@ def validate(src: str, dst: str, layers: str | None = None, tokens: int = 64, de
         if MoEConfig.from_model(b.model) != cfg:
             raise RequantError("the two checkpoints' config.json disagree on the MoE shape")
         if fm is not None and not fm.fits(cfg.hidden_size, cfg.intermediate_size):
-            why = (f"requant's kernel takes K in tiles of {fm.K_TILE}, not hidden {cfg.hidden_size} / "
-                   f"intermediate {cfg.intermediate_size}")
+            why = (f"requant's kernel takes K in multiples of {fm.K_STEP} (whole int32 words), not hidden "
+                   f"{cfg.hidden_size} / intermediate {cfg.intermediate_size}")
             if kernel_forced:
                 raise UnsupportedError(why)
             fm, device = None, "cpu"
@@ -550,7 +550,10 @@ class _Runner:
 
 
 def _kernel(fm, x, ids, weights, layer: LayerExperts, cfg, **kwargs) -> torch.Tensor:
-    """The routed experts through requant's kernel, with the recipe's activation and the biases."""
+    """The routed experts through requant's kernel, with the recipe's activation and the biases.
+    In the kernel's default compute dtype for every format: NVFP4's faster FP16 route would set a
+    converted layer against its MXFP4 source (no FP16 route) in another dtype, a rounding difference
+    (~2e-3) above the lossless limit (scripts/bench_moe_results.md, run 7)."""
     act = cfg.activation
     return fm.fused_moe(x, ids, weights, *layer.weights, swiglu_limit=act.limit, activation=act.kind,
                         swiglu_alpha=act.alpha, **layer.kernel_biases(), **kwargs)

@@ -1,12 +1,16 @@
 """Benchmark requant's fused-MoE kernel on one DeepSeek-V4-Flash routed-expert layer (GPU only).
 
-hidden 4096, intermediate 2048, 256 experts, top-6, uniform random routing. One run checks the
+hidden 4096, intermediate 2048, 256 experts, top-6, uniform random routing (other shapes with
+--hidden/--intermediate/--experts/--top-k, e.g. gpt-oss-120b's 2880/2880/128/4). One run checks the
 kernel against the torch reference (every format, the small- and large-batch configs), measures
 the device's copy bandwidth and a BF16 grouped-GEMM baseline, then times the kernel over the token
 counts and prints a table. Full results go to $OUT (or --out) as JSON.
 
     python3 scripts/bench_moe.py [--tokens 1,4,...] [--formats nvfp4,int4,mxfp4] [--sweep F1,F2]
-                                 [--compare-with OLD/fused_moe.py]
+                                 [--compare-with OLD/fused_moe.py] [--hidden H --intermediate I ...]
+
+Formats: nvfp4, int4, mxfp4, and nvfp4-fp16 (NVFP4 weights through the FP16 route; its checks
+report the BF16 route's error on the same inputs next to it).
 
 --compare-with times another version of the kernel module (say, the previous commit's) on the same
 inputs in the same run, with its own default configs, so that a change is judged against noise
@@ -34,8 +38,9 @@ from requant.formats.engine_numerics import fake_quantize_activations  # noqa: E
 from requant.kernels import fused_moe as fm  # noqa: E402
 from requant.moe import Activation, routed_experts  # noqa: E402
 
-E, H, I, TOP_K, LIMIT = 256, 4096, 2048, 6, 10.0
+E, H, I, TOP_K, LIMIT = 256, 4096, 2048, 6, 10.0  # main() may change the shape
 SWIGLU = Activation("swiglu_clamp", LIMIT)
+OAI = Activation("swiglu_oai", 7.0, 1.702)  # gpt-oss's, checked with biases
 
 
 def sweep_configs(tokens: int) -> list[fm.KernelConfig]:
@@ -56,13 +61,14 @@ def sweep_configs(tokens: int) -> list[fm.KernelConfig]:
 def random_weights(fmt: str, n: int, k: int, gen: torch.Generator) -> fm.ExpertWeights:
     """Random codes with scales that keep gate/up values around the SwiGLU limit."""
     dev = "cuda"
+    group = 128 if k % 128 == 0 else 32  # INT4's group; 32 for K off whole 128s (gpt-oss's 2880)
     if fmt == "int4":
         packed = torch.randint(-2**31, 2**31 - 1, (E, n, k // 8), generator=gen, device=dev, dtype=torch.int32)
-        scale = (torch.rand(E, n, k // 128, generator=gen, device=dev) * 0.004 + 0.002).bfloat16()
+        scale = (torch.rand(E, n, k // group, generator=gen, device=dev) * 0.004 + 0.002).bfloat16()
         return fm.ExpertWeights("w4a16", packed, scale)
     if fmt == "int4-asym":
         w = random_weights("int4", n, k, gen)
-        w.zero_point = torch.randint(-2**31, 2**31 - 1, (E, n // 8, k // 128), generator=gen, device=dev,
+        w.zero_point = torch.randint(-2**31, 2**31 - 1, (E, n // 8, k // group), generator=gen, device=dev,
                                      dtype=torch.int32)
         return w
     packed = torch.randint(0, 256, (E, n, k // 2), generator=gen, device=dev, dtype=torch.uint8)
@@ -100,22 +106,36 @@ def layer_bytes(ws, ids) -> int:
     return used * per_expert
 
 
-def check(fmt, ws, gen, tokens, cfg=None, activation_scales=None):
+def split_format(f: str) -> tuple[str, torch.dtype]:
+    """"nvfp4-fp16" is NVFP4 weights through the FP16 route; other names compute in BF16."""
+    return (f[:-5], torch.float16) if f.endswith("-fp16") else (f, torch.bfloat16)
+
+
+def check(fmt, ws, gen, tokens, cfg=None, activation_scales=None, oai=False, compute=torch.bfloat16):
     """Kernel vs FP32 torch reference; with activation_scales (W4A4) the reference gets the same
-    NVFP4-quantized GEMM inputs."""
+    NVFP4-quantized GEMM inputs; oai: gpt-oss's activation with BF16 biases on all three GEMMs.
+    Returns the relative error for each compute dtype (BF16, and `compute` if another) on the same
+    inputs, and whether every output was finite."""
     w1, w3, w2 = ws
     ids, weights = routing(tokens, gen)
     x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
-    y = fm.fused_moe(x, ids, weights, w1, w3, w2, config=cfg, activation_scales=activation_scales)
+    act, kwargs, biases = SWIGLU, {}, ()
+    if oai:
+        biases = tuple((torch.randn(E, n, generator=gen, device="cuda") * 0.3).bfloat16() for n in (I, I, H))
+        act = OAI
+        kwargs = dict(activation=OAI.kind, swiglu_limit=OAI.limit, swiglu_alpha=OAI.alpha,
+                      b1=biases[0], b3=biases[1], b2=biases[2])
+    ys = {c: fm.fused_moe(x, ids, weights, w1, w3, w2, config=cfg, activation_scales=activation_scales,
+                          compute_dtype=c, **kwargs) for c in dict.fromkeys((torch.bfloat16, compute))}
+    expert = lambda e: (dense(w1, e), dense(w3, e), dense(w2, e), *(b[e] for b in biases))  # noqa: E731
     if activation_scales:
         a13, a2 = activation_scales
-        ref = routed_experts(fake_quantize_activations(x, a13), ids, weights,
-                             lambda e: (dense(w1, e), dense(w3, e), dense(w2, e)), SWIGLU,
+        ref = routed_experts(fake_quantize_activations(x, a13), ids, weights, expert, act,
                              intermediate=lambda h: fake_quantize_activations(h.bfloat16(), a2).float())
     else:
-        ref = routed_experts(x, ids, weights, lambda e: (dense(w1, e), dense(w3, e), dense(w2, e)), SWIGLU)
-    rel = float((y.float() - ref).norm() / ref.norm())
-    return rel, bool(torch.isfinite(y).all())
+        ref = routed_experts(x, ids, weights, expert, act)
+    rel = {str(c).removeprefix("torch."): float((y.float() - ref).norm() / ref.norm()) for c, y in ys.items()}
+    return rel, all(bool(torch.isfinite(y).all()) for y in ys.values())
 
 
 def bf16_baseline(w13, w2d, x, ids, weights):
@@ -133,6 +153,7 @@ def bf16_baseline(w13, w2d, x, ids, weights):
 
 
 def main():
+    global E, H, I, TOP_K
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,4,16,64,256,1024,4096,16384")
     ap.add_argument("--formats", default="nvfp4,int4,mxfp4")
@@ -140,17 +161,23 @@ def main():
                     "the default config")
     ap.add_argument("--compare-with", help="path of another fused_moe.py to time side by side (full time only)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--hidden", type=int, default=H)
+    ap.add_argument("--intermediate", type=int, default=I)
+    ap.add_argument("--experts", type=int, default=E)
+    ap.add_argument("--top-k", type=int, default=TOP_K)
     args = ap.parse_args()
+    E, H, I, TOP_K = args.experts, args.hidden, args.intermediate, args.top_k
     tokens_list = [int(t) for t in args.tokens.split(",")]
     formats = args.formats.split(",")
     gen = torch.Generator(device="cuda").manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     results = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-               "triton": triton.__version__, "correctness": [], "timings": []}
+               "triton": triton.__version__, "shape": {"experts": E, "hidden": H, "intermediate": I, "top_k": TOP_K},
+               "correctness": [], "timings": []}
     print(results, flush=True)
 
     def save():  # after every row, so a run stopped at its time limit still leaves its numbers
-        with open(os.path.join(args.out, "bench_moe.json"), "w") as f:
+        with open(os.path.join(args.out, f"bench_moe_{H}x{I}.json"), "w") as f:
             json.dump(results, f, indent=1)
 
     src = torch.empty(2**31, dtype=torch.uint8, device="cuda").random_()
@@ -162,33 +189,37 @@ def main():
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
 
     weights = {f: [random_weights(f, n, k, gen) for n, k in ((I, H), (I, H), (H, I))]
-               for f in dict.fromkeys(formats + ["int4-asym"])}
+               for f in dict.fromkeys(split_format(f)[0] for f in formats + ["int4-asym"])}
     cases = [(1, None, None), (64, None, None), (4096, None, None),
              (300, fm.KernelConfig(64, 128, 128, 4, 4), None), (1, fm.KernelConfig(16, 64, 128, 4, 4, split_k=8), None),
              (5, fm.KernelConfig(16, 128, 128, 8, 4, 2), None)]
     for f, ws in weights.items():
-        for tokens, cfg, scales in cases + ([(64, None, (0.002, 0.004)), (1, None, (1.0, 1.0))] if f == "nvfp4" else []):
+        compute = torch.float16 if f == "nvfp4" and "nvfp4-fp16" in formats else torch.bfloat16
+        extra = [(64, None, (0.002, 0.004)), (1, None, (1.0, 1.0))] if f == "nvfp4" else []
+        for tokens, cfg, scales, oai in [(t, c, s, False) for t, c, s in cases + extra] + [(1, None, None, True),
+                                                                                      (64, None, None, True)]:
             try:
-                rel, finite = check(f, ws, gen, tokens, cfg, scales)
+                rel, finite = check(f, ws, gen, tokens, cfg, scales, oai, compute)
             except Exception:  # report and go on: the timings are still worth having
                 traceback.print_exc()
                 continue
             results["correctness"].append({"format": f, "tokens": tokens, "config": str(cfg), "w4a4": scales,
-                                           "rel_err": rel})
-            print(f"check {f:9s} tokens {tokens:5d} cfg {cfg} w4a4 {scales}: rel err {rel:.2e} finite {finite}",
-                  flush=True)
+                                           "oai": oai, "rel_err": rel, "finite": finite})
+            errs = ", ".join(f"{c} {e:.2e}" for c, e in rel.items())
+            print(f"check {f:9s} tokens {tokens:5d} cfg {cfg} w4a4 {scales} oai {oai}: rel err {errs} "
+                  f"finite {finite}", flush=True)
     if "int4-asym" not in formats:
         del weights["int4-asym"]
 
     # Is the GEMM on wgmma? Look at the compiled kernel of the large-batch config.
-    w1, w3, w2 = weights[formats[0]]
+    w1, w3, w2 = weights[split_format(formats[0])[0]]
     for cfg in (dataclasses.replace(fm.default_config(6, E), split_k=1), fm.default_config(6 * 16384, E)):
         try:
             ids, _ = routing(64, gen)
-            sorted_ids, block_expert = fm.moe_align(ids, E, cfg.block_m)
             x = torch.randn(64, H, device="cuda").bfloat16()
+            a, sorted_ids, block_expert = fm.prepare(x, ids, E, cfg.block_m, torch.bfloat16)
             h = torch.empty(64 * TOP_K, I, device="cuda", dtype=torch.bfloat16)
-            k = fm._launch(x, TOP_K, w1, w3, h, sorted_ids, block_expert, None, 64 * TOP_K, torch.bfloat16, cfg,
+            k = fm._launch(a, TOP_K, w1, w3, h, sorted_ids, block_expert, None, 64 * TOP_K, torch.bfloat16, cfg,
                            fm.SwiGLU(limit=LIMIT))
             ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
             dots = [ln.strip()[:200] for ln in ttgir.splitlines() if "warp_group_dot " in ln or "tt.dot " in ln]
@@ -202,7 +233,7 @@ def main():
             traceback.print_exc()
 
     # BF16 baseline first (same run), dequantized from the first format's weights (the values do not change the time).
-    w1, w3, w2 = weights[formats[0]]
+    w1, w3, w2 = weights[split_format(formats[0])[0]]
     w13 = torch.stack([torch.cat([dense(w1, e), dense(w3, e)]).bfloat16() for e in range(E)])
     w2d = torch.stack([dense(w2, e).bfloat16() for e in range(E)])
     for tokens in tokens_list:
@@ -219,7 +250,8 @@ def main():
     del w13, w2d
 
     for f in formats:
-        w1, w3, w2 = weights[f]
+        fmt, compute = split_format(f)
+        w1, w3, w2 = weights[fmt]
         for tokens in tokens_list:
             ids, rw = routing(tokens, gen)
             x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
@@ -229,7 +261,9 @@ def main():
             best = None
             for cfg in cfgs:
                 try:
-                    t_full = do_bench_cudagraph(lambda: fm.fused_moe(x, ids, rw, w1, w3, w2, config=cfg), rep=200, return_mode="median")
+                    t_full = do_bench_cudagraph(lambda: fm.fused_moe(x, ids, rw, w1, w3, w2, config=cfg,
+                                                                     compute_dtype=compute),
+                                                rep=200, return_mode="median")
                 except Exception as e:  # a config that does not compile or fit is skipped, not fatal
                     print(f"  {f} {tokens} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
@@ -242,14 +276,14 @@ def main():
             if best is None:
                 continue
             t_full, cfg = best
-            sorted_ids, block_expert = fm.moe_align(ids, E, cfg.block_m)
+            a, sorted_ids, block_expert = fm.prepare(x, ids, E, cfg.block_m, compute)
             rwf = rw.flatten().contiguous()
             pairs = tokens * TOP_K
 
-            def gemms():  # the two GEMMs (with split-K's SwiGLU of the partials), no align, no top-k sum
-                h = fm.gate_up(x, TOP_K, w1, w3, sorted_ids, block_expert, pairs, torch.bfloat16, cfg,
+            def gemms():  # the two GEMMs (with split-K's SwiGLU of the partials), no prologue, no top-k sum
+                h = fm.gate_up(a, TOP_K, w1, w3, sorted_ids, block_expert, pairs, compute, cfg,
                                fm.SwiGLU(limit=LIMIT))
-                fm.down(h, w2, sorted_ids, block_expert, rwf, pairs, torch.bfloat16, cfg)
+                fm.down(h, w2, sorted_ids, block_expert, rwf, pairs, compute, cfg)
             t_gemm = do_bench_cudagraph(gemms, rep=200, return_mode="median")
             row = {"format": f, "tokens": tokens, "config": str(cfg), "ms_full": t_full, "ms_gemms": t_gemm,
                    "bytes": nbytes, "flops": flops}
@@ -262,7 +296,7 @@ def main():
         other = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = other  # its dataclasses look their module up
         spec.loader.exec_module(other)
-        for f in formats:
+        for f in (f for f in formats if split_format(f)[1] == torch.bfloat16):  # the older kernel: BF16 only
             w1, w3, w2 = weights[f]
             for tokens in tokens_list:
                 ids, rw = routing(tokens, gen)

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from requant.kernels import fused_moe as fm  # noqa: E402
 
 SCALE_TYPES = {"nvfp4": ("*u8", 16), "mxfp4": ("*u8", 32), "int4": ("*bf16", 128)}
+FORMAT_CODES = {"nvfp4": fm.NVFP4, "mxfp4": fm.MXFP4, "int4": fm.INT4}
 # Arguments that are multiples of 16 at run time for this model's shapes (Triton specializes on it).
 DIVISIBLE = {"stride_am", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_om", "stride_os", "stride_og",
              "N", "K"}
@@ -38,23 +39,28 @@ COUNTED = ("HGMMA", "WARPGROUP", "LDSM", "STS", "LDS", "BAR", "LDGSTS", "PRMT", 
            "LDL", "STL")
 
 
-def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig):
+def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig, even_k: bool = True, compute=tl.bfloat16):
+    """even_k False: a K off whole tiles, as gpt-oss's 2880 (rows of 360 words: 16-byte aligned, not
+    a multiple of 16 words, so Triton does not specialize the row strides)."""
     kernel = fm._moe_gemm_kernel
     scale_type, group = SCALE_TYPES[fmt]
     signature = {name: "i32" for name in kernel.arg_names}
     for name in kernel.arg_names:
         if name.endswith("_ptr"):
             signature[name] = "*fp32"
-    signature.update({"a_ptr": "*bf16", "out_ptr": "*bf16" if cfg.split_k == 1 else "*fp32", "w_ptr": "*i32",
+    act = "*fp16" if compute == tl.float16 else "*bf16"
+    signature.update({"a_ptr": act, "out_ptr": act if cfg.split_k == 1 else "*fp32", "w_ptr": "*i32",
                       "w3_ptr": "*i32", "z_ptr": "*i32", "z3_ptr": "*i32", "sorted_ids_ptr": "*i32",
                       "block_expert_ptr": "*i32", "s_ptr": scale_type, "s3_ptr": scale_type})
-    constants = dict(A_ROW_DIV=6 if gated else 1, FMT=fm._FORMAT_CODES[fmt], GROUP=group, HAS_ZP=False,
+    constants = dict(A_ROW_DIV=6 if gated else 1, FMT=FORMAT_CODES[fmt].value, GROUP=group, HAS_ZP=False,
                      HAS_GLOBAL=fmt == "nvfp4", HAS_BIAS=False, GATED=gated, ROUTE_WEIGHT=not gated, ACTIVATION=0,
-                     LIMIT=10.0, ALPHA=1.0, COMPUTE=tl.bfloat16, ASM=True, DOT_PRECISION="tf32", PERM_OUT=gated,
-                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k)
+                     LIMIT=10.0, ALPHA=1.0, COMPUTE=compute, ASM=True, DOT_PRECISION="tf32", PERM_OUT=gated,
+                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+                     EVEN_K=even_k, WORDS_16B=True)
     signature.update({name: "constexpr" for name in constants})
+    divisible = DIVISIBLE if even_k else DIVISIBLE - {"stride_wn", "stride_sn"}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in kernel.arg_names
-             if signature[name].startswith("*") or name in DIVISIBLE}
+             if signature[name].startswith("*") or name in divisible}
     target = GPUTarget("cuda", 90, 32)
     options = make_backend(target).parse_options({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     return triton.compile(ASTSource(kernel, signature, constants, attrs), target=target, options=options.__dict__)
@@ -78,32 +84,37 @@ def loop_mix(sass: str) -> tuple[int, collections.Counter]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="folder for each kernel's TTGIR, PTX and SASS")
+    ap.add_argument("--only", help="compile only the variants whose tag contains this (e.g. w13_decode)")
     args = ap.parse_args()
     print(f"Triton {triton.__version__}, target sm_90")
     decode, prefill = fm.KernelConfig(16, 64, 128, 4, 4), fm.KernelConfig(128, 128, 128, 8, 3)
-    for fmt in SCALE_TYPES:
-        for gated in (True, False):
-            for name, cfg in (("decode", decode), ("prefill", prefill)):
-                compiled = compile_gemm(fmt, gated, cfg)
-                tag = f"{fmt}_{'w13' if gated else 'w2'}_{name}"
-                if args.out:
-                    os.makedirs(args.out, exist_ok=True)
-                    for ext in ("ttgir", "ptx"):
-                        with open(os.path.join(args.out, f"{tag}.{ext}"), "w") as f:
-                            f.write(compiled.asm[ext])
-                cubin = os.path.join(args.out or "/tmp", f"{tag}.cubin")
-                with open(cubin, "wb") as f:
-                    f.write(compiled.asm["cubin"])
-                sass = cuobjdump(["--dump-sass", cubin])
-                usage = re.search(r"REG:(\d+) STACK:(\d+)", cuobjdump(["--dump-resource-usage", cubin]))
-                if args.out:
-                    with open(os.path.join(args.out, f"{tag}.sass"), "w") as out:
-                        out.write(sass)
-                count, mix = loop_mix(sass)
-                print(f"{tag:24s} regs {usage[1]:>3s} stack {usage[2]:>3s} smem {compiled.metadata.shared:6d}  "
-                      f"K loop {count} instructions: " + ", ".join(f"{op} {mix[op]}" for op in COUNTED if mix[op]),
-                      flush=True)
-
+    shapes = [(gated, name, cfg) for gated in (True, False) for name, cfg in (("decode", decode), ("prefill", prefill))]
+    variants = [(fmt, *shape, True, tl.bfloat16) for fmt in SCALE_TYPES for shape in shapes]
+    variants += [("mxfp4", *shape, False, tl.bfloat16) for shape in shapes]
+    variants += [("nvfp4", *shape, True, tl.float16) for shape in shapes]
+    for fmt, gated, name, cfg, even_k, compute in variants:
+        tag = (f"{fmt}{'_f16' if compute == tl.float16 else ''}_{'w13' if gated else 'w2'}_{name}"
+               f"{'' if even_k else '_2880'}")
+        if args.only and args.only not in tag:
+            continue
+        compiled = compile_gemm(fmt, gated, cfg, even_k, compute)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            for ext in ("ttgir", "ptx"):
+                with open(os.path.join(args.out, f"{tag}.{ext}"), "w") as f:
+                    f.write(compiled.asm[ext])
+        cubin = os.path.join(args.out or "/tmp", f"{tag}.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = cuobjdump(["--dump-sass", cubin])
+        usage = re.search(r"REG:(\d+) STACK:(\d+)", cuobjdump(["--dump-resource-usage", cubin]))
+        if args.out:
+            with open(os.path.join(args.out, f"{tag}.sass"), "w") as out:
+                out.write(sass)
+        count, mix = loop_mix(sass)
+        print(f"{tag:30s} regs {usage[1]:>3s} stack {usage[2]:>3s} smem {compiled.metadata.shared:6d}  "
+              f"K loop {count} instructions: " + ", ".join(f"{op} {mix[op]}" for op in COUNTED if mix[op]),
+              flush=True)
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,9 @@ from moe_fixtures import make_layer, nvfp4_dense, random_mxfp4  # noqa: E402
 from requant.errors import FormatError  # noqa: E402
 from requant.formats import mxfp4  # noqa: E402
 from requant.formats.engine_numerics import fake_quantize_activations  # noqa: E402
-from requant.kernels.fused_moe import ExpertWeights, KernelConfig, _words, fused_moe, moe_align  # noqa: E402
+from requant.kernels import fused_moe as fused_moe_module  # noqa: E402
+from requant.kernels.fused_moe import (ExpertWeights, KernelConfig, _moe_align_torch, _words, fused_moe,  # noqa: E402
+                                       moe_align, permute_k, prepare)
 from requant.moe import Activation, MoEConfig, MoELayer, Router, route, routed_experts  # noqa: E402
 
 EXPERTS, HIDDEN, INTER, LIMIT = 8, 256, 128, 10.0
@@ -32,13 +34,15 @@ def assert_matches(y: torch.Tensor, ref: torch.Tensor):
     torch.testing.assert_close(y.float(), ref, rtol=2**-8, atol=1e-4 * float(ref.abs().max()))
 
 
-def run_case(fmt, ids, weights, gen, group=32):
-    (w1, d1), (w3, d3), (w2, d2) = make_layer(fmt, EXPERTS, HIDDEN, INTER, gen, group=group)
-    x = torch.randn(ids.shape[0], HIDDEN, generator=gen)
+def run_case(fmt, ids, weights, gen, group=32, hidden=HIDDEN, inter=INTER, wrap=lambda w, gen: w, config=None):
+    """The kernel and the reference on one random layer; `wrap` may restage each ExpertWeights."""
+    (w1, d1), (w3, d3), (w2, d2) = make_layer(fmt, EXPERTS, hidden, inter, gen, group=group)
+    w1, w3, w2 = (wrap(w, gen) for w in (w1, w3, w2))
+    x = torch.randn(ids.shape[0], hidden, generator=gen)
     # Scale the input so that about a tenth of the gate values exceed the SwiGLU limit.
     gate = torch.einsum("th,eih->tei", x, d1)
     x = (x * (1.2 * LIMIT / float(gate.abs().flatten().quantile(0.9)))).bfloat16()
-    y = fused_moe(x, ids, weights, w1, w3, w2, swiglu_limit=LIMIT)
+    y = fused_moe(x, ids, weights, w1, w3, w2, swiglu_limit=LIMIT, config=config)
     ref = routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), SWIGLU)
     clamped = (torch.einsum("th,eih->tei", x.float(), d3).abs() > LIMIT).float().mean()
     return y, ref, clamped
@@ -58,6 +62,62 @@ def test_formats_match_reference(fmt, group):
     ids, weights = random_routing(7, 3, gen)
     y, ref, clamped = run_case(fmt, ids, weights, gen, group=group)
     assert clamped > 0.02, "the SwiGLU clamp must be exercised"
+    assert_matches(y, ref)
+
+
+# Scale bytes that decode to NaN, by format.
+NAN_SCALE = {"mxfp4": lambda n: torch.full(n, 0xFF, dtype=torch.uint8),
+             "nvfp4": lambda n: torch.full(n, 0x7F, dtype=torch.uint8),
+             "w4a16": lambda n: torch.full(n, float("nan"), dtype=torch.bfloat16)}
+
+
+def garbage_past_k(w: ExpertWeights, gen: torch.Generator, extra: int = 64) -> ExpertWeights:
+    """The same weights as views of rows `extra` elements longer whose extra words are random and
+    whose extra scales are NaN: a kernel reading past K there produces NaN."""
+    def widen(t, more, filler):
+        wide = torch.cat([t, filler((*t.shape[:-1], more))], dim=-1)
+        return wide[..., :t.shape[-1]]
+
+    def random_bits(shape, dtype):
+        return torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize), generator=gen,
+                             dtype=torch.uint8).view(dtype)
+
+    per_word = w.codec.elements_per_word
+    packed = widen(w.packed, extra // per_word, lambda n: random_bits(n, w.packed.dtype))
+    scale = widen(w.scale, extra // w.group, NAN_SCALE[w.format])
+    zero = None if w.zero_point is None else widen(w.zero_point, extra // w.group,
+                                                   lambda n: random_bits(n, torch.int32))
+    return ExpertWeights(w.format, packed, scale, w.global_scale, zero)
+
+
+def poison_float_buffers(monkeypatch):
+    """Every floating-point torch.empty starts as NaN: a buffer the kernel leaves partly unwritten
+    (the intermediate's padding up to whole K tiles) and then reads shows up."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+@pytest.mark.parametrize("fmt,group,hidden,inter,split,extra", [
+    ("mxfp4", 32, 160, 96, 1, 64), ("mxfp4", 32, 160, 96, 2, 64), ("nvfp4-any", 16, 176, 80, 1, 80),
+    ("int4-sym", 32, 96, 160, 1, 64), ("int4-asym", 32, 160, 96, 1, 64),
+])
+def test_k_off_whole_tiles(fmt, group, hidden, inter, split, extra, monkeypatch):
+    """K not a multiple of the 128-wide K tile (gpt-oss: 2880 = 22.5 tiles): the last tile is read
+    up to K only, whatever lies beyond it in the weights' rows, and the intermediate's padding
+    columns are zeros, not whatever memory held (split 2: w1/w3's 2 tiles in two slices, the last
+    one partial). Rows `extra` longer than K: 64 gives row strides of whole 16-byte vectors with K
+    a multiple of 32 (the kernel's 16-byte route, WORDS_16B), 80 such strides with K = 16 mod 32
+    (which must not take it: its word count is no multiple of 4)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{fmt}/{hidden}/{inter}/{split}".encode()))
+    poison_float_buffers(monkeypatch)
+    ids, weights = random_routing(7, 3, gen)
+    cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=split)
+    y, ref, _ = run_case(fmt, ids, weights, gen, group=group, hidden=hidden, inter=inter, config=cfg,
+                         wrap=lambda w, gen: garbage_past_k(w, gen, extra))
     assert_matches(y, ref)
 
 
@@ -113,12 +173,15 @@ def test_hash_layer_routing():
     assert_matches(y, ref)
 
 
-def test_moe_align_invariants():
+@pytest.mark.parametrize("align", [moe_align, _moe_align_torch])
+def test_moe_align_invariants(align):
+    """Both ways of aligning (one Triton program at decode sizes, torch's sort beyond)."""
     gen = torch.Generator().manual_seed(6)
-    for tokens, top_k, block in [(1, 6, 16), (13, 3, 4), (40, 2, 16)]:
+    # (60, 4, 4): 68 blocks, more than one pass of the Triton program's 32-block loop.
+    for tokens, top_k, block in [(1, 6, 16), (13, 3, 4), (40, 2, 16), (60, 4, 4)]:
         ids, _ = random_routing(tokens, top_k, gen)
         ids[: tokens // 2] = ids[0]  # skew the load onto a few experts
-        sorted_ids, block_expert = moe_align(ids, EXPERTS, block)
+        sorted_ids, block_expert = align(ids, EXPERTS, block)
         pairs = tokens * top_k
         real = sorted_ids[sorted_ids < pairs]
         assert torch.equal(real.sort().values, torch.arange(pairs, dtype=torch.int32))  # each pair once
@@ -133,6 +196,26 @@ def test_moe_align_invariants():
         used = block_expert[block_expert >= 0]
         assert torch.equal(used, used.sort().values)
         assert (block_expert[len(used):] == -1).all()
+        assert (sorted_ids.view(-1, block)[len(used):] == pairs).all()
+        # Within an expert, pairs in their own order (either way, so the two agree exactly).
+        assert all(torch.equal(run, run.sort().values) for run in
+                   (real[(ids.flatten()[real.long()] == e)] for e in range(EXPERTS)))
+
+
+@pytest.mark.parametrize("align_pairs", [2048, 4])
+def test_prepared_activations_are_permuted_and_padded(align_pairs, monkeypatch):
+    """The one-launch prologue's A equals `permute_k` of x in the compute dtype, zeros padding
+    K = 160 to two whole tiles (whatever the buffer held before); its alignment equals torch's.
+    align_pairs 4: more pairs than one program aligns, so torch aligns and the launch only
+    permutes."""
+    monkeypatch.setattr(fused_moe_module, "ALIGN_PAIRS", align_pairs)
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(5, 200, generator=gen).bfloat16()[:, :160]  # rows further apart than K
+    ids, _ = random_routing(5, 3, gen)
+    poison_float_buffers(monkeypatch)
+    a, sorted_ids, block_expert = prepare(x, ids, EXPERTS, 16, torch.float32)
+    assert a.dtype == torch.float32 and torch.equal(a, permute_k(x.float(), 128))
+    assert all(torch.equal(p, q) for p, q in zip((sorted_ids, block_expert), _moe_align_torch(ids, EXPERTS, 16)))
 
 
 def test_rejects_mismatched_scales():
@@ -205,14 +288,23 @@ def gated_experts(x, ids, weights, d13, b13, d2, b2, limit, *, kind="swiglu_oai"
     return ((out + b2[ids].float()) * weights[..., None]).sum(1)
 
 
-@pytest.mark.parametrize("kind,split", [("swiglu_oai", 1), ("swiglu_oai", 2), ("swiglu_clamp", 2)])
-def test_fused_interleaved_gate_up_with_biases(kind, split):
+@pytest.mark.parametrize("kind,split,hidden,inter", [
+    ("swiglu_oai", 1, 256, 256), ("swiglu_oai", 2, 256, 256), ("swiglu_clamp", 2, 256, 256),
+    ("swiglu_oai", 2, 160, 96),
+])
+def test_fused_interleaved_gate_up_with_biases(kind, split, hidden, inter, monkeypatch):
     """gpt-oss: MXFP4 gate/up fused in one [E, 2I, H] matrix with interleaved rows, passed as row
-    views (not copied), BF16 biases on all three projections. Split-K must add each bias once."""
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}/{split}".encode()))
-    experts, hidden, inter, limit = 4, 256, 256, 7.0  # w1/w3 and w2: 2 K tiles each
+    views (not copied), BF16 biases on all three projections. Split-K must add each bias once.
+    256: 2 K tiles each; 160 / 96 (gpt-oss's 2880 is not whole tiles either): the rows continue
+    past K with garbage and NaN scales, and float buffers start as NaN (`test_k_off_whole_tiles`)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}/{split}/{hidden}/{inter}".encode()))
+    experts, limit = 4, 7.0
     p13, s13 = random_mxfp4(experts, 2 * inter, hidden, gen)
     p2, s2 = random_mxfp4(experts, hidden, inter, gen)
+    if hidden % 128 or inter % 128:
+        poison_float_buffers(monkeypatch)
+        (p13, s13), (p2, s2) = ((w.packed, w.scale) for w in (garbage_past_k(ExpertWeights("mxfp4", p, s), gen)
+                                                                for p, s in ((p13, s13), (p2, s2))))
     d13 = torch.stack([mxfp4.decode(p, s) for p, s in zip(p13, s13)])
     d2 = torch.stack([mxfp4.decode(p, s) for p, s in zip(p2, s2)])
     ids, weights = random_routing(6, 2, gen)
@@ -259,3 +351,5 @@ def test_activation_arguments_are_checked():
         fused_moe(x, ids, weights, w1, w3, w2, b1=torch.zeros(EXPERTS, INTER))
     with pytest.raises(FormatError, match="b2 must be"):
         fused_moe(x, ids, weights, w1, w3, w2, b2=torch.zeros(EXPERTS, INTER))
+    with pytest.raises(ValueError, match="FP16 compute is NVFP4's route"):
+        fused_moe(x, ids, weights, w1, w3, w2, compute_dtype=torch.float16)

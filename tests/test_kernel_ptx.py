@@ -23,6 +23,22 @@ def bf16_value(bits: int) -> float:
     return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
 
 
+def f16_value(bits: int) -> float:
+    return float(torch.tensor([bits & 0xFFFF], dtype=torch.int32).to(torch.int16).view(torch.float16).item())
+
+
+def f16_bits(x: float) -> int:
+    """Round to nearest even, as the mul.rn the PTX uses."""
+    return int(torch.tensor([x], dtype=torch.float64).to(torch.float16).view(torch.int16).item()) & 0xFFFF
+
+
+def e4m3_value(byte: int) -> float:
+    """OCP E4M3 (bias 7, subnormals at exponent 0; 0x7F and 0xFF, NaN, never occur here)."""
+    exponent, mantissa = (byte >> 3) & 15, byte & 7
+    v = mantissa / 8 * 2.0**-6 if exponent == 0 else (1 + mantissa / 8) * 2.0 ** (exponent - 7)
+    return -v if byte & 0x80 else v
+
+
 def bf16_bits(x: float) -> int:
     """Round to nearest even, as the fma.rn the PTX uses."""
     return int(torch.tensor([x]).to(torch.bfloat16).view(torch.int16).item()) & 0xFFFF
@@ -49,9 +65,9 @@ def run_ptx(asm: str, args: dict[int, int]) -> dict[str, int]:
         op, rest = line.split(None, 1)
         dst, *src = (t.strip() for t in re.split(r",(?![^{]*})", rest))
         a = [value(t) for t in src]
-        if op == "mov.b32" and dst.startswith("{"):  # unpack into two 16-bit outputs
+        if op == "mov.b32" and dst.startswith("{"):  # unpack into two 16-bit values
             lo, hi = (t.strip() for t in dst[1:-1].split(","))
-            outs[lo], outs[hi] = a[0] & 0xFFFF, a[0] >> 16
+            outs[lo], outs[hi] = regs[lo], regs[hi] = a[0] & 0xFFFF, a[0] >> 16
             continue
         if op == "mov.b32":
             r = a[0]
@@ -70,6 +86,10 @@ def run_ptx(asm: str, args: dict[int, int]) -> dict[str, int]:
             pool = [(a[0] >> 8 * i) & 0xFF for i in range(4)] + [(a[1] >> 8 * i) & 0xFF for i in range(4)]
             assert all((a[2] >> 4 * i) & 8 == 0 for i in range(4)), "sign-replicating selectors are not modelled"
             r = sum(pool[(a[2] >> 4 * i) & 7] << 8 * i for i in range(4))
+        elif op == "cvt.rn.f16x2.e4m3x2":  # the 16-bit source's byte h // 16 into the result's half h
+            r = sum(f16_bits(e4m3_value((a[0] >> (h // 2)) & 0xFF)) << h for h in (0, 16))
+        elif op == "mul.rn.f16x2":
+            r = sum(f16_bits(f16_value(a[0] >> h) * f16_value(a[1] >> h)) << h for h in (0, 16))
         elif op == "fma.rn.bf16x2":
             r = sum(bf16_bits(bf16_value(a[0] >> h) * bf16_value(a[1] >> h) + bf16_value(a[2] >> h)) << h
                     for h in (0, 16))
@@ -99,3 +119,17 @@ def test_pair_ptx_decodes_every_byte(kind):
                 else:
                     want = (nib - (8 if kind == "int4" else zero)) * scale
                 assert bf16_value(out[name]) == bf16_value(bf16_bits(want)), (kind, hex(word), m, j)
+
+
+def test_e2m1_as_e4m3_ptx_decodes_every_byte_exactly_in_fp16():
+    """NVFP4's FP16 route: each weight comes out as code x scale x 2^-6, exactly, for every byte in
+    every position and E4M3 block scales from the smallest subnormal to 448."""
+    scales = [e4m3_value(b) for b in range(1, 0x7F)]
+    for i, word in enumerate(words()):
+        scale = scales[(37 * i) % len(scales)]
+        for m in range(4):
+            out = run_ptx(fm._ASM_E2M1_F16.value[m], {2: word, 3: f16_bits(scale)})
+            for j, name in ((2 * m, "$0"), (2 * m + 1, "$1")):
+                nib = (word >> 4 * j) & 15
+                want = (-1 if nib & 8 else 1) * E2M1[nib & 7] * scale * 2.0**-6
+                assert f16_value(out[name]) == want and (out[name] == 0x8000) == (nib == 8), (hex(word), m, j)

@@ -2,7 +2,9 @@
 
 Weights stay packed in device memory as int32 words of 8 nibbles; each program dequantizes its
 weight tile in registers (on the GPU with packed bf16x2 PTX, 2-3 instructions per weight) and
-feeds it to the tensor cores (`tl.dot`, wgmma) against BF16 activations, accumulating in FP32.
+feeds it to the tensor cores (`tl.dot`, wgmma) against BF16 activations, accumulating in FP32
+(NVFP4 may run in FP16 instead, `_pair_asm_f16`). K is padded to whole 128-wide tiles, the last
+one masked (`padded_k`).
 The tile is built in the order of wgmma's register operand (`_mma_tile`), so the dequantized
 weights never pass through shared memory.
 
@@ -11,9 +13,10 @@ when decoding) becomes the MMA's N dimension, which may be as small as 8-16, whi
 fill the 64-row M dimension.
 
 Pairs (token, k) are sorted by expert and padded per expert to the M tile (`moe_align`), as
-serving engines do. Two launches: w1/w3 with their biases and the gated activation fused (`SwiGLU`:
-DeepSeek's clamped SwiGLU or gpt-oss's), then w2 with its bias and the routing weight; the top-k
-sum is a torch reduction.
+serving engines do. Four launches at decode sizes: one prepares the GEMMs' inputs (`prepare`: the
+align and the activations' cast and column order), then w1/w3 with their biases and the gated
+activation fused (`SwiGLU`: DeepSeek's clamped SwiGLU or gpt-oss's), w2 with its bias and the
+routing weight, and the top-k sum (`topk_sum`); split-K adds a fifth.
 
 Under TRITON_INTERPRET=1 (CPU) bf16 dots and arithmetic are wrong, so everything takes a compute
 dtype: float32 there, bfloat16 on the GPU.
@@ -91,13 +94,27 @@ def default_config(pairs: int, experts: int) -> KernelConfig:
     return KernelConfig(128, 128, 128, num_warps=8, num_stages=3)
 
 
+ALIGN_PAIRS = 2048  # pairs up to which one program aligns them (`_align`); beyond, torch's sort
+
+
+def _max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
+    # Each non-empty expert wastes less than one block, so this many blocks always suffice.
+    return triton.cdiv(pairs, block_m) + min(num_experts, pairs)
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort (token, k) pairs by expert, padding each expert's run to a multiple of block_m.
 
     Returns `sorted_ids` (pair index = token * top_k + k, or the pair count as padding) and
     `block_expert` (expert of each block of block_m rows, -1 for unused blocks). Sizes are upper
-    bounds known on the host, so nothing waits for the device.
+    bounds known on the host, so nothing waits for the device. One launch up to ALIGN_PAIRS pairs
+    (`prepare`), a dozen torch operations beyond.
     """
+    _, sorted_ids, block_expert = prepare(None, topk_ids, num_experts, block_m, None)
+    return sorted_ids, block_expert
+
+
+def _moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     flat = topk_ids.flatten().long()
     pairs = flat.numel()
     device = flat.device
@@ -109,13 +126,104 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     expert_of = flat[order]
     rank = torch.arange(pairs, device=device) - (torch.cumsum(counts, 0) - counts)[expert_of]
     dest = (block_end - blocks)[expert_of] * block_m + rank
-    # Each non-empty expert wastes less than one block, so this many blocks always suffice.
-    max_blocks = triton.cdiv(pairs, block_m) + min(num_experts, pairs)
+    max_blocks = _max_blocks(pairs, num_experts, block_m)
     sorted_ids = torch.full((max_blocks * block_m,), pairs, dtype=torch.int32, device=device)
     sorted_ids[dest] = order.to(torch.int32)
     block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=device), right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     return sorted_ids, block_expert
+
+
+def prepare(x: torch.Tensor | None, topk_ids: torch.Tensor, num_experts: int, block_m: int,
+            compute: torch.dtype | None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The GEMMs' inputs: A = x in the compute dtype, permuted and padded as `permute_k` does (None
+    without x), and `moe_align`'s sorted_ids and block_expert. One launch (`_prologue_kernel`) at
+    decode sizes, where the launches, not the work, took the time."""
+    pairs = topk_ids.numel()
+    device = topk_ids.device
+    max_blocks = _max_blocks(pairs, num_experts, block_m)
+    align = pairs <= ALIGN_PAIRS
+    if align:
+        sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
+        block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    else:
+        sorted_ids, block_expert = _moe_align_torch(topk_ids, num_experts, block_m)
+    rows, a = 0, None
+    if x is not None:
+        rows = x.shape[0]
+        a = torch.empty(rows, padded_k(x.shape[1]), dtype=compute, device=device)
+    if align or rows:
+        ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+        xa = a if x is None else x  # (unused without x)
+        _prologue_kernel[(int(align) + rows,)](
+            ids, sorted_ids, block_expert, pairs, num_experts, max_blocks,
+            xa, 0 if x is None else x.stride(0), 0 if x is None else x.stride(1), 0 if x is None else x.shape[1],
+            a if a is not None else sorted_ids, 0 if a is None else a.stride(0),
+            ALIGN=align, BLOCK_M=block_m, PAIRS=triton.next_power_of_2(max(pairs, 2)) if align else 2,
+            EXPERTS=triton.next_power_of_2(num_experts + 1), BLOCKS=min(32, triton.next_power_of_2(max_blocks)),
+            BLOCK_K=K_TILE, CHUNK=1024, num_warps=4)
+    return a, sorted_ids, block_expert
+
+
+@triton.jit
+def _prologue_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks,
+                     x_ptr, stride_xm, stride_xk, K, a_ptr, stride_am,
+                     ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr,
+                     BLOCKS: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+    """Program 0 (if ALIGN) aligns the pairs (`_align`); each further program writes one row of A
+    (`_permute_row`). Without ALIGN `_align` is not compiled: its sort would not fit PAIRS there."""
+    pid = tl.program_id(0)
+    if ALIGN:
+        if pid == 0:
+            _align(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks, BLOCK_M, PAIRS,
+                   EXPERTS, BLOCKS)
+        else:
+            _permute_row(x_ptr, stride_xm, stride_xk, K, a_ptr, stride_am, pid - 1, BLOCK_K, CHUNK)
+    else:
+        _permute_row(x_ptr, stride_xm, stride_xk, K, a_ptr, stride_am, pid, BLOCK_K, CHUNK)
+
+
+@triton.jit
+def _permute_row(x_ptr, stride_xm, stride_xk, K, a_ptr, stride_am, row, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+    """A's row: x's row cast, its columns in `permute_k`'s order, zeros up to whole K tiles."""
+    row = row.to(tl.int64)
+    width = tl.cdiv(K, BLOCK_K) * BLOCK_K
+    for c0 in range(0, width, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        t = p % BLOCK_K  # column 32q + 8m + 2l + n0 of a tile holds x's 32l + 8q + 2m + n0
+        col = p - t + ((t >> 1) & 3) * 32 + (t >> 5) * 8 + ((t >> 3) & 3) * 2 + (t & 1)
+        v = tl.load(x_ptr + row * stride_xm + col * stride_xk, mask=col < K, other=0.0)
+        tl.store(a_ptr + row * stride_am + p, v.to(a_ptr.dtype.element_ty), mask=p < width)
+
+
+@triton.jit
+def _align(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks, BLOCK_M: tl.constexpr,
+           PAIRS: tl.constexpr, EXPERTS: tl.constexpr, BLOCKS: tl.constexpr):
+    """`moe_align` in one program, for up to PAIRS pairs and EXPERTS - 1 experts (the last bin
+    counts the padding): a histogram and its prefix sums give each expert's first block and first
+    place in the pairs sorted by expert; each slot of each block then looks its pair up."""
+    offs = tl.arange(0, PAIRS)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=num_experts).to(tl.int32)
+    e = tl.arange(0, EXPERTS)
+    counts = tl.where(e < num_experts, tl.histogram(ids, EXPERTS), 0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, 0)
+    block_start = block_end - blocks
+    pair_start = tl.cumsum(counts, 0) - counts
+    order = tl.sort(ids * PAIRS + offs) % PAIRS  # pair indices by expert, in pair order within one
+    slot = tl.arange(0, BLOCK_M)
+    for b0 in range(0, max_blocks, BLOCKS):
+        b = b0 + tl.arange(0, BLOCKS)
+        expert = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), axis=1)  # searchsorted, right
+        used = expert < num_experts
+        tl.store(block_expert_ptr + b, tl.where(used, expert, -1), mask=b < max_blocks)
+        ex = tl.minimum(expert, num_experts - 1)
+        rank = (b - tl.gather(block_start, ex, 0))[:, None] * BLOCK_M + slot[None, :]
+        real = used[:, None] & (rank < tl.gather(counts, ex, 0)[:, None])
+        src = tl.where(real, tl.gather(pair_start, ex, 0)[:, None] + rank, 0)
+        pair = tl.reshape(tl.gather(order, tl.reshape(src, (BLOCKS * BLOCK_M,)), 0), (BLOCKS, BLOCK_M))
+        dest = b[:, None] * BLOCK_M + slot[None, :]
+        tl.store(sorted_ids_ptr + dest, tl.where(real, pair, num_pairs), mask=(b < max_blocks)[:, None])
 
 
 @triton.jit
@@ -200,7 +308,30 @@ def _pair_asm(int4: bool, asym: bool, m: int) -> str:
     return "\n".join(lines + ["fma.rn.bf16x2 t, t, s, z;", "mov.b32 {$0, $1}, t;", "}"])
 
 
+def _pair_asm_f16(m: int) -> str:
+    """PTX turning byte m of a word of E2M1 codes ($2) into its two weights as one f16x2 ($0, $1),
+    times the block scale's FP16 bits ($3) and 2^-6 (the caller's global scale takes 2^6 back).
+
+    An E2M1 code's sign moved to bit 7 and its 3 magnitude bits to bits 2-4 make an E4M3 byte
+    worth exactly code x 2^-6 (magnitude 1, the subnormal 0.5, lands as an E4M3 subnormal), which
+    Hopper converts two at a time (`cvt.rn.f16x2.e4m3x2`). The E4M3 bytes of the word's even
+    nibbles (t) and odd nibbles (u) are the same for its 4 bytes (ptxas computes them once); a
+    permute pairs byte m of each. code x 2^-6 x scale is exact in FP16: at most 6 significant
+    bits, from 2^-16 (a subnormal, still exact) to 6 x 2^-6 x 448 = 42. About 5 instructions per
+    pair against 6 for the BF16 route (scripts/bench_moe_results.md, run 7).
+    """
+    return "\n".join([
+        "{", ".reg .b32 t, u, v, s;", ".reg .b16 e, f;",
+        "shl.b32 t, $2, 2;", "and.b32 t, t, 0x1C1C1C1C;", "shl.b32 u, $2, 4;",
+        "lop3.b32 t, t, u, 0x80808080, 0xF8;",  # t | (u & 0x80808080): even nibbles' E4M3 bytes
+        "shr.b32 u, $2, 2;", "and.b32 u, u, 0x1C1C1C1C;",
+        "lop3.b32 u, u, $2, 0x80808080, 0xF8;",  # odd nibbles' E4M3 bytes
+        f"prmt.b32 v, t, u, {m | (4 + m) << 4:#x};", "mov.b32 {e, f}, v;", "cvt.rn.f16x2.e4m3x2 v, e;",
+        "mov.b32 s, {$3, $3};", "mul.rn.f16x2 v, v, s;", "mov.b32 {$0, $1}, v;", "}"])
+
+
 # Indexed by the byte m.
+_ASM_E2M1_F16 = tl.constexpr(tuple(_pair_asm_f16(m) for m in range(4)))
 _ASM_FP4 = tl.constexpr(tuple(_pair_asm(False, False, m) for m in range(4)))
 _ASM_INT4 = tl.constexpr(tuple(_pair_asm(True, False, m) for m in range(4)))
 _ASM_INT4_ZP = tl.constexpr(tuple(_pair_asm(True, True, m) for m in range(4)))
@@ -223,10 +354,23 @@ def _asm_pair(words, s, nz, M: tl.constexpr, FMT: tl.constexpr, HAS_ZP: tl.const
 
 
 @triton.jit
+def _asm_pair_f16(words, s, M: tl.constexpr):
+    return tl.inline_asm_elementwise(_ASM_E2M1_F16[M], "=h,=h,r,h", [words, s], (tl.float16, tl.float16), True, 1)
+
+
+@triton.jit
 def _dequant(words, scale_raw, zero, FMT: tl.constexpr, HAS_ZP: tl.constexpr, COMPUTE: tl.constexpr,
              ASM: tl.constexpr):
-    """The 8 nibble planes of a word tile as COMPUTE tiles: plane j holds nibble j of each word."""
-    if ASM:
+    """The 8 nibble planes of a word tile as COMPUTE tiles: plane j holds nibble j of each word.
+    FP16 (NVFP4 only, `_pair_asm_f16`): the planes are 2^-6 times the weights."""
+    if ASM and COMPUTE == tl.float16:
+        s = scale_raw.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.int16, bitcast=True)
+        p0, p1 = _asm_pair_f16(words, s, 0)
+        p2, p3 = _asm_pair_f16(words, s, 1)
+        p4, p5 = _asm_pair_f16(words, s, 2)
+        p6, p7 = _asm_pair_f16(words, s, 3)
+        planes = (p0, p1, p2, p3, p4, p5, p6, p7)
+    elif ASM:
         s = _scale_bf16_bits(scale_raw, FMT)
         nz = (zero | 0xC300).to(tl.int16)  # BF16 bits of -(128 + zero); unused unless HAS_ZP
         p0, p1 = _asm_pair(words, s, nz, 0, FMT, HAS_ZP)
@@ -277,9 +421,10 @@ def _mma_rows(BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, BLOCK_N: tl.constexpr,
-                 KW: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr):
-    """Scale (raw) and zero point of every word of the tile starting at word column kw.
+def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOCK_N: tl.constexpr,
+                 KW: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr):
+    """Scale (raw) and zero point of every word of the tile starting at word column kw; zero for
+    groups at or beyond K (the last tile when not EVEN_K), whatever the memory there holds.
 
     One load per group, broadcast to its words: the tile's layout then follows the weight words
     (vector stores of the dequantized planes) instead of a per-word gather of repeated bytes.
@@ -289,6 +434,8 @@ def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, BLOCK_N
     G: tl.constexpr = KW // WPG if KW >= WPG else 1
     groups = kw // WPG + tl.arange(0, G)
     mask = n_mask[:, None]
+    if not EVEN_K:
+        mask = mask & (groups < K // GROUP)[None, :]
     scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + groups[None, :], mask=mask, other=0)
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, G, KW // G)), (BLOCK_N, KW))
     zero = 8
@@ -314,7 +461,7 @@ def _moe_gemm_kernel(
     ROUTE_WEIGHT: tl.constexpr, ACTIVATION: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
     COMPUTE: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PERM_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, WORDS_16B: tl.constexpr,
 ):
     """out[pair, n] for the pairs of one M block (one expert) and one N tile.
 
@@ -331,6 +478,13 @@ def _moe_gemm_kernel(
     out + s * stride_os (w1's at +0, w3's at + stride_og when GATED, before the SwiGLU, which
     needs the whole sum: `_swiglu_partials_kernel`). Decode batches touch few experts, and
     slicing K gives every SM weights to stream.
+
+    K need not be whole tiles (not EVEN_K: gpt-oss's 2880 is 22.5): the last tile's scales (and
+    words) beyond K load as zero, so its weights there are exactly zero, and A's columns beyond
+    K are zero too (`permute_k` pads x; with PERM_OUT the output's padding columns, up to whole
+    tiles, are stored as zeros for the next GEMM). WORDS_16B: the host checked that rows of words
+    start on 16 bytes and K is a multiple of 32 (whole 4-word vectors); saying so keeps the weight
+    loads 16 bytes wide when the stride is not a multiple of 16 words (2880 / 8 = 360).
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -345,6 +499,10 @@ def _moe_gemm_kernel(
     KW: tl.constexpr = BLOCK_K // 8
     offs_w = tl.arange(0, KW)
     a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[None, :] * stride_am + tl.arange(0, BLOCK_K)[:, None]
+    words_k = K // 8  # words per row that hold weights
+    if WORDS_16B:  # as products of 4 (tl.multiple_of on an argument is lost), both are known multiples of 4
+        stride_wn = stride_wn // 4 * 4
+        words_k = K // 32 * 4
     w_offs = offs_n[:, None] * stride_wn + offs_w[None, :]
 
     e = expert.to(tl.int64)
@@ -353,30 +511,36 @@ def _moe_gemm_kernel(
     z_ptr += e * stride_ze
     # The host splits K on tile boundaries; saying so keeps the weight loads 16 bytes wide (the
     # compiler cannot see it through the division, and 4-byte copies made split-K 2.5x slower).
-    k_begin = tl.multiple_of(pid_k * (K // SPLIT_K), BLOCK_K)
-    k_end = k_begin + K // SPLIT_K
-    s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, BLOCK_N, KW, GROUP,
-                          HAS_ZP)
+    slice_k = tl.cdiv(K, BLOCK_K) // SPLIT_K * BLOCK_K
+    k_begin = tl.multiple_of(pid_k * slice_k, BLOCK_K)
+    k_end = k_begin + slice_k
+    if pid_n * BLOCK_N >= N:  # a tile of PERM_OUT's padding only: no weights, its zeros are stored
+        k_end = k_begin
+    s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW, GROUP,
+                          HAS_ZP, EVEN_K)
     if GATED:
         w3_ptr += e * stride_we
         s3_ptr += e * stride_se
         z3_ptr += e * stride_ze
-        s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, BLOCK_N, KW, GROUP,
-                              HAS_ZP)
+        s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW,
+                              GROUP, HAS_ZP, EVEN_K)
         acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         kw = k0 // 8
         kw_next = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K) // 8  # the last tile reloads itself
-        words = tl.load(w_ptr + w_offs + kw, mask=n_mask[:, None], other=0)
+        w_mask = n_mask[:, None]
+        if not EVEN_K:  # the zero scales beyond K zero the weights; this keeps the loads inside the tensor
+            w_mask = w_mask & (kw + offs_w < words_k)[None, :]
+        words = tl.load(w_ptr + w_offs + kw, mask=w_mask, other=0)
         w_tile = _mma_tile(_dequant(words, s1, z1, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
-        s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, BLOCK_N, KW, GROUP,
-                              HAS_ZP)
+        s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW, GROUP,
+                              HAS_ZP, EVEN_K)
         if GATED:
-            words3 = tl.load(w3_ptr + w_offs + kw, mask=n_mask[:, None], other=0)
+            words3 = tl.load(w3_ptr + w_offs + kw, mask=w_mask, other=0)
             w3_tile = _mma_tile(_dequant(words3, s3, z3, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
-            s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, BLOCK_N, KW,
-                                  GROUP, HAS_ZP)
+            s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW,
+                                  GROUP, HAS_ZP, EVEN_K)
         a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
         acc = tl.dot(w_tile, a, acc, input_precision=DOT_PRECISION)
         if GATED:
@@ -384,15 +548,18 @@ def _moe_gemm_kernel(
 
     offs_n = pid_n * BLOCK_N + _mma_rows(BLOCK_N)  # the accumulator's rows
     n_mask = offs_n < N
+    n_store = tl.cdiv(N, BLOCK_K) * BLOCK_K if PERM_OUT else N  # the zeros of a padded last tile too
+    # The FP16 route's weights are 2^-6 times the true ones (`_pair_asm_f16`).
+    gs_factor: tl.constexpr = 64.0 if ASM and COMPUTE == tl.float16 else 1.0
     if HAS_GLOBAL:
-        acc *= tl.load(gs_ptr + e)
+        acc *= tl.load(gs_ptr + e) * gs_factor
     if HAS_BIAS:
         acc += _bias(b_ptr, e, stride_be, stride_bn, offs_n, n_mask, pid_k, SPLIT_K)
     out_ptr += pid_k * stride_os
-    out_mask = row_mask[None, :] & n_mask[:, None]
+    out_mask = row_mask[None, :] & (offs_n < n_store)[:, None]
     if GATED:
         if HAS_GLOBAL:
-            acc3 *= tl.load(gs3_ptr + e)  # w3's own global scale, never w1's
+            acc3 *= tl.load(gs3_ptr + e) * gs_factor  # w3's own global scale, never w1's
         if HAS_BIAS:
             acc3 += _bias(b3_ptr, e, stride_be, stride_bn, offs_n, n_mask, pid_k, SPLIT_K)
         if SPLIT_K > 1:
@@ -401,7 +568,7 @@ def _moe_gemm_kernel(
         else:
             acc = _swiglu(acc, acc3, ACTIVATION, LIMIT, ALPHA)
     if ROUTE_WEIGHT:
-        acc *= tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[None, :]
+        acc *= tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)[None, :]
     cols = _out_columns(offs_n, PERM_OUT and SPLIT_K == 1, BLOCK_K)
     out_ptrs = out_ptr + pairs.to(tl.int64)[None, :] * stride_om + cols[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -443,10 +610,12 @@ def _swiglu_partials_kernel(part_ptr, stride_ps, stride_pg, h_ptr, stride_hm, N,
                             LIMIT: tl.constexpr, ALPHA: tl.constexpr, SPLIT_K: tl.constexpr,
                             PERM_OUT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
     """h[pair] = the gated activation of the summed split-K partials of w1 and w3 (row `pair` of
-    each; their biases are already in slice 0)."""
+    each; their biases are already in slice 0). With PERM_OUT, h's columns up to whole K tiles,
+    zeros beyond N, as `_moe_gemm_kernel` stores them."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
+    n_store = tl.cdiv(N, BLOCK_K) * BLOCK_K if PERM_OUT else N
     ptrs = part_ptr + row * N + offs
     g = tl.zeros((BLOCK,), dtype=tl.float32)
     u = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -455,17 +624,20 @@ def _swiglu_partials_kernel(part_ptr, stride_ps, stride_pg, h_ptr, stride_hm, N,
         u += tl.load(ptrs + s * stride_ps + stride_pg, mask=mask, other=0.0)
     h = _swiglu(g, u, ACTIVATION, LIMIT, ALPHA)
     tl.store(h_ptr + row * stride_hm + _out_columns(offs, PERM_OUT, BLOCK_K), h.to(h_ptr.dtype.element_ty),
-             mask=mask)
+             mask=offs < n_store)
 
 
 def permute_k(x: torch.Tensor, block_k: int) -> torch.Tensor:
     """Columns of x reordered within each 128-column tile as `_mma_tile` orders the weights: new
-    column 32q + 8m + 2l + n0 holds old column 32l + 8q + 2m + n0."""
+    column 32q + 8m + 2l + n0 holds old column 32l + 8q + 2m + n0; zero columns pad the last tile."""
     rows, k = x.shape
-    return x.view(rows, k // block_k, 4, 4, 4, 2).permute(0, 1, 3, 4, 2, 5).reshape(rows, k)
+    padded = padded_k(k)
+    if padded != k:
+        x = torch.nn.functional.pad(x, (0, padded - k))
+    return x.view(rows, padded // block_k, 4, 4, 4, 2).permute(0, 1, 3, 4, 2, 5).reshape(rows, padded)
 
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
@@ -479,20 +651,31 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
 
 
 K_TILE = 128   # the kernel's K step: the 16 words `_mma_tile` lays out
+K_STEP = 8     # what K must be a multiple of: whole int32 words (K tiles are padded, `permute_k`)
+
+
+def padded_k(k: int) -> int:
+    """A GEMM input's width in the kernel: K padded to whole K tiles."""
+    return triton.cdiv(k, K_TILE) * K_TILE
 
 
 def fits(hidden_size: int, intermediate_size: int) -> bool:
-    """Whether a layer's two K dimensions (gate/up: hidden, down: intermediate) are whole K tiles."""
-    return hidden_size % K_TILE == 0 and intermediate_size % K_TILE == 0
+    """Whether the kernel takes a layer's two K dimensions (gate/up: hidden, down: intermediate)."""
+    return hidden_size % K_STEP == 0 and intermediate_size % K_STEP == 0
 
 
 def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pairs, compute, cfg, act,
             bias=None, bias3=None, perm_out=False):
     """One GEMM launch; `out` is [pairs, N], or when split (`_split`) FP32 partials [S, pairs, N]
     ([S, 2, pairs, N] for w1/w3). `act` (a SwiGLU) is fused after w1/w3 unless split."""
-    if w.k % cfg.block_k or cfg.block_k != K_TILE or w.group % 8:
+    if w.k % K_STEP or cfg.block_k != K_TILE or w.group % 8:
         raise ValueError(f"K={w.k}, group {w.group} do not fit block_k={cfg.block_k} (the kernel takes K tiles of "
-                         "128, the 16 words that `_mma_tile` lays out, and groups of whole words)")
+                         f"128, the 16 words that `_mma_tile` lays out, K a multiple of {K_STEP} and groups of whole "
+                         "words)")
+    if a.shape[1] != padded_k(w.k):
+        raise ValueError(f"A has {a.shape[1]} columns, not K={w.k} padded to whole tiles (`permute_k`)")
+    if compute == torch.float16 and w.codec.kernel_code != nvfp4.CODEC.kernel_code:
+        raise ValueError(f"FP16 compute is NVFP4's route (`_pair_asm_f16`), not {w.format}'s")
     gated = w3 is not None
     if gated and (w3.format != w.format or w3.packed.shape != w.packed.shape or w3.scale.shape != w.scale.shape
                   or (w3.zero_point is None) != (w.zero_point is None)):
@@ -507,7 +690,11 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
     b, b3 = (bias, bias3 if gated else bias) if bias is not None else (dummy, dummy)
     act = act or SwiGLU()
     split = _split(cfg, w.k)
-    grid = (triton.cdiv(w.n, cfg.block_n), block_expert.numel(), split)
+    n_tiles = triton.cdiv(padded_k(w.n) if perm_out else w.n, cfg.block_n)  # PERM_OUT pads the next GEMM's K
+    # 16-byte weight loads need rows of words on 16 bytes, and K in whole 16-byte vectors.
+    words_16b = w.k % 32 == 0 and all(t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0 and t.data_ptr() % 16 == 0
+                                      for t in (words, words3))
+    grid = (n_tiles, block_expert.numel(), split)
     return _moe_gemm_kernel[grid](
         a, a.stride(0),
         words, w.scale, gs, zp,
@@ -521,23 +708,23 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         A_ROW_DIV=a_row_div, FMT=w.codec.kernel_code, GROUP=w.group, HAS_ZP=w.zero_point is not None,
         HAS_GLOBAL=w.global_scale is not None, HAS_BIAS=bias is not None, GATED=gated,
         ROUTE_WEIGHT=route_w is not None, ACTIVATION=_ACTIVATION_CODES[act.kind], LIMIT=float(act.limit),
-        ALPHA=float(act.alpha), COMPUTE=_TL_DTYPES[compute], ASM=compute == torch.bfloat16,
+        ALPHA=float(act.alpha), COMPUTE=_TL_DTYPES[compute], ASM=compute != torch.float32,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", PERM_OUT=perm_out,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_K=w.k % cfg.block_k == 0, WORDS_16B=words_16b, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def _split(cfg: KernelConfig, k: int) -> int:
     """K slices for a GEMM of depth k: the most, up to cfg.split_k, that divide its K tiles."""
-    return max(s for s in range(1, cfg.split_k + 1) if (k // cfg.block_k) % s == 0)
+    return max(s for s in range(1, cfg.split_k + 1) if triton.cdiv(k, cfg.block_k) % s == 0)
 
 
 def gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act, b1=None, b3=None,
             perm_out=True) -> torch.Tensor:
     """The intermediate h [pairs, I] (compute dtype) = act(a W1.T + b1, a W3.T + b3) for a's rows,
-    its columns permuted for `down` when perm_out."""
-    h = torch.empty(pairs, w1.n, dtype=compute, device=a.device)
+    its columns permuted for `down` when perm_out (and then zero-padded to whole K tiles)."""
+    h = torch.empty(pairs, padded_k(w1.n) if perm_out else w1.n, dtype=compute, device=a.device)
     split = _split(cfg, w1.k)
     if split == 1:
         _launch(a, top_k, w1, w3, h, sorted_ids, block_expert, None, pairs, compute, cfg, act, b1, b3,
@@ -546,7 +733,7 @@ def gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act
     part = torch.empty(split, 2, pairs, w1.n, dtype=torch.float32, device=a.device)
     _launch(a, top_k, w1, w3, part, sorted_ids, block_expert, None, pairs, compute, cfg, act, b1, b3)
     block = 1024
-    _swiglu_partials_kernel[(pairs, triton.cdiv(w1.n, block))](
+    _swiglu_partials_kernel[(pairs, triton.cdiv(h.shape[1], block))](
         part, part.stride(0), part.stride(1), h, h.stride(0), w1.n, ACTIVATION=_ACTIVATION_CODES[act.kind],
         LIMIT=float(act.limit), ALPHA=float(act.alpha), SPLIT_K=split, PERM_OUT=perm_out, BLOCK_K=cfg.block_k,
         BLOCK=block, num_warps=4)
@@ -554,10 +741,12 @@ def gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act
 
 
 def down(h, w2, sorted_ids, block_expert, route_w, pairs, compute, cfg, b2=None) -> torch.Tensor:
-    """Per-pair outputs (h W2.T + b2) * routing weight: [S, pairs, H], FP32 partials when split (S
-    slices), else the compute dtype (BF16 on the GPU halves this buffer's traffic)."""
+    """Per-pair outputs (h W2.T + b2) * routing weight (route_w: [pairs], any float dtype): [S, pairs,
+    H], FP32 partials when split (S slices), else the compute dtype (BF16 on the GPU halves this
+    buffer's traffic; BF16 too with FP16 compute, whose range the outputs need not fit)."""
     split = _split(cfg, w2.k)
-    y = torch.empty(split, pairs, w2.n, dtype=torch.float32 if split > 1 else compute, device=h.device)
+    dtype = torch.float32 if split > 1 else torch.bfloat16 if compute == torch.float16 else compute
+    y = torch.empty(split, pairs, w2.n, dtype=dtype, device=h.device)
     _launch(h, 1, w2, None, y if split > 1 else y[0], sorted_ids, block_expert, route_w, pairs, compute, cfg, None,
             b2)
     return y
@@ -593,6 +782,9 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     split so: de-interleave those first).
     activation_scales: (input_scale of w1/w3, of w2) to emulate a W4A4 engine: each GEMM's input
     (x, then the BF16 intermediate) is quantized to NVFP4 and decoded before the weights meet it.
+    compute_dtype: the GEMM inputs' dtype: BF16 on the GPU by default, FP32 under the interpreter;
+    FP16 for NVFP4 only (fewer instructions per weight, `_pair_asm_f16`): x and the intermediate in
+    FP16, exact for |x| in [2^-14, 65504] (x beyond that range overflows: opt in knowingly).
     """
     compute = compute_dtype or (torch.float32 if interpreting() else torch.bfloat16)
     tokens, hidden = x.shape
@@ -607,16 +799,38 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
                          "activation='swiglu_oai' and only then")
     act = SwiGLU(activation, swiglu_limit, 1.0 if swiglu_alpha is None else swiglu_alpha)
     cfg = config or default_config(pairs, w1.experts)
-    sorted_ids, block_expert = moe_align(topk_ids, w1.experts, cfg.block_m)
     if activation_scales is not None:
         x = fake_quantize_activations(x.bfloat16(), activation_scales[0])
-    a = permute_k(x.to(compute), cfg.block_k)
+    a, sorted_ids, block_expert = prepare(x, topk_ids, w1.experts, cfg.block_m, compute)
     quantize_h = activation_scales is not None  # in the natural column order, then permuted here
     h = gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act, b1, b3,
                 perm_out=not quantize_h)
     if quantize_h:
         h = permute_k(fake_quantize_activations(h.bfloat16(), activation_scales[1]).to(compute), cfg.block_k)
-    route_w = topk_weights.to(torch.float32).flatten().contiguous()
-    y = down(h, w2, sorted_ids, block_expert, route_w, pairs, compute, cfg, b2)
-    # The top-k (and split-K) sum accumulates in FP32.
-    return y.view(-1, tokens, top_k, hidden).sum((0, 2), dtype=torch.float32).to(torch.bfloat16)
+    y = down(h, w2, sorted_ids, block_expert, topk_weights.contiguous(), pairs, compute, cfg, b2)
+    return topk_sum(y, top_k)
+
+
+def topk_sum(y: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[T, H] BF16 from `down`'s [S, T * top_k, H]: the sum over slices and top-k in FP32, one launch."""
+    slices, pairs, hidden = y.shape
+    # Triton's interpreter truncates to BF16 (the GPU rounds): there torch rounds the FP32 sums.
+    out = torch.empty(pairs // top_k, hidden, dtype=torch.float32 if interpreting() else torch.bfloat16,
+                      device=y.device)
+    block = 1024
+    _topk_sum_kernel[(pairs // top_k, triton.cdiv(hidden, block))](
+        y, y.stride(0), y.stride(1), out, hidden, SLICES=slices, TOP_K=top_k, BLOCK=block, num_warps=4)
+    return out.to(torch.bfloat16)
+
+
+@triton.jit
+def _topk_sum_kernel(y_ptr, stride_ys, stride_ym, out_ptr, H, SLICES: tl.constexpr, TOP_K: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SLICES):
+        for k in tl.static_range(TOP_K):
+            acc += tl.load(y_ptr + s * stride_ys + (token * TOP_K + k) * stride_ym + offs, mask=mask).to(tl.float32)
+    tl.store(out_ptr + token * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
