@@ -127,3 +127,23 @@ def test_byte_pairs_on_the_cpu_equals_the_plain_lookup():
     packed = torch.randint(0, 256, (9, 14), dtype=torch.uint8)[:, 2:12]   # a non-contiguous view
     plain = table[packed.long()].reshape(9, -1)
     assert torch.equal(formats.byte_pairs(table, packed), plain)
+
+
+@pytest.mark.parametrize("chunk", [1 << 18, 4 * K])   # one piece; row chunks that divide the rows
+def test_decoded_row_chunks_refuse_projections_of_different_shapes(chunk, monkeypatch):
+    """report and verify --deep compare row chunks: a candidate with more rows or a shorter K than
+    its source is an error, not a comparison of the rows they share."""
+    from requant.errors import FormatError
+    from requant.report import weights
+
+    monkeypatch.setattr(weights, "_CHUNK_ELEMENTS", chunk)
+    a, b = _cast_pair()
+    more_rows = {k: (torch.cat([v, v[:8]]) if v.dim() == 2 else v) for k, v in b.items()}
+    shorter_k = {"weight": b["weight"][:, :-8], "weight_scale": b["weight_scale"][:, :-1],
+                 "weight_scale_2": b["weight_scale_2"]}
+    for other in (more_rows, shorter_k):
+        with pytest.raises(FormatError, match="decoded shapes differ"):
+            list(weights.decoded_row_chunks(mxfp4.CODEC, a, nvfp4.CODEC, other, mxfp4.CODEC.decode,
+                                            nvfp4.CODEC.decode))
+    assert sum(len(x) for x, _ in weights.decoded_row_chunks(mxfp4.CODEC, a, nvfp4.CODEC, b, mxfp4.CODEC.decode,
+                                                             nvfp4.CODEC.decode)) == ROWS

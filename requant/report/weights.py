@@ -103,20 +103,19 @@ def decoded_row_chunks(ca, ta: dict, cb, tb: dict, decode_a: Callable, decode_b:
     weight = ta[ca.weight.suffix]
     rows, k = weight.shape[0], weight.shape[-1] * ca.elements_per_word
     step = chunk_rows(k, weight.device)
-    if step >= rows or ca.rows(ta, 0, 1) is None or cb.rows(tb, 0, 1) is None:
-        yield from _chunks(decode_a(ta), decode_b(tb))
+    by_rows = tb[cb.weight.suffix].shape[0] == rows and ca.rows(ta, 0, 1) is not None and cb.rows(tb, 0, 1) is not None
+    if step >= rows or not by_rows:
+        a, b = decode_a(ta), decode_b(tb)
+        if a.shape != b.shape:
+            raise FormatError(f"decoded shapes differ: {list(a.shape)} vs {list(b.shape)}")
+        for r in range(0, rows, step):
+            yield a[r:r + step], b[r:r + step]
         return
     for r in range(0, rows, step):
-        yield decode_a(ca.rows(ta, r, r + step)), decode_b(cb.rows(tb, r, r + step))
-
-
-def _chunks(a: torch.Tensor, b: torch.Tensor):
-    if a.shape != b.shape:
-        raise FormatError(f"decoded shapes differ: {list(a.shape)} vs {list(b.shape)}")
-    rows, k = a.shape
-    step = chunk_rows(k, a.device)
-    for r in range(0, rows, step):
-        yield a[r:r + step], b[r:r + step]
+        a, b = decode_a(ca.rows(ta, r, r + step)), decode_b(cb.rows(tb, r, r + step))
+        if a.shape != b.shape:
+            raise FormatError(f"decoded shapes differ: {list(a.shape)} vs {list(b.shape)}")
+        yield a, b
 
 
 def identical(n: int, blocks: int, energy: float) -> ErrorSums:
@@ -129,8 +128,6 @@ def exactness(chunks, block: int) -> tuple[int, int, int]:
     verify --deep counts."""
     blocks = exact = nonfinite = 0
     for a_, b_ in chunks:
-        if a_.shape != b_.shape:
-            raise FormatError(f"decoded shapes differ: {list(a_.shape)} vs {list(b_.shape)}")
         same = _all_per_block(a_ == b_, block)
         blocks += same.numel()
         exact += int(same.sum())
@@ -148,8 +145,6 @@ def compare_chunks(chunks, block: int) -> ErrorSums:
     sums = ErrorSums()
     exponents = None
     for a_, b_ in chunks:
-        if a_.shape != b_.shape:
-            raise FormatError(f"decoded shapes differ: {list(a_.shape)} vs {list(b_.shape)}")
         if exponents is None:
             exponents = torch.zeros(256, dtype=torch.int64, device=a_.device)
         err = b_ - a_
