@@ -13,6 +13,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="requant's kernel needs triton (Linux wheels only): pip install 'requant[gpu]'")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from requant.kernels import fused_moe as fm  # noqa: E402
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -119,6 +121,43 @@ def test_pair_ptx_decodes_every_byte(kind):
                 else:
                     want = (nib - (8 if kind == "int4" else zero)) * scale
                 assert bf16_value(out[name]) == bf16_value(bf16_bits(want)), (kind, hex(word), m, j)
+
+
+@triton.jit
+def _scale_bits_kernel(raw_ptr, out_ptr, FMT: tl.constexpr):
+    offs = tl.arange(0, 256)
+    tl.store(out_ptr + offs, fm._scale_bf16_bits(tl.load(raw_ptr + offs), FMT))
+
+
+def kernel_scale_bits() -> list[int]:
+    """The BF16 bits the kernel gives each E4M3 byte as an NVFP4 block scale (`_scale_bf16_bits`,
+    run by Triton's interpreter)."""
+    out = torch.empty(256, dtype=torch.int16)
+    _scale_bits_kernel[(1,)](torch.arange(256, dtype=torch.int32).to(torch.uint8), out, FMT=fm.NVFP4)
+    return [b & 0xFFFF for b in out.tolist()]
+
+
+def test_nvfp4_scale_bits_are_the_scale_times_2_to_119():
+    bits = kernel_scale_bits()
+    for byte in [b for b in range(256) if b & 0x7F != 0x7F]:   # every E4M3 value but NaN
+        assert bf16_value(bits[byte]) == e4m3_value(byte) * 2.0**119, hex(byte)
+        assert bits[byte] >> 15 == byte >> 7, hex(byte)   # -0 too
+
+
+def test_folded_e2m1_ptx_decodes_every_byte_exactly():
+    """NVFP4's BF16 route: one multiply by the scale times 2^119 leaves code x scale x 2^-7, exactly,
+    for every byte in every position and every E4M3 block scale from the smallest subnormal to 448
+    (the accumulator takes 2^7 back)."""
+    scales = [b for b in range(0x7F)] + [0x80 | b for b in range(1, 0x7F)]
+    scale_bits = kernel_scale_bits()
+    for i, word in enumerate(words()):
+        byte = scales[(37 * i) % len(scales)]
+        for m in range(4):
+            out = run_ptx(fm._ASM_FP4_FOLDED.value[m], {2: word, 3: scale_bits[byte]})
+            for j, name in ((2 * m, "$0"), (2 * m + 1, "$1")):
+                nib = (word >> 4 * j) & 15
+                want = (-1 if nib & 8 else 1) * E2M1[nib & 7] * e4m3_value(byte) * 2.0**-7
+                assert bf16_value(out[name]) == want, (hex(word), hex(byte), m, j)
 
 
 def test_e2m1_as_e4m3_ptx_decodes_every_byte_exactly_in_fp16():

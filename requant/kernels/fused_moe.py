@@ -255,9 +255,12 @@ def _scale_f32(raw, FMT: tl.constexpr):
 
 @triton.jit
 def _scale_bf16_bits(raw, FMT: tl.constexpr):
-    """Block scales as BF16 bit patterns (int16); exact for E4M3, E8M0 and BF16 alike."""
+    """Block scales as BF16 bit patterns (int16); exact for E4M3, E8M0 and BF16 alike. E4M3 comes
+    times 2^119 (`_pair_asm`'s "e2m1_folded"): every nonzero E4M3 value is a normal BF16, so that is
+    119 more in the exponent field, at most 135 + 119 = 254 (448)."""
     if FMT == NVFP4:
-        bits = raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16).to(tl.int16, bitcast=True)
+        b = raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
+        bits = tl.where((b & 0x7FFF) == 0, b, b + (119 << 7)).to(tl.int16)
     elif FMT == MXFP4:
         b = raw.to(tl.int32)
         bits = tl.where(b == 0, 0x40, b << 7).to(tl.int16)  # byte 0 = 2^-127, a BF16 subnormal
@@ -278,33 +281,38 @@ def _nibble_f32(nib, zero, FMT: tl.constexpr):
     return (bits | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
 
 
-def _pair_asm(int4: bool, asym: bool, m: int) -> str:
+def _pair_asm(kind: str, m: int) -> str:
     """PTX turning byte m of a word ($2) into its two weights, nibble 2m ($0) and 2m + 1 ($1), as
     one bf16x2 (the pair of adjacent K columns that a thread holds of the wgmma register operand).
 
-    Inputs: the word, its block scale's BF16 bits ($3), -(128 + zero) as BF16 bits ($4) if asym.
-    The byte permute reads the word (bytes 0-3) and the word shifted by a nibble (bytes 4-7; ptxas
-    computes that shift once for the word's 4 calls). E2M1: the permute puts nibble 2m at bits 12-15
-    and nibble 2m + 1 at bits 28-31; each half's sign is then BF16's sign bit and its 3 magnitude
-    bits go to bits 6-8 (exponent LSBs and top mantissa bit): that is the code times 2^-126
-    (exponent 0 gives the subnormal 0.5), so a multiply by 2^126 makes it exact and a second by the
-    block scale rounds once, as FP32-then-BF16 would. INT4: the nibbles go to bits 0-3 and 16-19;
-    OR-ing them into the mantissa of 128.0 gives 128 + n; minus (128 + zero) is exact, then times
-    the scale.
-    About 3 (E2M1) and 2 (INT4) instructions per weight against ~13 for the FP32 route: at decode
-    sizes that issue rate, not DRAM, is the limit (scripts/bench_moe_results.md, runs 5-6).
+    Inputs: the word, its block scale's BF16 bits ($3), -(128 + zero) as BF16 bits ($4) for
+    "int4_zp". The byte permute reads the word (bytes 0-3) and the word shifted by a nibble (bytes
+    4-7; ptxas computes that shift once for the word's 4 calls).
+    E2M1 ("e2m1", "e2m1_folded"): the permute puts nibble 2m at bits 12-15 and nibble 2m + 1 at bits
+    28-31; each half's sign is then BF16's sign bit and its 3 magnitude bits go to bits 6-8 (exponent
+    LSBs and top mantissa bit): that is the code times 2^-126 (exponent 0 gives the subnormal 0.5).
+    "e2m1" multiplies by 2^126, then by the block scale (exact both, E8M0 scales span all of BF16's
+    range); "e2m1_folded" takes a scale already times 2^119 (`_scale_bf16_bits`: E4M3's 448 x 2^119
+    still fits BF16) and multiplies once, leaving the weights 2^-7 times the true ones for the
+    accumulator to take back. Every product is exact: at most 2 x 4 significant bits.
+    INT4: the nibbles go to bits 0-3 and 16-19; OR-ing them into the mantissa of 128.0 gives 128 + n;
+    minus (128 + zero) is exact, then times the scale.
+    About 2.5 ("e2m1_folded"), 3 ("e2m1") and 2 (INT4) instructions per weight against ~13 for the
+    FP32 route: at decode sizes that issue rate, not DRAM, is the limit
+    (scripts/bench_moe_results.md, runs 5-8).
     """
     lines = ["{", ".reg .b32 s, k, z, t, u;", "mov.b32 z, 0x80008000;", "mov.b32 s, {$3, $3};"]
-    if int4:  # byte m of the word into byte 0, of the word shifted right into byte 2
+    if kind.startswith("int4"):  # byte m of the word into byte 0, of the word shifted right into byte 2
         lines += ["shr.b32 u, $2, 4;", f"prmt.b32 t, $2, u, {m | (4 + m) << 8:#x};",
                   "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;",  # (t & 0x000F000F) | 0x43004300 in one op
                   "mov.b32 u, 0x3F803F80;",
-                  "mov.b32 k, {$4, $4};" if asym else "mov.b32 k, 0xC308C308;", "fma.rn.bf16x2 t, t, u, k;"]
+                  "mov.b32 k, {$4, $4};" if kind == "int4_zp" else "mov.b32 k, 0xC308C308;",
+                  "fma.rn.bf16x2 t, t, u, k;"]
     else:  # byte m of the word shifted left into byte 1, of the word itself into byte 3
         lines += ["shl.b32 u, $2, 4;", f"prmt.b32 t, u, $2, {m << 4 | (4 + m) << 12:#x};", "shr.b32 u, t, 6;",
-                  "and.b32 u, u, 0x01C001C0;",
-                  "and.b32 t, t, 0x80008000;", "or.b32 t, t, u;", "mov.b32 k, 0x7E807E80;",
-                  "fma.rn.bf16x2 t, t, k, z;"]  # x 2^126
+                  "and.b32 u, u, 0x01C001C0;", "and.b32 t, t, 0x80008000;", "or.b32 t, t, u;"]
+        if kind == "e2m1":
+            lines += ["mov.b32 k, 0x7E807E80;", "fma.rn.bf16x2 t, t, k, z;"]  # x 2^126
     return "\n".join(lines + ["fma.rn.bf16x2 t, t, s, z;", "mov.b32 {$0, $1}, t;", "}"])
 
 
@@ -332,9 +340,10 @@ def _pair_asm_f16(m: int) -> str:
 
 # Indexed by the byte m.
 _ASM_E2M1_F16 = tl.constexpr(tuple(_pair_asm_f16(m) for m in range(4)))
-_ASM_FP4 = tl.constexpr(tuple(_pair_asm(False, False, m) for m in range(4)))
-_ASM_INT4 = tl.constexpr(tuple(_pair_asm(True, False, m) for m in range(4)))
-_ASM_INT4_ZP = tl.constexpr(tuple(_pair_asm(True, True, m) for m in range(4)))
+_ASM_FP4 = tl.constexpr(tuple(_pair_asm("e2m1", m) for m in range(4)))
+_ASM_FP4_FOLDED = tl.constexpr(tuple(_pair_asm("e2m1_folded", m) for m in range(4)))
+_ASM_INT4 = tl.constexpr(tuple(_pair_asm("int4", m) for m in range(4)))
+_ASM_INT4_ZP = tl.constexpr(tuple(_pair_asm("int4_zp", m) for m in range(4)))
 
 
 @triton.jit
@@ -347,6 +356,9 @@ def _asm_pair(words, s, nz, M: tl.constexpr, FMT: tl.constexpr, HAS_ZP: tl.const
         else:
             lo, hi = tl.inline_asm_elementwise(_ASM_INT4[M], "=h,=h,r,h", [words, s], (tl.bfloat16, tl.bfloat16),
                                                True, 1)
+    elif FMT == NVFP4:
+        lo, hi = tl.inline_asm_elementwise(_ASM_FP4_FOLDED[M], "=h,=h,r,h", [words, s], (tl.bfloat16, tl.bfloat16),
+                                           True, 1)
     else:
         lo, hi = tl.inline_asm_elementwise(_ASM_FP4[M], "=h,=h,r,h", [words, s], (tl.bfloat16, tl.bfloat16), True,
                                            1)
@@ -359,27 +371,42 @@ def _asm_pair_f16(words, s, M: tl.constexpr):
 
 
 @triton.jit
+def _per_word(t, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """[BLOCK_N, G] per-group values broadcast to the [BLOCK_N, KW] words of their groups."""
+    G: tl.constexpr = t.shape[1]
+    return tl.reshape(tl.broadcast_to(t[:, :, None], (BLOCK_N, G, KW // G)), (BLOCK_N, KW))
+
+
+@triton.jit
 def _dequant(words, scale_raw, zero, FMT: tl.constexpr, HAS_ZP: tl.constexpr, COMPUTE: tl.constexpr,
-             ASM: tl.constexpr):
+             ASM: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr):
     """The 8 nibble planes of a word tile as COMPUTE tiles: plane j holds nibble j of each word.
-    FP16 (NVFP4 only, `_pair_asm_f16`): the planes are 2^-6 times the weights."""
+    scale_raw and zero are per group (`_load_scales`), converted before they are broadcast to the
+    words: once per group instead of once per word.
+    On the GPU NVFP4's planes are scaled: 2^-6 times the weights in FP16 (`_pair_asm_f16`), 2^-7 in
+    BF16 ("e2m1_folded")."""
     if ASM and COMPUTE == tl.float16:
-        s = scale_raw.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.int16, bitcast=True)
+        s = _per_word(scale_raw.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.int16, bitcast=True), BLOCK_N,
+                      KW)
         p0, p1 = _asm_pair_f16(words, s, 0)
         p2, p3 = _asm_pair_f16(words, s, 1)
         p4, p5 = _asm_pair_f16(words, s, 2)
         p6, p7 = _asm_pair_f16(words, s, 3)
         planes = (p0, p1, p2, p3, p4, p5, p6, p7)
     elif ASM:
-        s = _scale_bf16_bits(scale_raw, FMT)
-        nz = (zero | 0xC300).to(tl.int16)  # BF16 bits of -(128 + zero); unused unless HAS_ZP
+        s = _per_word(_scale_bf16_bits(scale_raw, FMT), BLOCK_N, KW)
+        nz = 0
+        if HAS_ZP:
+            nz = _per_word((zero | 0xC300).to(tl.int16), BLOCK_N, KW)  # BF16 bits of -(128 + zero)
         p0, p1 = _asm_pair(words, s, nz, 0, FMT, HAS_ZP)
         p2, p3 = _asm_pair(words, s, nz, 1, FMT, HAS_ZP)
         p4, p5 = _asm_pair(words, s, nz, 2, FMT, HAS_ZP)
         p6, p7 = _asm_pair(words, s, nz, 3, FMT, HAS_ZP)
         planes = (p0, p1, p2, p3, p4, p5, p6, p7)
     else:
-        s = _scale_f32(scale_raw, FMT)
+        s = _per_word(_scale_f32(scale_raw, FMT), BLOCK_N, KW)
+        if HAS_ZP:
+            zero = _per_word(zero, BLOCK_N, KW)
         planes = ((_nibble_f32(words & 15, zero, FMT) * s).to(COMPUTE),
                   (_nibble_f32((words >> 4) & 15, zero, FMT) * s).to(COMPUTE),
                   (_nibble_f32((words >> 8) & 15, zero, FMT) * s).to(COMPUTE),
@@ -423,12 +450,14 @@ def _mma_rows(BLOCK_N: tl.constexpr):
 @triton.jit
 def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOCK_N: tl.constexpr,
                  KW: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr):
-    """Scale (raw) and zero point of every word of the tile starting at word column kw; zero for
-    groups at or beyond K (the last tile when not EVEN_K), whatever the memory there holds.
+    """Scales (raw) and zero points [BLOCK_N, G] of the groups of the tile starting at word column
+    kw (G = 1 when a group spans more than the tile); zero for groups at or beyond K (the last tile
+    when not EVEN_K), whatever the memory there holds.
 
-    One load per group, broadcast to its words: the tile's layout then follows the weight words
-    (vector stores of the dequantized planes) instead of a per-word gather of repeated bytes.
-    These loads are too narrow for cp.async, so the caller issues them one K tile ahead.
+    One load per group, broadcast to its words by `_dequant`: the tile's layout then follows the
+    weight words (vector stores of the dequantized planes) instead of a per-word gather of
+    repeated bytes. These loads are too narrow for cp.async, so the caller issues them one K tile
+    ahead.
     """
     WPG: tl.constexpr = GROUP // 8
     G: tl.constexpr = KW // WPG if KW >= WPG else 1
@@ -437,12 +466,10 @@ def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOC
     if not EVEN_K:
         mask = mask & (groups < K // GROUP)[None, :]
     scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + groups[None, :], mask=mask, other=0)
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, G, KW // G)), (BLOCK_N, KW))
     zero = 8
     if HAS_ZP:
         zw = tl.load(z_ptr + (offs_n // 8)[:, None] * stride_zn + groups[None, :], mask=mask, other=0)
         zero = (zw >> ((offs_n % 8) * 4)[:, None]) & 15
-        zero = tl.reshape(tl.broadcast_to(zero[:, :, None], (BLOCK_N, G, KW // G)), (BLOCK_N, KW))
     return scale, zero
 
 
@@ -533,12 +560,12 @@ def _moe_gemm_kernel(
         if not EVEN_K:  # the zero scales beyond K zero the weights; this keeps the loads inside the tensor
             w_mask = w_mask & (kw + offs_w < words_k)[None, :]
         words = tl.load(w_ptr + w_offs + kw, mask=w_mask, other=0)
-        w_tile = _mma_tile(_dequant(words, s1, z1, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
+        w_tile = _mma_tile(_dequant(words, s1, z1, FMT, HAS_ZP, COMPUTE, ASM, BLOCK_N, KW), BLOCK_N)
         s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW, GROUP,
                               HAS_ZP, EVEN_K)
         if GATED:
             words3 = tl.load(w3_ptr + w_offs + kw, mask=w_mask, other=0)
-            w3_tile = _mma_tile(_dequant(words3, s3, z3, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
+            w3_tile = _mma_tile(_dequant(words3, s3, z3, FMT, HAS_ZP, COMPUTE, ASM, BLOCK_N, KW), BLOCK_N)
             s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW,
                                   GROUP, HAS_ZP, EVEN_K)
         a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
@@ -549,8 +576,9 @@ def _moe_gemm_kernel(
     offs_n = pid_n * BLOCK_N + _mma_rows(BLOCK_N)  # the accumulator's rows
     n_mask = offs_n < N
     n_store = tl.cdiv(N, BLOCK_K) * BLOCK_K if PERM_OUT else N  # the zeros of a padded last tile too
-    # The FP16 route's weights are 2^-6 times the true ones (`_pair_asm_f16`).
-    gs_factor: tl.constexpr = 64.0 if ASM and COMPUTE == tl.float16 else 1.0
+    # On the GPU NVFP4's weights come scaled: 2^-6 times the true ones in FP16 (`_pair_asm_f16`),
+    # 2^-7 in BF16 ("e2m1_folded"); the global scale, which NVFP4 always has, takes it back.
+    gs_factor: tl.constexpr = (64.0 if COMPUTE == tl.float16 else 128.0) if ASM and FMT == NVFP4 else 1.0
     if HAS_GLOBAL:
         acc *= tl.load(gs_ptr + e) * gs_factor
     if HAS_BIAS:
