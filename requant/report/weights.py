@@ -145,11 +145,11 @@ def compare_chunks(chunks, block: int) -> ErrorSums:
     """
     sums = ErrorSums()
     exponents = None
-    scratch = torch.empty(0)
+    scratch = torch.empty(0)   # sized at the first (largest) chunk, on its device
     for a_, b_ in chunks:
         if exponents is None:
             exponents = torch.zeros(256, dtype=torch.int64, device=a_.device)
-        if scratch.numel() < 2 * a_.numel() or scratch.device != a_.device:
+        if scratch.numel() < 2 * a_.numel():
             # the chunk's error and products: the same two buffers for every chunk (fresh ones cost
             # page faults, as much as a pass)
             scratch = torch.empty(2 * a_.numel(), dtype=torch.float32, device=a_.device)
