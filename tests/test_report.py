@@ -237,3 +237,27 @@ def test_exact_conversion_says_exact_and_rerun_drops_stale_plots(pair, exact_pai
     page = (out / "report.html").read_text()
     assert page.count('src="data:image/png;base64,') == 1
     assert page.index("Exact: every weight") < page.index("<h2>Overall</h2>")
+
+
+@pytest.mark.parametrize("largest", [0.5, 100.0])   # every |error| below 2 (exponents counted in pairs) or not
+def test_compare_chunks_counts_every_error_where_numpy_does(largest):
+    """Zeros of either sign, subnormal errors, exact blocks, the clamped end bins: against plain numpy."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(6, 256, generator=g) * 0.01
+    b = a + torch.randn(6, 256, generator=g) * torch.logspace(-45, math.log10(largest), 256) ** 0.5 * 0.1
+    b[0] = a[0]                                    # exact blocks
+    b[1, :32] = a[1, :32]                          # an exact block among inexact ones
+    a[2, 5], b[2, 5] = 0.0, 1e-42                  # a subnormal error
+    a[3, :64] = 0.0
+    b[3, :64] = -0.0                               # -0 against +0 is no error
+    b[4, 7] = a[4, 7] + largest
+    s = weights.compare_chunks([(a[:4], b[:4]), (a[4:], b[4:])], 32)
+    e = (b.double() - a.double()).numpy()
+    e32 = np.abs((b - a).numpy())
+    assert s.n == e.size and s.blocks == e.size // 32
+    assert s.exact_blocks == int((e32.reshape(6, -1, 32) == 0).all(-1).sum())
+    assert s.zero_error == int((e32 == 0).sum()) and s.max_abs == float(e32.max())
+    nz = e32[e32 != 0]
+    expected = np.bincount(np.clip(np.frexp(nz)[1] - 1 - weights.HIST_MIN_EXPONENT, 0, weights.HIST_BINS - 1),
+                           minlength=weights.HIST_BINS)
+    assert s.hist == expected.tolist() and s.hist[0] > 0

@@ -77,9 +77,10 @@ class ErrorSums:
         }
 
 
-def _dot(x: torch.Tensor, y: torch.Tensor) -> float:
-    """sum(x * y): float32 per row, float64 across rows; accurate to ~1e-7 relative."""
-    return float(torch.linalg.vecdot(x, y, dim=1).sum(dtype=torch.float64))
+def _dot(x: torch.Tensor, y: torch.Tensor, scratch: torch.Tensor) -> float:
+    """sum(x * y): float32 per row, float64 across rows; accurate to ~1e-7 relative. The products go
+    to `scratch` (x's shape), the same numbers as torch.linalg.vecdot without a fresh buffer."""
+    return float(torch.mul(x, y, out=scratch).sum(1).sum(dtype=torch.float64))
 
 
 def _all_per_block(mask: torch.Tensor, block: int) -> torch.Tensor:
@@ -144,38 +145,60 @@ def compare_chunks(chunks, block: int) -> ErrorSums:
     """
     sums = ErrorSums()
     exponents = None
+    scratch = torch.empty(0)   # sized at the first (largest) chunk, on its device
     for a_, b_ in chunks:
         if exponents is None:
             exponents = torch.zeros(256, dtype=torch.int64, device=a_.device)
-        err = b_ - a_
-        sum_e2 = _dot(err, err)
+        if scratch.numel() < 2 * a_.numel():
+            # the chunk's error and products: the same two buffers for every chunk (fresh ones cost
+            # page faults, as much as a pass)
+            scratch = torch.empty(2 * a_.numel(), dtype=torch.float32, device=a_.device)
+        err, product = (t[:a_.numel()].view(a_.shape) for t in scratch.chunk(2))
+        torch.sub(b_, a_, out=err)
+        sum_e2 = _dot(err, err, product)
         if not math.isfinite(sum_e2):   # NaN/inf in b: only then pay for a mask
             finite = torch.isfinite(b_)
             sums.nonfinite += int(finite.numel() - finite.sum())
-            err = torch.where(finite, b_, torch.zeros_like(b_)) - a_
-            sum_e2 = _dot(err, err)
-        sum_a2, sum_ea = _dot(a_, a_), _dot(err, a_)
+            torch.sub(torch.where(finite, b_, torch.zeros_like(b_)), a_, out=err)
+            sum_e2 = _dot(err, err, product)
+        sum_a2, sum_ea = _dot(a_, a_, product), _dot(err, a_, product)
         sums.sum_a2 += sum_a2
         sums.sum_e2 += sum_e2
         # b = a + e: sum(b^2) = sum(a^2) + 2 sum(e a) + sum(e^2), and sum(e (a + b)) = 2 sum(e a) +
         # sum(e^2) is sum(b^2 - a^2) without the cancellation, which keeps 1 - cosine accurate
         sums.sum_e_apb += 2 * sum_ea + sum_e2
         sums.sum_b2 += sum_a2 + 2 * sum_ea + sum_e2
-        err.abs_()
-        if err.numel():
-            sums.max_abs = max(sums.max_abs, float(err.max()))
-        zero = torch.logical_not(err)   # err == 0, in half the time
-        exact = _all_per_block(zero, block)
-        sums.blocks += exact.numel()
-        sums.exact_blocks += int(exact.count_nonzero())
-        sums.zero_error += int(zero.count_nonzero())
+        if not err.numel():
+            continue
+        # |e| >= 0 orders as its bits do: integer passes on them (a count of non-zero floats costs 4x)
+        bits = err.abs_().view(torch.int32)
+        block_max = bits.view(bits.shape[0], -1, block).amax(-1)   # 0: the block is exact
+        largest = float(block_max.max().view(torch.float32))
+        sums.max_abs = max(sums.max_abs, largest)
+        sums.blocks += block_max.numel()
+        sums.exact_blocks += int((block_max == 0).sum())
+        zero = err.numel() - int(torch.count_nonzero(bits))
+        sums.zero_error += zero
         sums.n += err.numel()
-        # |e| >= 0, so its bits shifted right by 23 are its biased exponent (0 for zeros and subnormals)
-        exponents += torch.bincount((err.view(torch.int32) >> 23).view(-1), minlength=256)
+        exponents[0] -= zero   # exact zeros are counted apart
+        exponents += _exponent_counts((bits >> 23).to(torch.uint8).view(-1), pairs=largest < 2.0)
     if exponents is None:
         return sums
-    exponents[0] -= sums.zero_error   # exact zeros are counted apart
     low, high = HIST_MIN_EXPONENT + _F32_BIAS, HIST_MAX_EXPONENT + _F32_BIAS - 1
     counts = exponents.tolist()
     sums.hist = ([sum(counts[:low + 1])] + counts[low + 1:high] + [sum(counts[high:])])
     return sums
+
+
+def _exponent_counts(exponent: torch.Tensor, pairs: bool) -> torch.Tensor:
+    """int64 [256]: how often each biased exponent (uint8, 0 for zeros and subnormals) occurs.
+
+    A bincount is a scalar loop, the largest pass of a comparison: with `pairs` (every exponent below
+    128, |e| < 2) two neighbours are counted as one int16, half the loop; its [odd, even] counts add up
+    both ways."""
+    if not pairs:
+        return torch.bincount(exponent, minlength=256)
+    both = torch.bincount(exponent.view(torch.int16), minlength=1 << 15).view(128, 256)
+    counts = both.sum(0)
+    counts[:128] += both.sum(1)
+    return counts
