@@ -238,10 +238,11 @@ class _Tables:
         (groups sorted by it, so each winner's groups are one slice): the CPU's way."""
         per_pick = torch.bincount(pick, minlength=len(self.s))
         centres = per_pick.nonzero().squeeze(1)
-        order = torch.sort(pick.to(torch.int16), stable=True).indices
-        cells = counts[order].split(per_pick[centres].tolist())
+        order = torch.sort(pick.to(torch.int16)).indices
+        cells = counts.index_select(0, order).split(per_pick[centres].tolist())
         keys = torch.empty(len(pick), dtype=torch.float64)
-        keys[order] = torch.cat([(_operand(cell) @ self.error[:, o]).amin(1)
+        # [options, groups] products: the minimum then runs along contiguous rows.
+        keys[order] = torch.cat([(self.error_t[o] @ _operand(cell).t()).amin(0)
                                  for cell, o in zip(cells, self._neighbours(centres))])
         return keys
 
