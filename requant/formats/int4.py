@@ -150,9 +150,9 @@ _R_OFFSET, _R_BINS = 128, 258
 # pair of source bytes (4 codes), the words of its positive codes and of its negative ones (+-0
 # are not counted): a block's are the sums over its 8 pairs, lanes <= 32.
 _LANE_OF = {7: 0, 6: 1, 5: 2, 4: 3, 3: 4, 2: 5, 1: 7}      # E2M1 magnitude code (6 .. 0.5) -> lane
-_PAIR_LANES = torch.tensor([[sum(1 << 8 * _LANE_OF[c & 7] for c in ((v >> 4 * j) & 15 for j in range(4))
-                                 if c & 7 and c >> 3 == sign) for v in range(1 << 16)] for sign in (0, 1)],
-                           dtype=torch.int64)
+_CODE_LANES = torch.tensor([[1 << 8 * _LANE_OF[c & 7] if c & 7 and c >> 3 == sign else 0 for c in range(16)]
+                            for sign in (0, 1)])                                  # [sign, code]
+_PAIR_LANES = sum(_CODE_LANES[:, (torch.arange(1 << 16) >> 4 * j) & 15] for j in range(4))   # [sign, pair]
 _LANE_SQUARED_X4 = torch.tensor([144, 64, 36, 16, 9, 4, 0, 1], dtype=torch.float64)   # 4 * (6 .. 0.5)^2
 _EMPTY = -(10**6)                  # the top level of an all-zero block: far below anything
 
