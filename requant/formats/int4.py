@@ -191,11 +191,12 @@ class _Tables:
         assert not merged[: self.split].any() and self.split <= 8 and self.n_bins <= 16
         kept = torch.cat([torch.ones(self.n_bins, dtype=torch.bool), ~merged])
         self.rows = self.n_bins + self.split
-        # Last row: the candidate index, matched by a column of ones in the counts.
+        # Last row: the candidate index, matched by the counts' last column, all ones.
         table = torch.cat([error[kept] * _TIE, torch.arange(n, dtype=torch.float64)[None]])
         self.error = table.to(device)                                               # [rows + 1, C]
         self.error_t = self.error.t().contiguous()                                  # [C, rows + 1]
-        self.level_energy = (x.squeeze(1).double().square()[kept] / _UNIT).to(device)
+        level_energy = x.squeeze(1).double().square()[kept] / _UNIT
+        self.level_energy = torch.cat([level_energy, torch.zeros(1, dtype=torch.float64)]).to(device)   # [rows + 1]
         d = torch.arange(-1, _D_MAX + 1, dtype=torch.float32)
         v = e2m1.signed_values()[None, :, None] * torch.exp2(-d)[:, None, None]      # [d, 16, 1]
         nibble = (torch.clamp(torch.round(v / self.s) + self.z, QMIN, QMAX) - QMIN).to(torch.uint8)
@@ -231,7 +232,7 @@ class _Tables:
     def _best(self, counts, options):
         """Best among the same `options` for every group (one matrix product per chunk)."""
         table = self.error[:, options].t()
-        return torch.cat([(table @ _operand(counts[part]).t()).amin(0) for part in _chunks(counts)])
+        return torch.cat([(table @ counts[part].double().t()).amin(0) for part in _chunks(counts)])
 
     def _best_by_centre(self, counts, pick):
         """Best among each group's own options, one matrix product per distinct coarse winner
@@ -242,7 +243,7 @@ class _Tables:
         cells = counts.index_select(0, order).split(per_pick[centres].tolist())
         keys = torch.empty(len(pick), dtype=torch.float64)
         # [options, groups] products: the minimum then runs along contiguous rows.
-        keys[order] = torch.cat([(self.error_t[o] @ _operand(cell).t()).amin(0)
+        keys[order] = torch.cat([(self.error_t[o] @ cell.double().t()).amin(0)
                                  for cell, o in zip(cells, self._neighbours(centres))])
         return keys
 
@@ -250,7 +251,7 @@ class _Tables:
         """The same result as _best_by_centre, gathering each group's table columns: a few large
         kernels rather than one small product per winner (the GPU's way)."""
         return torch.cat([torch.bmm(self.error_t[self._neighbours(pick[part])],
-                                    _operand(counts[part])[:, :, None]).squeeze(2).amin(1)
+                                    counts[part].double()[:, :, None]).squeeze(2).amin(1)
                           for part in _chunks(counts)])
 
 
@@ -263,12 +264,6 @@ def _chunks(counts: torch.Tensor) -> list[slice]:
 def _per_block(per_group: torch.Tensor, blocks_per_group: int) -> torch.Tensor:
     """Each group's value repeated for each of its blocks (no output size for a GPU to read back)."""
     return per_group[:, None].expand(-1, blocks_per_group).reshape(-1)
-
-
-def _operand(counts: torch.Tensor) -> torch.Tensor:
-    """uint8 counts [groups, rows] as the float64 left operand of a table: with the column of ones
-    that picks up the table's candidate-index row. Made per chunk, so it stays in cache."""
-    return torch.nn.functional.pad(counts.double(), (0, 1), value=1.0)
 
 
 _TABLES: dict[tuple[str, torch.device], _Tables] = {}
@@ -460,14 +455,17 @@ def _search(weight: torch.Tensor, scale: torch.Tensor, shapes: tuple[tuple[int, 
     first = (4 - 2 * shift).long()
     top_rows = _window(torch.stack([plus, minus, both]), first)      # [+/-/both, blocks], levels 0-7
     deep_rows = _window(both, first + 8)                              # levels 8-15, merged rows only
-    words = torch.stack([*top_rows, deep_rows]).view(4, -1, per_group).sum(2)
+    words = torch.stack([*top_rows, deep_rows])
+    words = words if per_group == 1 else words.view(4, -1, per_group).sum(2)
     # The table's rows: levels 0 .. n_bins-1, the first `split` of them (the ones clamping makes
     # sign-dependent) from the positive codes and the rest from both signs, then those first levels
     # again from the negative codes.
+    # Last, a 1 (a lane past those), matched by the table's candidate-index row: counts [groups,
+    # rows + 1] uint8, made float64 chunk by chunk for the products.
     mask = (1 << 8 * tables.split) - 1
-    merged = torch.stack([(words[0] & mask) | (words[2] & ~mask), words[3], words[1]], 1)
+    merged = torch.stack([(words[0] & mask) | (words[2] & ~mask), words[3], (words[1] & mask) | mask + 1], 1)
     lanes = merged.view(torch.uint8)                                  # [groups, 24], little-endian
-    counts = torch.cat([lanes[:, :tables.n_bins], lanes[:, 16:16 + tables.split]], 1)
+    counts = torch.cat([lanes[:, :tables.n_bins], lanes[:, 16:17 + tables.split]], 1)
 
     key = tables.exhaustive(counts) if exhaustive else tables.coarse_to_fine(counts)
     best = torch.div(key, _TIE, rounding_mode="floor")
@@ -478,7 +476,9 @@ def _search(weight: torch.Tensor, scale: torch.Tensor, shapes: tuple[tuple[int, 
 
     # Codes: one table lookup per source byte, keyed by (block shift, chosen candidate).
     code_key = (shift + 1) * len(tables.s) + _per_block(pick.int(), per_group)
-    codes = tables.bytes.index_select(0, ((code_key << 8)[:, None] + blocks).view(-1))
+    index = blocks.int()
+    index += (code_key << 8)[:, None]
+    codes = tables.bytes.index_select(0, index.view(-1))
 
     # Energies per tensor: whole numbers of units summed per exponent (exact on any device, in any
     # order), scaled on the host. Error = the searched error per group plus the energy of the
