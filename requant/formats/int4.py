@@ -188,7 +188,7 @@ class _Tables:
         # levels 0 .. split-1 of the negative codes (the lanes _search reads them from).
         merged = (error[: self.n_bins] == error[self.n_bins:]).all(1)
         self.split = int((~merged).sum())
-        assert not merged[: self.split].any() and self.split <= 8 and self.n_bins <= 16
+        assert not merged[: self.split].any() and self.split < 8 and self.n_bins <= 16   # _search's lanes
         kept = torch.cat([torch.ones(self.n_bins, dtype=torch.bool), ~merged])
         self.rows = self.n_bins + self.split
         # Last row: the candidate index, matched by the counts' last column, all ones.
@@ -290,8 +290,8 @@ def _block_lanes(blocks: torch.Tensor, tables: _Tables) -> tuple[torch.Tensor, t
 
 def _window(words: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     """Lane words moved so that lane `first` (per word, any integer) lands in lane 0: the lanes of
-    a 64-bit window that starts at lane `first`, zero where none. Every shift stays below 64 bits
-    (what larger ones give is not the same on every device)."""
+    a 64-bit window that starts at lane `first`, zero where none. Every shift stays below 64 bits:
+    no device's convention for larger ones matters."""
     moved = (words >> 8 * first.clamp(0, 7)) << 8 * (-first).clamp(0, 7)
     return torch.where(first.abs() < 8, moved, 0)
 
@@ -459,9 +459,8 @@ def _search(weight: torch.Tensor, scale: torch.Tensor, shapes: tuple[tuple[int, 
     words = words if per_group == 1 else words.view(4, -1, per_group).sum(2)
     # The table's rows: levels 0 .. n_bins-1, the first `split` of them (the ones clamping makes
     # sign-dependent) from the positive codes and the rest from both signs, then those first levels
-    # again from the negative codes.
-    # Last, a 1 (a lane past those), matched by the table's candidate-index row: counts [groups,
-    # rows + 1] uint8, made float64 chunk by chunk for the products.
+    # again from the negative codes; last a 1 (the lane after those), matched by the table's
+    # candidate-index row. counts: uint8 [groups, rows + 1], made float64 chunk by chunk.
     mask = (1 << 8 * tables.split) - 1
     merged = torch.stack([(words[0] & mask) | (words[2] & ~mask), words[3], (words[1] & mask) | mask + 1], 1)
     lanes = merged.view(torch.uint8)                                  # [groups, 24], little-endian
