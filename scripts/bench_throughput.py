@@ -152,7 +152,7 @@ def encoder_experts_per_second(device: str, group: int, threads: int, per_thread
     CUDA graph, untimed)."""
     from requant import synth
     from requant.formats import int4
-    from requant.workers import _init_gpu_thread
+    from requant.workers import _init_gpu_thread, worker_settings
 
     hidden, inter = 4096, 2048
     values = synth._Values(3, synth.HardCases())
@@ -167,7 +167,7 @@ def encoder_experts_per_second(device: str, group: int, threads: int, per_thread
             int4.encode_many(expert, group, "sym", device)
 
     if device == "cpu":
-        torch.set_num_threads(1)   # as in a worker process
+        worker_settings()   # as in a worker process
     gpu = device == "cuda"
     with ThreadPoolExecutor(threads, initializer=_init_gpu_thread if gpu else None, initargs=(device,) * gpu) as pool:
         list(pool.map(work, [1] * threads))   # warm-up: tables, streams, allocator pools

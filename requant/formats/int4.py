@@ -129,10 +129,6 @@ _SCALE_RANGE = {"sym": (0.1, 0.5), "asym": (0.05, 0.5)}  # s' for a normalised m
 _ZERO_POINTS = range(-3, 4)        # asym offsets searched; E2M1 is symmetric, the best is near 0
 _D_MAX = 8                         # blocks 2^-8 below the group's top round to 0 under any s'
 _LEVELS = torch.tensor([(1.5 if i % 2 == 0 else 1.0) * 2.0 ** -(i // 2) for i in range(2 * _D_MAX)])
-_MAG_SQUARED_X4 = torch.tensor([1, 4, 9, 16, 36, 64, 144], dtype=torch.float64)   # 4 * (0.5 .. 6)^2
-# Half-octave level of each magnitude code's value (0.5 -> -2, 1 -> 0, 1.5 -> 1, ... 6 -> 5); code 0
-# (no magnitude present) far below anything.
-_TOP_LEVEL = torch.tensor([-(10**6), -2, 0, 1, 2, 3, 4, 5])
 _UNIT = 2.0**-24                   # errors and energies are whole numbers of these
 _TIE = 1 << 12                     # above any candidate index
 # Coarse-to-fine, per scheme: BF16 steps between coarse scales, then the radius (in BF16 steps)
@@ -144,16 +140,21 @@ _RADIUS = {"sym": 4, "asym": 8}
 # cache, on a GPU many, for few launches (a chunk's gathered tables stay around 100 MiB per scheme
 # option).
 _CHUNK_GROUPS = {"cpu": 1 << 13, "cuda": 1 << 16}
+_CPU_PIECE_BLOCKS = 1 << 16        # MXFP4 blocks per _search call on a CPU (_search_in_pieces)
 # Group exponents R lie in [-128, 129] (E8M0 exponents -127 .. 127, tops up to 6 * 2^e): per-R
 # bins, offset to start at 0.
 _R_OFFSET, _R_BINS = 128, 258
-# Per pair of source bytes (4 codes), one 4-bit count field per nonzero magnitude code (+0.5 .. +6
-# in fields 0-6, -0.5 .. -6 in 7-13; +-0 are not counted): sums of two cannot overflow a field,
-# and 56 bits stay clear of int64's sign bit.
-_FIELD = [0] + [1 << 4 * i for i in range(7)] + [0] + [1 << 4 * (7 + i) for i in range(7)]
-_PAIR_FIELDS = torch.tensor([sum(_FIELD[(v >> 4 * j) & 15] for j in range(4)) for v in range(1 << 16)],
-                            dtype=torch.int64)
-_LANES = 0x000F0F0F0F0F0F0F        # 7 byte lanes of 4 bits
+# A block's counts are kept as one int64 word per sign, byte lane j counting magnitude 6, 4, 3, 2,
+# 1.5, 1, 0.75 (never an E2M1 value) or 0.5 for j = 0 .. 7: half-octave levels 5 - j, in order, so
+# the block's counts at its group's levels are that word shifted by whole lanes (_window). Per
+# pair of source bytes (4 codes), the words of its positive codes and of its negative ones (+-0
+# are not counted): a block's are the sums over its 8 pairs, lanes <= 32.
+_LANE_OF = {7: 0, 6: 1, 5: 2, 4: 3, 3: 4, 2: 5, 1: 7}      # E2M1 magnitude code (6 .. 0.5) -> lane
+_CODE_LANES = torch.tensor([[1 << 8 * _LANE_OF[c & 7] if c & 7 and c >> 3 == sign else 0 for c in range(16)]
+                            for sign in (0, 1)])                                  # [sign, code]
+_PAIR_LANES = sum(_CODE_LANES[:, (torch.arange(1 << 16) >> 4 * j) & 15] for j in range(4))   # [sign, pair]
+_LANE_SQUARED_X4 = torch.tensor([144, 64, 36, 16, 9, 4, 0, 1], dtype=torch.float64)   # 4 * (6 .. 0.5)^2
+_EMPTY = -(10**6)                  # the top level of an all-zero block: far below anything
 
 
 def _bf16_between(lo: float, hi: float) -> torch.Tensor:
@@ -182,20 +183,20 @@ class _Tables:
         error = ((q - self.z) * self.s - x).double().square() / _UNIT               # [2 bins, C]
         assert torch.equal(error, error.round()) and float(error.max()) * 128 * _TIE < 2.0**53
         # Levels that never clamp cost the same for +v and -v: one row counts both signs, which
-        # shrinks every product below. Row r counts level row_level[r] of sign plane row_plane[r]
-        # (0: +, 1: -, 2: both).
+        # shrinks every product below. Only the top `split` levels can clamp: rows are levels
+        # 0 .. n_bins-1 (the first `split` of the positive codes, the rest of both signs), then
+        # levels 0 .. split-1 of the negative codes (the lanes _search reads them from).
         merged = (error[: self.n_bins] == error[self.n_bins:]).all(1)
-        levels = torch.arange(self.n_bins)
-        row_level = torch.cat([levels, levels[~merged]])
-        row_plane = torch.cat([torch.where(merged, 2, 0), torch.ones(int((~merged).sum()), dtype=torch.long)])
+        self.split = int((~merged).sum())
+        assert not merged[: self.split].any() and self.split < 8 and self.n_bins <= 16   # _search's lanes
         kept = torch.cat([torch.ones(self.n_bins, dtype=torch.bool), ~merged])
-        self.rows = len(row_level)
-        # Last row: the candidate index, matched by a column of ones in the counts.
+        self.rows = self.n_bins + self.split
+        # Last row: the candidate index, matched by the counts' last column, all ones.
         table = torch.cat([error[kept] * _TIE, torch.arange(n, dtype=torch.float64)[None]])
         self.error = table.to(device)                                               # [rows + 1, C]
         self.error_t = self.error.t().contiguous()                                  # [C, rows + 1]
-        self.level_energy = (x.squeeze(1).double().square()[kept] / _UNIT).to(device)
-        self.row_level, self.row_plane = row_level.int().to(device), row_plane.int().to(device)
+        level_energy = x.squeeze(1).double().square()[kept] / _UNIT
+        self.level_energy = torch.cat([level_energy, torch.zeros(1, dtype=torch.float64)]).to(device)   # [rows + 1]
         d = torch.arange(-1, _D_MAX + 1, dtype=torch.float32)
         v = e2m1.signed_values()[None, :, None] * torch.exp2(-d)[:, None, None]      # [d, 16, 1]
         nibble = (torch.clamp(torch.round(v / self.s) + self.z, QMIN, QMAX) - QMIN).to(torch.uint8)
@@ -204,9 +205,8 @@ class _Tables:
         self.bytes = (nibble[..., byte & 15] | (nibble[..., byte >> 4] << 4)).reshape(-1).to(device)
         self.zero_index = int((self.z == 0).nonzero()[0])
         self.s_dev, self.z_dev = self.s.to(device), self.z.to(device)
-        self.pair_fields = _PAIR_FIELDS.to(device)
-        self.top_level = _TOP_LEVEL.int().to(device)
-        self.mag_squared = _MAG_SQUARED_X4.to(device)
+        self.pair_lanes = _PAIR_LANES.to(device)
+        self.lane_squared = _LANE_SQUARED_X4.to(device)
         coarse = torch.arange(0, self.n_s, _COARSE[scheme]) + self.n_s * torch.arange(self.n_z)[:, None]
         self.coarse = coarse.flatten().to(device)
 
@@ -232,17 +232,18 @@ class _Tables:
     def _best(self, counts, options):
         """Best among the same `options` for every group (one matrix product per chunk)."""
         table = self.error[:, options].t()
-        return torch.cat([(table @ _operand(counts[part]).t()).amin(0) for part in _chunks(counts)])
+        return torch.cat([(table @ counts[part].double().t()).amin(0) for part in _chunks(counts)])
 
     def _best_by_centre(self, counts, pick):
         """Best among each group's own options, one matrix product per distinct coarse winner
         (groups sorted by it, so each winner's groups are one slice): the CPU's way."""
         per_pick = torch.bincount(pick, minlength=len(self.s))
         centres = per_pick.nonzero().squeeze(1)
-        order = torch.sort(pick.to(torch.int16), stable=True).indices
-        cells = counts[order].split(per_pick[centres].tolist())
+        order = torch.sort(pick.to(torch.int16)).indices
+        cells = counts.index_select(0, order).split(per_pick[centres].tolist())
         keys = torch.empty(len(pick), dtype=torch.float64)
-        keys[order] = torch.cat([(_operand(cell) @ self.error[:, o]).amin(1)
+        # [options, groups] products: the minimum then runs along contiguous rows.
+        keys[order] = torch.cat([(self.error_t[o] @ cell.double().t()).amin(0)
                                  for cell, o in zip(cells, self._neighbours(centres))])
         return keys
 
@@ -250,7 +251,7 @@ class _Tables:
         """The same result as _best_by_centre, gathering each group's table columns: a few large
         kernels rather than one small product per winner (the GPU's way)."""
         return torch.cat([torch.bmm(self.error_t[self._neighbours(pick[part])],
-                                    _operand(counts[part])[:, :, None]).squeeze(2).amin(1)
+                                    counts[part].double()[:, :, None]).squeeze(2).amin(1)
                           for part in _chunks(counts)])
 
 
@@ -263,12 +264,6 @@ def _chunks(counts: torch.Tensor) -> list[slice]:
 def _per_block(per_group: torch.Tensor, blocks_per_group: int) -> torch.Tensor:
     """Each group's value repeated for each of its blocks (no output size for a GPU to read back)."""
     return per_group[:, None].expand(-1, blocks_per_group).reshape(-1)
-
-
-def _operand(counts: torch.Tensor) -> torch.Tensor:
-    """uint8 counts [groups, rows] as the float64 left operand of a table: with the column of ones
-    that picks up the table's candidate-index row. Made per chunk, so it stays in cache."""
-    return torch.nn.functional.pad(counts.double(), (0, 1), value=1.0)
 
 
 _TABLES: dict[tuple[str, torch.device], _Tables] = {}
@@ -284,19 +279,21 @@ def _tables(scheme: str, device: torch.device) -> _Tables:
     return _TABLES[key]
 
 
-def _block_magnitudes(blocks: torch.Tensor, tables: _Tables) -> torch.Tensor:
-    """uint8 [n, 16] packed MXFP4 blocks -> uint8 [n, 14]: per block, the count of each nonzero
-    magnitude (0.5 .. 6) among positive codes, then among negative ones."""
+def _block_lanes(blocks: torch.Tensor, tables: _Tables) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 [n, 16] packed MXFP4 blocks -> int64 [n] lane words (see _LANE_OF) of the positive
+    codes and of the negative ones."""
     n = len(blocks)
-    pairs = blocks.view(torch.int16).int() & 0xFFFF                 # int32 indices: the fast gathers
-    fields = tables.pair_fields.index_select(0, pairs.view(-1)).view(n, 8)   # 4-bit counts of 4 codes
-    fields = fields[:, 0:4] + fields[:, 4:8]                        # <= 8 each
-    even, odd = fields & _LANES, (fields >> 4) & _LANES             # 8-bit lanes, sums <= 32
-    even, odd = even[:, 0:2] + even[:, 2:4], odd[:, 0:2] + odd[:, 2:4]
-    out = torch.empty(n, 14, dtype=torch.uint8, device=blocks.device)
-    out[:, 0::2] = (even[:, 0] + even[:, 1]).view(torch.uint8).view(n, 8)[:, :7]   # little-endian lanes
-    out[:, 1::2] = (odd[:, 0] + odd[:, 1]).view(torch.uint8).view(n, 8)[:, :7]
-    return out
+    pairs = (blocks.view(torch.int16).int() & 0xFFFF).view(-1)      # int32 indices: the fast gathers
+    plus, minus = (table.index_select(0, pairs).view(n, 8).sum(1) for table in tables.pair_lanes)
+    return plus, minus
+
+
+def _window(words: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """Lane words moved so that lane `first` (per word, any integer) lands in lane 0: the lanes of
+    a 64-bit window that starts at lane `first`, zero where none. Every shift stays below 64 bits:
+    no device's convention for larger ones matters."""
+    moved = (words >> 8 * first.clamp(0, 7)) << 8 * (-first).clamp(0, 7)
+    return torch.where(first.abs() < 8, moved, 0)
 
 
 def _exact_sum(by_exponent: torch.Tensor, offset: int, scale: float) -> float:
@@ -350,8 +347,7 @@ def _encode(sources: dict[str, tuple[torch.Tensor, torch.Tensor]], group_size: i
     if device.type == "cuda":
         results = _on_gpu(sources, device, args)
     else:
-        results = _search(torch.cat([w.reshape(-1) for w, _ in sources.values()]),
-                          torch.cat([s.reshape(-1) for _, s in sources.values()]), *args)
+        results = _search_in_pieces(sources, args)
     # To the host in one go (pinned memory from a GPU), then one wait.
     codes, scale_out, zero, signal_bins, excess_bins = (t.to("cpu", non_blocking=True) for t in results)
     if device.type == "cuda":
@@ -372,6 +368,23 @@ def _spans(shapes: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
     """(first, end) MXFP4 block of each tensor of these (rows, K) in one run."""
     ends = list(itertools.accumulate(rows * k // mxfp4.BLOCK for rows, k in shapes))
     return list(zip([0] + ends[:-1], ends))
+
+
+def _search_in_pieces(sources: dict[str, tuple[torch.Tensor, torch.Tensor]], args: tuple) -> tuple[torch.Tensor, ...]:
+    """_search's results on the CPU, each tensor searched in pieces of whole rows, about
+    _CPU_PIECE_BLOCKS blocks each: a piece's intermediates (a few MiB) stay below the sizes that
+    malloc hands back to the kernel (workers.worker_settings; a full-size projection's would reach
+    40 MiB), and a worker's peak memory stays small. Under malloc's defaults, 1.2-1.7x faster
+    than one pass over a full-size projection. Codes, scales and zero points concatenate; energy
+    bins (whole numbers) add up exactly."""
+    parts, bins = [], []
+    for (weight, scale), (rows, k) in zip(sources.values(), args[0]):
+        step = max(1, _CPU_PIECE_BLOCKS * mxfp4.BLOCK // k)
+        pieces = [_search(weight[r0:r0 + step].reshape(-1), scale[r0:r0 + step].reshape(-1),
+                          ((min(step, rows - r0), k),), *args[1:]) for r0 in range(0, rows, step)]
+        parts.append([torch.cat(field) for field in list(zip(*pieces))[:3]])
+        bins.append([sum(field) for field in list(zip(*pieces))[3:]])
+    return (*(torch.cat(field) for field in zip(*parts)), *(torch.cat(field) for field in zip(*bins)))
 
 
 class _Captured:
@@ -423,31 +436,35 @@ def _search(weight: torch.Tensor, scale: torch.Tensor, shapes: tuple[tuple[int, 
     tables = _tables(scheme, device)
     per_group = group_size // mxfp4.BLOCK
     blocks = weight.view(-1, mxfp4.BLOCK // 2)
-    n_blocks = len(blocks)
-    magnitudes = _block_magnitudes(blocks, tables)
-    both = magnitudes[:, :7] + magnitudes[:, 7:]
-    mags = torch.stack([magnitudes[:, :7], magnitudes[:, 7:], both], 1)   # [blocks, +/-/both, 0.5 .. 6]
+    plus, minus = _block_lanes(blocks, tables)
+    both = plus + minus
 
-    # Level of each block's top |value|, counted in half octaves (level 2e+1 is 1.5 * 2^e).
+    # Level of each block's top |value|, counted in half octaves (level 2e+1 is 1.5 * 2^e): 5 minus
+    # the lane of the lowest set bit (frexp of a power of two: exact), none in an all-zero block.
     exps = scale.int() - mxfp4.E8M0_BIAS
-    top_code = ((both > 0) * torch.arange(1, 8, dtype=torch.uint8, device=device)).amax(1).int()
-    group_top = (tables.top_level.index_select(0, top_code) + 2 * exps).view(-1, per_group).amax(1)
-    empty = group_top < -(10**5)
+    lane = (torch.frexp((both & -both).double()).exponent - 1) >> 3
+    block_top = torch.where(lane < 0, _EMPTY, 5 - lane)
+    group_top = (block_top + 2 * exps).view(-1, per_group).amax(1)
+    empty = group_top < _EMPTY // 2
     r = torch.where(empty, 0, group_top >> 1)                         # 2^R <= top < 2^(R+1)
     shift = (_per_block(r, per_group) - exps).clamp(-1, _D_MAX)       # block values are m * 2^-shift
 
-    # Counts per group over the table's rows: a block's magnitudes land at level 2 * shift + offset.
-    # A fixed width, room for the deepest shift: reading the actual deepest back would stall a GPU.
-    lo = 2 * _D_MAX - 4
-    width = lo + max(8, tables.n_bins + 6)
-    padded = torch.zeros(n_blocks, 3, width, dtype=torch.uint8, device=device)
-    # Level offsets of magnitudes 6, 4, 3, 2, 1.5, 1: 0 .. 5 (level 2e+1 is 1.5 * 2^e); of 0.5: 7.
-    padded[:, :, lo:lo + 6] = mags[:, :, 1:].flip(-1)       # slice copies, not a scatter
-    padded[:, :, lo + 7] = mags[:, :, 0]
-    offsets = width * tables.row_plane + lo + 4 + tables.row_level
-    index = (3 * width * torch.arange(n_blocks, dtype=torch.int32, device=device) - 2 * shift)[:, None] + offsets
-    counts = padded.view(-1).index_select(0, index.view(-1)).view(-1, per_group, tables.rows)
-    counts = counts[:, 0] if per_group == 1 else counts.sum(1, dtype=torch.uint8)      # <= 128
+    # Counts per group over the table's rows: a block's lane j lands at group level 2 * shift - 4 + j,
+    # so levels 0-7 and 8-15 are lane windows starting at 4 - 2 * shift and 12 - 2 * shift, summed
+    # over the group's blocks (lanes <= 128).
+    first = (4 - 2 * shift).long()
+    top_rows = _window(torch.stack([plus, minus, both]), first)      # [+/-/both, blocks], levels 0-7
+    deep_rows = _window(both, first + 8)                              # levels 8-15, merged rows only
+    words = torch.stack([*top_rows, deep_rows])
+    words = words if per_group == 1 else words.view(4, -1, per_group).sum(2)
+    # The table's rows: levels 0 .. n_bins-1, the first `split` of them (the ones clamping makes
+    # sign-dependent) from the positive codes and the rest from both signs, then those first levels
+    # again from the negative codes; last a 1 (the lane after those), matched by the table's
+    # candidate-index row. counts: uint8 [groups, rows + 1], made float64 chunk by chunk.
+    mask = (1 << 8 * tables.split) - 1
+    merged = torch.stack([(words[0] & mask) | (words[2] & ~mask), words[3], (words[1] & mask) | mask + 1], 1)
+    lanes = merged.view(torch.uint8)                                  # [groups, 24], little-endian
+    counts = torch.cat([lanes[:, :tables.n_bins], lanes[:, 16:17 + tables.split]], 1)
 
     key = tables.exhaustive(counts) if exhaustive else tables.coarse_to_fine(counts)
     best = torch.div(key, _TIE, rounding_mode="floor")
@@ -458,12 +475,14 @@ def _search(weight: torch.Tensor, scale: torch.Tensor, shapes: tuple[tuple[int, 
 
     # Codes: one table lookup per source byte, keyed by (block shift, chosen candidate).
     code_key = (shift + 1) * len(tables.s) + _per_block(pick.int(), per_group)
-    codes = tables.bytes.index_select(0, ((code_key << 8)[:, None] + blocks).view(-1))
+    index = blocks.int()
+    index += (code_key << 8)[:, None]
+    codes = tables.bytes.index_select(0, index.view(-1))
 
     # Energies per tensor: whole numbers of units summed per exponent (exact on any device, in any
     # order), scaled on the host. Error = the searched error per group plus the energy of the
     # levels left out (they decode to 0) = all energy + per group (searched - binned energy).
-    block_energy = both.double() @ tables.mag_squared                   # 4x, whole numbers
+    block_energy = both.view(torch.uint8).view(-1, 8).double() @ tables.lane_squared   # 4x, whole numbers
     binned = torch.cat([counts[part].double() @ tables.level_energy for part in _chunks(counts)])
     excess = torch.where(empty, 0.0, best - binned)
     signal_bins = torch.zeros(len(shapes), 256, dtype=torch.float64, device=device)
