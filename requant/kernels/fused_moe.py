@@ -286,8 +286,8 @@ def _pair_asm(kind: str, m: int) -> str:
     one bf16x2 (the pair of adjacent K columns that a thread holds of the wgmma register operand).
 
     Inputs: the word, its block scale's BF16 bits ($3), -(128 + zero) as BF16 bits ($4) for
-    "int4_zp". The byte permute reads the word (bytes 0-3) and the word shifted by a nibble (bytes
-    4-7; ptxas computes that shift once for the word's 4 calls).
+    "integer_zero_point". The byte permute reads the word (bytes 0-3) and the word shifted by a
+    nibble (bytes 4-7; ptxas computes that shift once for the word's 4 calls).
     E2M1 ("e2m1", "e2m1_folded"): the permute puts nibble 2m at bits 12-15 and nibble 2m + 1 at bits
     28-31; each half's sign is then BF16's sign bit and its 3 magnitude bits go to bits 6-8 (exponent
     LSBs and top mantissa bit): that is the code times 2^-126 (exponent 0 gives the subnormal 0.5).
@@ -295,18 +295,18 @@ def _pair_asm(kind: str, m: int) -> str:
     range); "e2m1_folded" takes a scale already times 2^119 (`_scale_bf16_bits`: E4M3's 448 x 2^119
     still fits BF16) and multiplies once, leaving the weights 2^-7 times the true ones for the
     accumulator to take back. Every product is exact: at most 2 x 4 significant bits.
-    INT4: the nibbles go to bits 0-3 and 16-19; OR-ing them into the mantissa of 128.0 gives 128 + n;
-    minus (128 + zero) is exact, then times the scale.
+    INT4 ("integer", "integer_zero_point"): the nibbles go to bits 0-3 and 16-19; OR-ing them into
+    the mantissa of 128.0 gives 128 + n; minus (128 + zero) is exact, then times the scale.
     About 2.5 ("e2m1_folded"), 3 ("e2m1") and 2 (INT4) instructions per weight against ~13 for the
     FP32 route: at decode sizes that issue rate, not DRAM, is the limit
     (scripts/bench_moe_results.md, runs 5-8).
     """
     lines = ["{", ".reg .b32 s, k, z, t, u;", "mov.b32 z, 0x80008000;", "mov.b32 s, {$3, $3};"]
-    if kind.startswith("int4"):  # byte m of the word into byte 0, of the word shifted right into byte 2
+    if kind.startswith("integer"):  # byte m of the word into byte 0, of the word shifted right into byte 2
         lines += ["shr.b32 u, $2, 4;", f"prmt.b32 t, $2, u, {m | (4 + m) << 8:#x};",
                   "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;",  # (t & 0x000F000F) | 0x43004300 in one op
                   "mov.b32 u, 0x3F803F80;",
-                  "mov.b32 k, {$4, $4};" if kind == "int4_zp" else "mov.b32 k, 0xC308C308;",
+                  "mov.b32 k, {$4, $4};" if kind == "integer_zero_point" else "mov.b32 k, 0xC308C308;",
                   "fma.rn.bf16x2 t, t, u, k;"]
     else:  # byte m of the word shifted left into byte 1, of the word itself into byte 3
         lines += ["shl.b32 u, $2, 4;", f"prmt.b32 t, u, $2, {m << 4 | (4 + m) << 12:#x};", "shr.b32 u, t, 6;",
@@ -342,8 +342,8 @@ def _pair_asm_f16(m: int) -> str:
 _ASM_E2M1_F16 = tl.constexpr(tuple(_pair_asm_f16(m) for m in range(4)))
 _ASM_FP4 = tl.constexpr(tuple(_pair_asm("e2m1", m) for m in range(4)))
 _ASM_FP4_FOLDED = tl.constexpr(tuple(_pair_asm("e2m1_folded", m) for m in range(4)))
-_ASM_INT4 = tl.constexpr(tuple(_pair_asm("int4", m) for m in range(4)))
-_ASM_INT4_ZP = tl.constexpr(tuple(_pair_asm("int4_zp", m) for m in range(4)))
+_ASM_INT4 = tl.constexpr(tuple(_pair_asm("integer", m) for m in range(4)))
+_ASM_INT4_ZP = tl.constexpr(tuple(_pair_asm("integer_zero_point", m) for m in range(4)))
 
 
 @triton.jit
