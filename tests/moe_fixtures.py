@@ -96,3 +96,12 @@ def make_layer(fmt: str, experts: int, hidden: int, inter: int, gen: torch.Gener
         return [random_nvfp4(experts, n, k, gen) for n, k in ((inter, hidden), (inter, hidden), (hidden, inter))]
     asym = fmt == "int4-asym"
     return [random_int4(experts, n, k, group, asym, gen) for n, k in ((inter, hidden), (inter, hidden), (hidden, inter))]
+
+
+def clamp_exercising_input(tokens: int, hidden: int, gate: torch.Tensor, limit: float,
+                           gen: torch.Generator) -> torch.Tensor:
+    """BF16 activations [tokens, hidden], scaled so that about a tenth of the gate values x @ gate[e].T
+    (gate: the dense w1 [E, I, H]) exceed the SwiGLU limit."""
+    x = torch.randn(tokens, hidden, generator=gen)
+    top = float(torch.einsum("th,eih->tei", x, gate).abs().flatten().quantile(0.9))
+    return (x * (1.2 * limit / top)).bfloat16()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="requant's kernel needs triton (Linux wheels only): pip install 'requant[gpu]'")
-from moe_fixtures import make_layer  # noqa: E402
+from moe_fixtures import clamp_exercising_input, make_layer  # noqa: E402
 from requant.kernels import fused_moe as fm  # noqa: E402
 from requant.moe import Activation, routed_experts  # noqa: E402
 
@@ -37,8 +37,7 @@ def test_gpu_kernel_matches_reference(fmt, group, compute, tokens):
     (w1, d1), (w3, d3), (w2, d2) = make_layer(fmt, EXPERTS, HIDDEN, INTER, gen, group=group)
     ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
     weights = torch.rand(tokens, TOP_K, generator=gen) * 1.5
-    x = torch.randn(tokens, HIDDEN, generator=gen)
-    x = (x * (1.2 * LIMIT / float(torch.einsum("th,eih->tei", x, d1).abs().flatten().quantile(0.9)))).bfloat16()
+    x = clamp_exercising_input(tokens, HIDDEN, d1, LIMIT, gen)
     ref = routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), Activation("swiglu_clamp", LIMIT))
     y = fm.fused_moe(x.cuda(), ids.cuda(), weights.cuda(), w1.to("cuda"), w3.to("cuda"), w2.to("cuda"),
                      swiglu_limit=LIMIT, compute_dtype=compute).cpu()

@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="requant's kernel needs triton (Linux wheels only): pip install 'requant[gpu]'")
-from moe_fixtures import make_layer, nvfp4_dense, random_mxfp4  # noqa: E402
+from moe_fixtures import clamp_exercising_input, make_layer, nvfp4_dense, random_mxfp4  # noqa: E402
 from requant.errors import FormatError  # noqa: E402
 from requant.formats import mxfp4  # noqa: E402
 from requant.formats.engine_numerics import fake_quantize_activations  # noqa: E402
@@ -38,10 +38,7 @@ def run_case(fmt, ids, weights, gen, group=32, hidden=HIDDEN, inter=INTER, wrap=
     """The kernel and the reference on one random layer; `wrap` may restage each ExpertWeights."""
     (w1, d1), (w3, d3), (w2, d2) = make_layer(fmt, EXPERTS, hidden, inter, gen, group=group)
     w1, w3, w2 = (wrap(w, gen) for w in (w1, w3, w2))
-    x = torch.randn(ids.shape[0], hidden, generator=gen)
-    # Scale the input so that about a tenth of the gate values exceed the SwiGLU limit.
-    gate = torch.einsum("th,eih->tei", x, d1)
-    x = (x * (1.2 * LIMIT / float(gate.abs().flatten().quantile(0.9)))).bfloat16()
+    x = clamp_exercising_input(ids.shape[0], hidden, d1, LIMIT, gen)
     y = fused_moe(x, ids, weights, w1, w3, w2, swiglu_limit=LIMIT, config=config)
     ref = routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), SWIGLU)
     clamped = (torch.einsum("th,eih->tei", x.float(), d3).abs() > LIMIT).float().mean()

@@ -40,6 +40,12 @@ NVFP4 = tl.constexpr(nvfp4.CODEC.kernel_code)
 MXFP4 = tl.constexpr(mxfp4.CODEC.kernel_code)
 INT4 = tl.constexpr(int4.CODEC.kernel_code)
 
+# NVFP4's BF16 route ("e2m1_folded"): E4M3 block scales come times 2^119 (`_scale_bf16_bits`), the
+# decoded weights 2^(126 - 119) = 2^7 below the true ones, which the accumulator takes back.
+_SCALE_FOLD = 119
+_SCALE_FOLD_BITS = tl.constexpr(_SCALE_FOLD << 7)              # added to a BF16 exponent field
+_FOLDED_WEIGHT_FACTOR = tl.constexpr(2.0 ** (126 - _SCALE_FOLD))
+
 SWIGLU_CLAMP = tl.constexpr(0)
 SWIGLU_OAI = tl.constexpr(1)
 _ACTIVATION_CODES = {"swiglu_clamp": 0, "swiglu_oai": 1}
@@ -260,7 +266,7 @@ def _scale_bf16_bits(raw, FMT: tl.constexpr):
     119 more in the exponent field, at most 135 + 119 = 254 (448)."""
     if FMT == NVFP4:
         b = raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
-        bits = tl.where((b & 0x7FFF) == 0, b, b + (119 << 7)).to(tl.int16)
+        bits = tl.where((b & 0x7FFF) == 0, b, b + _SCALE_FOLD_BITS).to(tl.int16)
     elif FMT == MXFP4:
         b = raw.to(tl.int32)
         bits = tl.where(b == 0, 0x40, b << 7).to(tl.int16)  # byte 0 = 2^-127, a BF16 subnormal
@@ -371,42 +377,41 @@ def _asm_pair_f16(words, s, M: tl.constexpr):
 
 
 @triton.jit
-def _per_word(t, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+def _per_word(t, words):
     """[BLOCK_N, G] per-group values broadcast to the [BLOCK_N, KW] words of their groups."""
     G: tl.constexpr = t.shape[1]
-    return tl.reshape(tl.broadcast_to(t[:, :, None], (BLOCK_N, G, KW // G)), (BLOCK_N, KW))
+    return tl.reshape(tl.broadcast_to(t[:, :, None], (t.shape[0], G, words.shape[1] // G)), words.shape)
 
 
 @triton.jit
 def _dequant(words, scale_raw, zero, FMT: tl.constexpr, HAS_ZP: tl.constexpr, COMPUTE: tl.constexpr,
-             ASM: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+             ASM: tl.constexpr):
     """The 8 nibble planes of a word tile as COMPUTE tiles: plane j holds nibble j of each word.
     scale_raw and zero are per group (`_load_scales`), converted before they are broadcast to the
     words: once per group instead of once per word.
     On the GPU NVFP4's planes are scaled: 2^-6 times the weights in FP16 (`_pair_asm_f16`), 2^-7 in
     BF16 ("e2m1_folded")."""
     if ASM and COMPUTE == tl.float16:
-        s = _per_word(scale_raw.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.int16, bitcast=True), BLOCK_N,
-                      KW)
+        s = _per_word(scale_raw.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.int16, bitcast=True), words)
         p0, p1 = _asm_pair_f16(words, s, 0)
         p2, p3 = _asm_pair_f16(words, s, 1)
         p4, p5 = _asm_pair_f16(words, s, 2)
         p6, p7 = _asm_pair_f16(words, s, 3)
         planes = (p0, p1, p2, p3, p4, p5, p6, p7)
     elif ASM:
-        s = _per_word(_scale_bf16_bits(scale_raw, FMT), BLOCK_N, KW)
+        s = _per_word(_scale_bf16_bits(scale_raw, FMT), words)
         nz = 0
         if HAS_ZP:
-            nz = _per_word((zero | 0xC300).to(tl.int16), BLOCK_N, KW)  # BF16 bits of -(128 + zero)
+            nz = _per_word((zero | 0xC300).to(tl.int16), words)  # BF16 bits of -(128 + zero)
         p0, p1 = _asm_pair(words, s, nz, 0, FMT, HAS_ZP)
         p2, p3 = _asm_pair(words, s, nz, 1, FMT, HAS_ZP)
         p4, p5 = _asm_pair(words, s, nz, 2, FMT, HAS_ZP)
         p6, p7 = _asm_pair(words, s, nz, 3, FMT, HAS_ZP)
         planes = (p0, p1, p2, p3, p4, p5, p6, p7)
     else:
-        s = _per_word(_scale_f32(scale_raw, FMT), BLOCK_N, KW)
+        s = _per_word(_scale_f32(scale_raw, FMT), words)
         if HAS_ZP:
-            zero = _per_word(zero, BLOCK_N, KW)
+            zero = _per_word(zero, words)
         planes = ((_nibble_f32(words & 15, zero, FMT) * s).to(COMPUTE),
                   (_nibble_f32((words >> 4) & 15, zero, FMT) * s).to(COMPUTE),
                   (_nibble_f32((words >> 8) & 15, zero, FMT) * s).to(COMPUTE),
@@ -560,12 +565,12 @@ def _moe_gemm_kernel(
         if not EVEN_K:  # the zero scales beyond K zero the weights; this keeps the loads inside the tensor
             w_mask = w_mask & (kw + offs_w < words_k)[None, :]
         words = tl.load(w_ptr + w_offs + kw, mask=w_mask, other=0)
-        w_tile = _mma_tile(_dequant(words, s1, z1, FMT, HAS_ZP, COMPUTE, ASM, BLOCK_N, KW), BLOCK_N)
+        w_tile = _mma_tile(_dequant(words, s1, z1, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
         s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW, GROUP,
                               HAS_ZP, EVEN_K)
         if GATED:
             words3 = tl.load(w3_ptr + w_offs + kw, mask=w_mask, other=0)
-            w3_tile = _mma_tile(_dequant(words3, s3, z3, FMT, HAS_ZP, COMPUTE, ASM, BLOCK_N, KW), BLOCK_N)
+            w3_tile = _mma_tile(_dequant(words3, s3, z3, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
             s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW,
                                   GROUP, HAS_ZP, EVEN_K)
         a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
@@ -578,7 +583,8 @@ def _moe_gemm_kernel(
     n_store = tl.cdiv(N, BLOCK_K) * BLOCK_K if PERM_OUT else N  # the zeros of a padded last tile too
     # On the GPU NVFP4's weights come scaled: 2^-6 times the true ones in FP16 (`_pair_asm_f16`),
     # 2^-7 in BF16 ("e2m1_folded"); the global scale, which NVFP4 always has, takes it back.
-    gs_factor: tl.constexpr = (64.0 if COMPUTE == tl.float16 else 128.0) if ASM and FMT == NVFP4 else 1.0
+    gs_factor: tl.constexpr = (64.0 if COMPUTE == tl.float16 else _FOLDED_WEIGHT_FACTOR) if ASM and FMT == NVFP4 \
+        else 1.0
     if HAS_GLOBAL:
         acc *= tl.load(gs_ptr + e) * gs_factor
     if HAS_BIAS:
