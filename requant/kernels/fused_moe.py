@@ -462,7 +462,9 @@ def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOC
     One load per group, broadcast to its words by `_dequant`: the tile's layout then follows the
     weight words (vector stores of the dequantized planes) instead of a per-word gather of
     repeated bytes. These loads are too narrow for cp.async, so the caller issues them one K tile
-    ahead.
+    ahead. NVFP4's are loaded in the layout the words' groups have in registers (2 bytes per row
+    and thread), so they need no trip through shared memory (STS, LDS and barriers in every K
+    tile: scripts/bench_moe_results.md, run 9).
     """
     WPG: tl.constexpr = GROUP // 8
     G: tl.constexpr = KW // WPG if KW >= WPG else 1
@@ -470,7 +472,10 @@ def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOC
     mask = n_mask[:, None]
     if not EVEN_K:
         mask = mask & (groups < K // GROUP)[None, :]
-    scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + groups[None, :], mask=mask, other=0)
+    offs = offs_n[:, None] * stride_sn + groups[None, :]
+    if GROUP < 32:   # NVFP4: 2 groups per thread's 4 words, so contiguous 2 at most (the layout above)
+        offs = tl.max_contiguous(offs, [1, 32 // GROUP])
+    scale = tl.load(s_ptr + offs, mask=mask, other=0)
     zero = 8
     if HAS_ZP:
         zw = tl.load(z_ptr + (offs_n // 8)[:, None] * stride_zn + groups[None, :], mask=mask, other=0)
