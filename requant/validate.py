@@ -535,7 +535,8 @@ class _Runner:
         # the experts the tokens chose are decoded with the blocks it flushes zeroed.
         scales = layer_scales(self.side, self.block, self.fmt)
         factors = serve.marlin_factors(scales, fused_roles(self.side, self.block))
-        flushed = sum(engine_numerics.marlin_flush(e, factors[r])[1] for r in ROLES for e in scales[r])
+        flushed = sum(engine_numerics.marlin_flushed_blocks(engine_numerics.scale_histogram(scales[r]), factors[r])
+                      for r in ROLES)
         if not flushed:
             return self.y_bf16, 0
         stored = _reference_layer(self.side, self.block, self.fmt)

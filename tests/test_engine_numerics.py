@@ -94,6 +94,21 @@ def decode_marlin(out: torch.Tensor, factor: float) -> torch.Tensor:
     return half.reshape(-1, 4)[:, [0, 2, 1, 3]].reshape(half.shape)
 
 
+@pytest.mark.parametrize("factor", [2.0**k for k in range(0, 12)])
+def test_marlin_flush_on_bytes_is_the_float_rule(factor):
+    """Every E4M3 byte (NaNs, both zeros, negatives included) is flushed exactly when its value is
+    non-zero and, times the factor, below 2^-6; the largest positive scale ignores NaNs and negatives."""
+    b = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16)
+    v = b.view(torch.float8_e4m3fn).float()
+    expect = (v != 0) & (v * factor < en.MARLIN_MIN_SCALE)
+    out, flushed = en.marlin_flush(b, factor)
+    assert torch.equal(out, torch.where(expect, 0, b).to(torch.uint8)) and flushed == int(expect.sum())
+    assert en.marlin_flushed_blocks(en.scale_histogram(b), factor) == flushed
+    assert en.marlin_scale_factor(b) == en.marlin_factor(float(torch.where(v > 0, v, 0).max()))
+    some = b.reshape(-1)[[0x80, 0x7F, 0xFF, 0x05, 0x3A, 0x85]]   # -0, NaNs, a negative: largest is 0x3A's
+    assert en.marlin_scale_factor(some) == en.marlin_factor(float(some[4:5].view(torch.float8_e4m3fn).float()))
+
+
 @needs_vllm
 @pytest.mark.parametrize("low,high", [(-14, 8), (-9, 8), (-12, 3), (-9, -5)])
 def test_marlin_flush_matches_vllm(vllm_marlin, low, high):

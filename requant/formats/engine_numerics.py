@@ -80,13 +80,18 @@ def fake_quantize_activations(x: torch.Tensor, input_scale: float) -> torch.Tens
 
 def marlin_scale_factor(*scales: torch.Tensor) -> float:
     """vLLM 0.33.0's power-of-two factor for one fused GEMM of a layer (BF16 activations): the
-    largest non-zero E4M3 block scale of all `scales` (uint8 bytes) times the factor lands in
+    largest non-zero E4M3 block scale of all `scales` (E4M3 or their bytes) times the factor lands in
     (224, 448]; 1 when it is 448 already (or every scale is zero). fp16 activations get no factor."""
-    def largest(s):   # over one expert at a time: a layer's scales as float32 would be GBs
-        v = s.view(torch.float8_e4m3fn).float()
-        return float(torch.where(v > 0, v, 0.0).max()) if v.numel() else 0.0
+    counts = sum((scale_histogram(s) for s in scales), torch.zeros(256, dtype=torch.int64)).tolist()
+    # positive E4M3 bytes (0x01-0x7E) order as their values: the largest is the highest one present
+    top = max((b for b in range(1, _E4M3_NAN) if counts[b]), default=0)
+    return marlin_factor(_e4m3_value(top) if top else 0.0)
 
-    return marlin_factor(max((largest(e) for s in scales for e in (s if s.dim() > 2 else [s])), default=0.0))
+
+def scale_histogram(scales: torch.Tensor) -> torch.Tensor:
+    """int64 [256]: how many of these E4M3 block scales hold each byte value (one pass, no float
+    copy: a layer's scales as float32 would be GBs)."""
+    return torch.bincount(scales.view(torch.uint8).reshape(-1), minlength=256).cpu()
 
 
 def marlin_factor(largest: float) -> float:
@@ -100,6 +105,27 @@ def marlin_factor(largest: float) -> float:
 def marlin_flush(scales: torch.Tensor, factor: float) -> tuple[torch.Tensor, int]:
     """(E4M3 bytes with the blocks Marlin zeroes set to 0, how many were non-zero before). Negative
     scales, which Marlin's format cannot hold, are zeroed too."""
-    values = scales.view(torch.float8_e4m3fn).float()
-    flushed = (values != 0) & (values * factor < MARLIN_MIN_SCALE)
+    b = scales.view(torch.uint8)
+    flushed = ((b > 0) & (b < _flush_threshold(factor))) | ((b > 0x80) & (b < 0xFF))
     return torch.where(flushed, torch.zeros_like(scales), scales), int(flushed.sum())
+
+
+def marlin_flushed_blocks(histogram: torch.Tensor, factor: float) -> int:
+    """How many blocks `marlin_flush` zeroes, from the scales' `scale_histogram`."""
+    counts = histogram.tolist()
+    return sum(counts[1:_flush_threshold(factor)]) + sum(counts[0x81:0xFF])
+
+
+def _flush_threshold(factor: float) -> int:
+    """The smallest positive E4M3 byte Marlin keeps under `factor`. Positive bytes order as their
+    values, so the flushed ones (value x factor < MARLIN_MIN_SCALE) are those below it; every
+    negative byte but -0 and NaN is flushed too. The float rule over all 256 bytes is the test's
+    oracle."""
+    return next((x for x in range(1, _E4M3_NAN) if _e4m3_value(x) * factor >= MARLIN_MIN_SCALE), _E4M3_NAN)
+
+
+_E4M3_NAN = 0x7F   # 0x7F and 0xFF are E4M3's NaNs; 0x01-0x7E its positive values, in order
+
+
+def _e4m3_value(byte: int) -> float:
+    return float(torch.tensor(byte, dtype=torch.uint8).view(torch.float8_e4m3fn).float())
