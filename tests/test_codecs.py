@@ -122,6 +122,27 @@ def test_identical_energy_confirms_the_lossless_cast_from_the_bytes_and_nothing_
     assert formats.identical_energy(int4.CODEC, a, nvfp4.CODEC, b) is None
 
 
+@pytest.mark.parametrize("dtype", [np.uint64, np.uint8])
+def test_e2m1_same_values_is_float_equality_for_every_pair_of_bytes(dtype):
+    """The word-level rule against the decoded values (where -0 == +0): every pair of bytes in
+    every byte position of a word, the word's other bytes equal."""
+    from requant.formats import e2m1
+
+    x, y = (t.reshape(-1).astype(np.uint8) for t in np.meshgrid(np.arange(256), np.arange(256), indexing="ij"))
+    values = e2m1.decode_packed(torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None]).numpy()
+    equal = (values[x] == values[y]).all(-1)
+    width = np.dtype(dtype).itemsize
+    filler = np.random.default_rng(width).integers(0, 256, width, dtype=np.uint8)
+    for pos in range(width):
+        a, b = np.tile(filler, (65536, 1)), np.tile(filler, (65536, 1))
+        a[:, pos], b[:, pos] = x, y
+        differ = e2m1.differing_words(a.view(dtype).reshape(-1), b.view(dtype).reshape(-1))
+        assert np.array_equal(differ == 0, equal), pos
+    zeros = np.array([0x08, 0x80, 0x88, 0x5D] * 2, np.uint8)   # -0 in either nibble, both
+    assert e2m1.same_values(zeros, np.array([0, 0, 0, 0x5D] * 2, np.uint8))
+    assert not e2m1.same_values(zeros[:7], np.array([0, 0, 0, 0x5D, 0, 0, 1], np.uint8))
+
+
 def test_byte_pairs_on_the_cpu_equals_the_plain_lookup():
     table = torch.randn(256, 2)
     packed = torch.randint(0, 256, (9, 14), dtype=torch.uint8)[:, 2:12]   # a non-contiguous view

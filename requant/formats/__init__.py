@@ -61,7 +61,7 @@ class Part:
 class CodeTables:
     """Byte tables of a packed code set (two codes per byte) whose value is code x block scale."""
 
-    canonical: np.ndarray   # uint8 [256]: the byte with each code of value zero written one way
+    same_values: Callable[[np.ndarray, np.ndarray], bool]   # two packed uint8 arrays: the same values?
     squares: np.ndarray     # float32 [65536]: sum of the squared values of the 4 codes in 2 bytes
 
 
@@ -223,7 +223,7 @@ def identical_energy(ca: Codec, ta: dict[str, torch.Tensor], cb: Codec, tb: dict
     if not torch.equal(sa, sb.repeat_interleave(blocks // sb.shape[-1], dim=-1)) or not torch.isfinite(sa).all():
         return None
     a, b = wa.contiguous().numpy(), wb.contiguous().numpy()
-    if not _same_codes(a, b, tables.canonical):
+    if not tables.same_values(a, b):
         return None
     # two bytes per lookup (a 256 KiB table, cache-resident): half the lookups of a byte table
     squares = torch.from_numpy(np.take(tables.squares, a.view(np.uint16), mode="wrap"))
@@ -232,14 +232,6 @@ def identical_energy(ca: Codec, ta: dict[str, torch.Tensor], cb: Codec, tb: dict
     pairs = squares.numel() // (wa.shape[0] * blocks)
     per_block = squares.view(-1, pairs).mv(torch.ones(pairs)).view(wa.shape[0], blocks)
     return float((per_block * sa.square()).sum(dtype=torch.float64))
-
-
-def _same_codes(a: np.ndarray, b: np.ndarray, canonical: np.ndarray) -> bool:
-    """Whether two packed code arrays hold the same values: bytes equal, or equal once canonical."""
-    if np.array_equal(a, b):
-        return True
-    differ = np.flatnonzero(a != b)   # typically few (zero's sign): canonicalise just those
-    return bool(np.array_equal(canonical[a.reshape(-1)[differ]], canonical[b.reshape(-1)[differ]]))
 
 
 def scalar(t: torch.Tensor) -> float:

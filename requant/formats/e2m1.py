@@ -26,11 +26,29 @@ def signed_values(dtype: torch.dtype = torch.float32, device=None) -> torch.Tens
 _PAIRS = torch.stack([signed_values()[torch.arange(256) & 0x0F], signed_values()[torch.arange(256) >> 4]], dim=1)
 
 
-_BYTES = np.arange(256)
-# Nibble 0x8 is -0: a byte with it written as +0 (its sign bit cleared) has the same two values.
+def same_values(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two packed arrays (uint8, same shape) hold the same values: nibble for nibble equal,
+    or both zero (nibble 0x8 is -0). Eight bytes at a time where the size allows."""
+    width = np.uint64 if a.size % 8 == 0 else np.uint8
+    return not differing_words(a.reshape(-1).view(width), b.reshape(-1).view(width)).any()
+
+
+def differing_words(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Per word of packed nibbles (any unsigned width): non-zero where the values differ. A nibble's
+    magnitude bits, and its sign bit where either magnitude is non-zero, must agree."""
+    mags, signs = (x.dtype.type(int(d * (x.dtype.itemsize * 2), 16)) for d in ("7", "8"))
+    must = x | y
+    must &= mags
+    must += mags      # bit 3 of a nibble set where its magnitude (in either) is non-zero, no carry out
+    must &= signs
+    must |= mags
+    differ = x ^ y
+    differ &= must
+    return differ
+
+
 TABLES = CodeTables(
-    canonical=np.where((_BYTES & 0x07) == 0, _BYTES & ~0x08, _BYTES).astype(np.uint8)
-    & np.where((_BYTES & 0x70) == 0, ~0x80, 0xFF).astype(np.uint8),
+    same_values=same_values,
     squares=np.add.outer(*[(_PAIRS.numpy() ** 2).sum(1)] * 2).reshape(-1).astype(np.float32),
 )
 
