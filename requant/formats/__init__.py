@@ -59,7 +59,8 @@ class Part:
 
 @dataclass(frozen=True, eq=False)
 class CodeTables:
-    """Byte tables of a packed code set (two codes per byte) whose value is code x block scale."""
+    """What comparing stored codes needs of a packed code set (two codes per byte) whose value is
+    code x block scale: value equality of two packed arrays, and a table of squares."""
 
     same_values: Callable[[np.ndarray, np.ndarray], bool]   # two packed uint8 arrays: the same values?
     squares: np.ndarray     # float32 [65536]: sum of the squared values of the 4 codes in 2 bytes

@@ -28,6 +28,7 @@ from requant.formats import e2m1
 BLOCK = 16
 E4M3_MAX = 448.0
 MARLIN_MIN_SCALE = 2.0**-6          # smaller block scales (after the layer's factor) are flushed to 0
+_E4M3_NAN = 0x7F                    # 0x7F and 0xFF are E4M3's NaNs; 0x01-0x7E its positive values, in order
 _MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 _MAGNITUDES = torch.tensor(e2m1.MAGNITUDES)
 
@@ -122,9 +123,6 @@ def _flush_threshold(factor: float) -> int:
     negative byte but -0 and NaN is flushed too. The float rule over all 256 bytes is the test's
     oracle."""
     return next((x for x in range(1, _E4M3_NAN) if _e4m3_value(x) * factor >= MARLIN_MIN_SCALE), _E4M3_NAN)
-
-
-_E4M3_NAN = 0x7F   # 0x7F and 0xFF are E4M3's NaNs; 0x01-0x7E its positive values, in order
 
 
 def _e4m3_value(byte: int) -> float:
