@@ -1,8 +1,9 @@
 """Compare the routed experts of two checkpoints, one expert at a time, into report.json's dict.
 
-Schema: docs/report-schema.md. Each expert's projections are read from both checkpoints,
-decoded to float32 and compared, on the GPU when there is one; only sums (weights.ErrorSums) outlive
-the expert, so memory stays at a few experts whatever the checkpoint size. Experts are spread over
+Schema: docs/report-schema.md. Each expert's projections are read from both checkpoints; stored
+codes that show equal values settle a projection on the CPU, others are decoded to float32 and
+compared, on the GPU when there is one; only sums (weights.ErrorSums) outlive the expert, so
+memory stays at a few experts whatever the checkpoint size. Experts are spread over
 threads, one per core by default: reading (pread) and torch's kernels release the GIL.
 """
 
@@ -35,8 +36,8 @@ def _codec_name(ck: Checkpoint, parts: dict[str, str]) -> str | None:
     return codec.name if codec else None
 
 
-def _read(ck: Checkpoint, parts: dict[str, str], codec: formats.Codec, device: str):
-    return {p: ck.tensor(n).to(device) for p, n in parts.items() if p in codec.decoded_parts}
+def _read(ck: Checkpoint, parts: dict[str, str], codec: formats.Codec):
+    return {p: ck.tensor(n) for p, n in parts.items() if p in codec.decoded_parts}
 
 
 def _codecs(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, proj: str, where: str):
@@ -58,15 +59,18 @@ def _decode(codec: formats.Codec, tensors: dict, ck: Checkpoint, parts: dict[str
 
 
 def _compare(ca: formats.Codec, ta: dict, src: Checkpoint, pa: dict[str, str],
-             cb: formats.Codec, tb: dict, dst: Checkpoint, pb: dict[str, str]) -> ErrorSums:
-    """One projection's sums: from the stored codes when they show equal values, else decoded."""
+             cb: formats.Codec, tb: dict, dst: Checkpoint, pb: dict[str, str], device: str) -> ErrorSums:
+    """One projection's sums (its parts as read, on the CPU): from the stored codes when they show
+    equal values, which costs less than the copies to a GPU; else decoded and compared on `device`."""
     block = ca.block_size(ca.params_from_shapes({p: tuple(t.shape) for p, t in ta.items()}))
     energy = formats.identical_energy(ca, ta, cb, tb)
     if energy is not None:
         out, packed = ta[ca.weight.suffix].shape
         n = out * packed * ca.elements_per_word
         return identical(n, n // block, energy)
-    chunks = weights.decoded_row_chunks(ca, ta, cb, tb, lambda t: _decode(ca, t, src, pa), lambda t: _decode(cb, t, dst, pb))
+    ta, tb = ({p: t.to(device) for p, t in ts.items()} for ts in (ta, tb))
+    chunks = weights.decoded_row_chunks(ca, ta, cb, tb, lambda t: _decode(ca, t, src, pa),
+                                        lambda t: _decode(cb, t, dst, pb))
     return compare_chunks(chunks, block)
 
 
@@ -76,8 +80,8 @@ def compare_expert(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, proje
     out = {}
     for proj in projections:
         ca, cb = _codecs(src, dst, a, b, proj, f"expert {a.expert} of {a.block}")
-        ta, tb = _read(src, a.parts[proj], ca, device), _read(dst, b.parts[proj], cb, device)
-        out[proj] = _compare(ca, ta, src, a.parts[proj], cb, tb, dst, b.parts[proj])
+        ta, tb = _read(src, a.parts[proj], ca), _read(dst, b.parts[proj], cb)
+        out[proj] = _compare(ca, ta, src, a.parts[proj], cb, tb, dst, b.parts[proj], device)
     return out
 
 
@@ -88,12 +92,12 @@ def compare_stacked(reader, src: Checkpoint, dst: Checkpoint, a: Expert, b: Expe
     out: dict[int, dict[str, ErrorSums]] = {}
     for proj in projections:
         ca, cb = _codecs(src, dst, a, b, proj, a.block)
-        ta = {p: reader.as_matrices(t, ca.name) for p, t in _read(src, a.parts[proj], ca, device).items()}
-        tb = {p: reader.as_matrices(t, cb.name) for p, t in _read(dst, b.parts[proj], cb, device).items()}
+        ta = {p: reader.as_matrices(t, ca.name) for p, t in _read(src, a.parts[proj], ca).items()}
+        tb = {p: reader.as_matrices(t, cb.name) for p, t in _read(dst, b.parts[proj], cb).items()}
         experts = next(t for t in ta.values() if t.dim() == 3).shape[0]
         for e in range(experts):
             ea, eb = ({p: t[e] if t.dim() == 3 else t for p, t in ts.items()} for ts in (ta, tb))
-            out.setdefault(e, {})[proj] = _compare(ca, ea, src, a.parts[proj], cb, eb, dst, b.parts[proj])
+            out.setdefault(e, {})[proj] = _compare(ca, ea, src, a.parts[proj], cb, eb, dst, b.parts[proj], device)
     return out
 
 
