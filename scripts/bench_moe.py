@@ -166,6 +166,7 @@ def main():
     ap.add_argument("--experts", type=int, default=E)
     ap.add_argument("--top-k", type=int, default=TOP_K)
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     E, H, I, TOP_K = args.experts, args.hidden, args.intermediate, args.top_k
     tokens_list = [int(t) for t in args.tokens.split(",")]
     formats = args.formats.split(",")
