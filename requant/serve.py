@@ -60,12 +60,14 @@ def applies(mode: str, dst_format: str) -> bool:
     return mode != "nvfp4-w4a4" or _w4a4(dst_format)
 
 
-def marlin_factors(scales: dict, fused: list[list[str]]) -> dict[str, float]:
-    """proj -> vLLM 0.33.0's Marlin factor, from every expert's NVFP4 block scales (bytes) of each
-    projection: one factor for each group of projections it loads as one tensor, over all experts
-    together (`fused`: the model's, e.g. DeepSeek-V4's w1 and w3 as w13), one for each other."""
-    groups = fused + [[p] for p in scales if not any(p in g for g in fused)]
-    return {p: engine_numerics.marlin_scale_factor(*(scales[q] for q in group)) for group in groups for p in group}
+def marlin_factors(histograms: dict, fused: list[list[str]]) -> dict[str, float]:
+    """proj -> vLLM 0.33.0's Marlin factor, from the `scale_histogram` of every expert's NVFP4 block
+    scales of each projection: one factor for each group of projections it loads as one tensor,
+    over all experts together (`fused`: the model's, e.g. DeepSeek-V4's w1 and w3 as w13), one for
+    each other."""
+    groups = fused + [[p] for p in histograms if not any(p in g for g in fused)]
+    return {p: engine_numerics.marlin_scale_factor(sum(histograms[q] for q in group))
+            for group in groups for p in group}
 
 
 def marlin_served(w, factor: float):
@@ -85,7 +87,7 @@ def marlin_weights(weights: dict, fused: list[list[str]]) -> tuple[dict, int]:
     """({proj: ExpertWeights}, blocks flushed) as vLLM 0.33.0's Marlin serves the layer's experts."""
     if not rescaled_by_marlin(next(iter(weights.values())).format):
         return weights, 0
-    factors = marlin_factors({p: w.scale for p, w in weights.items()}, fused)
+    factors = marlin_factors({p: engine_numerics.scale_histogram(w.scale) for p, w in weights.items()}, fused)
     out, flushed = {}, 0
     for p, w in weights.items():
         out[p], n = marlin_served(w, factors[p])

@@ -534,9 +534,9 @@ class _Runner:
         # Marlin's factor spans the layer: every expert's scales are read (not their weights), then
         # the experts the tokens chose are decoded with the blocks it flushes zeroed.
         scales = layer_scales(self.side, self.block, self.fmt)
-        factors = serve.marlin_factors(scales, fused_roles(self.side, self.block))
-        flushed = sum(engine_numerics.marlin_flushed_blocks(engine_numerics.scale_histogram(scales[r]), factors[r])
-                      for r in ROLES)
+        histograms = {r: engine_numerics.scale_histogram(s) for r, s in scales.items()}
+        factors = serve.marlin_factors(histograms, fused_roles(self.side, self.block))
+        flushed = sum(engine_numerics.marlin_flushed_blocks(histograms[r], factors[r]) for r in ROLES)
         if not flushed:
             return self.y_bf16, 0
         stored = _reference_layer(self.side, self.block, self.fmt)

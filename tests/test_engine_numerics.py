@@ -104,9 +104,10 @@ def test_marlin_flush_on_bytes_is_the_float_rule(factor):
     out, flushed = en.marlin_flush(b, factor)
     assert torch.equal(out, torch.where(expect, 0, b).to(torch.uint8)) and flushed == int(expect.sum())
     assert en.marlin_flushed_blocks(en.scale_histogram(b), factor) == flushed
-    assert en.marlin_scale_factor(b) == en.marlin_factor(float(torch.where(v > 0, v, 0).max()))
+    assert en.marlin_scale_factor(en.scale_histogram(b)) == en.marlin_factor(float(torch.where(v > 0, v, 0).max()))
     some = b.reshape(-1)[[0x80, 0x7F, 0xFF, 0x05, 0x3A, 0x85]]   # -0, NaNs, a negative: largest is 0x3A's
-    assert en.marlin_scale_factor(some) == en.marlin_factor(float(some[4:5].view(torch.float8_e4m3fn).float()))
+    assert en.marlin_scale_factor(en.scale_histogram(some)) == en.marlin_factor(
+        float(some[4:5].view(torch.float8_e4m3fn).float()))
 
 
 @needs_vllm
@@ -119,7 +120,7 @@ def test_marlin_flush_matches_vllm(vllm_marlin, low, high):
     w13 = torch.cat([w1, w3], 1)
     bf16 = lambda b: b.view(torch.float8_e4m3fn).to(torch.bfloat16)  # noqa: E731  vLLM's params_dtype
     ref_factor = vllm_marlin["_nvfp4_compute_scale_factor"](bf16(w13), torch.bfloat16)
-    factor = en.marlin_scale_factor(w1, w3)
+    factor = en.marlin_scale_factor(en.scale_histogram(w1) + en.scale_histogram(w3))
     assert factor == ref_factor
     flushed_total = 0
     for e in range(w13.shape[0]):

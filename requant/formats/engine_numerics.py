@@ -79,11 +79,12 @@ def fake_quantize_activations(x: torch.Tensor, input_scale: float) -> torch.Tens
     return decoded.reshape(rows, k).to(x.dtype)
 
 
-def marlin_scale_factor(*scales: torch.Tensor) -> float:
-    """vLLM 0.33.0's power-of-two factor for one fused GEMM of a layer (BF16 activations): the
-    largest non-zero E4M3 block scale of all `scales` (E4M3 or their bytes) times the factor lands in
-    (224, 448]; 1 when it is 448 already (or every scale is zero). fp16 activations get no factor."""
-    counts = sum((scale_histogram(s) for s in scales), torch.zeros(256, dtype=torch.int64)).tolist()
+def marlin_scale_factor(histogram: torch.Tensor) -> float:
+    """vLLM 0.33.0's power-of-two factor for one fused GEMM of a layer (BF16 activations), from the
+    `scale_histogram` of all its E4M3 block scales (summed over the GEMM's projections): the largest
+    non-zero scale times the factor lands in (224, 448]; 1 when it is 448 already (or every scale is
+    zero). fp16 activations get no factor."""
+    counts = histogram.tolist()
     # positive E4M3 bytes (0x01-0x7E) order as their values: the largest is the highest one present
     top = max((b for b in range(1, _E4M3_NAN) if counts[b]), default=0)
     return marlin_factor(_e4m3_value(top) if top else 0.0)
@@ -107,22 +108,25 @@ def marlin_flush(scales: torch.Tensor, factor: float) -> tuple[torch.Tensor, int
     """(E4M3 bytes with the blocks Marlin zeroes set to 0, how many were non-zero before). Negative
     scales, which Marlin's format cannot hold, are zeroed too."""
     b = scales.view(torch.uint8)
-    flushed = ((b > 0) & (b < _flush_threshold(factor))) | ((b > 0x80) & (b < 0xFF))
+    flushed = torch.zeros_like(b, dtype=torch.bool)
+    for r in _flushed_bytes(factor):
+        flushed |= (b >= r.start) & (b < r.stop)
     return torch.where(flushed, torch.zeros_like(scales), scales), int(flushed.sum())
 
 
 def marlin_flushed_blocks(histogram: torch.Tensor, factor: float) -> int:
     """How many blocks `marlin_flush` zeroes, from the scales' `scale_histogram`."""
     counts = histogram.tolist()
-    return sum(counts[1:_flush_threshold(factor)]) + sum(counts[0x81:0xFF])
+    return sum(sum(counts[r.start:r.stop]) for r in _flushed_bytes(factor))
 
 
-def _flush_threshold(factor: float) -> int:
-    """The smallest positive E4M3 byte Marlin keeps under `factor`. Positive bytes order as their
-    values, so the flushed ones (value x factor < MARLIN_MIN_SCALE) are those below it; every
-    negative byte but -0 and NaN is flushed too. The float rule over all 256 bytes is the test's
-    oracle."""
-    return next((x for x in range(1, _E4M3_NAN) if _e4m3_value(x) * factor >= MARLIN_MIN_SCALE), _E4M3_NAN)
+def _flushed_bytes(factor: float) -> tuple[range, range]:
+    """The E4M3 bytes Marlin zeroes under `factor`: the positive ones whose value times the factor
+    is below MARLIN_MIN_SCALE, which (positive bytes order as their values) are those below the
+    smallest it keeps; and every negative one but -0 and NaN. The float rule over all 256 bytes is
+    the test's oracle."""
+    kept = next((x for x in range(1, _E4M3_NAN) if _e4m3_value(x) * factor >= MARLIN_MIN_SCALE), _E4M3_NAN)
+    return range(1, kept), range(0x81, 0x80 | _E4M3_NAN)
 
 
 def _e4m3_value(byte: int) -> float:
