@@ -26,6 +26,13 @@ def signed_values(dtype: torch.dtype = torch.float32, device=None) -> torch.Tens
 _PAIRS = torch.stack([signed_values()[torch.arange(256) & 0x0F], signed_values()[torch.arange(256) >> 4]], dim=1)
 
 
+# Sixteen packed nibbles as one uint64: their magnitude bits and their sign bits. Adding
+# MAGNITUDE_BITS to a word's magnitude bits carries into a nibble's sign bit exactly when its
+# magnitude is non-zero, and never into the next nibble.
+MAGNITUDE_BITS = np.uint64(0x7777777777777777)
+SIGN_BITS = np.uint64(0x8888888888888888)
+
+
 def same_values(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether two packed arrays (uint8, same shape) hold the same values: nibble for nibble equal,
     or both zero (nibble 0x8 is -0). Eight bytes at a time where the size allows."""
@@ -36,7 +43,7 @@ def same_values(a: np.ndarray, b: np.ndarray) -> bool:
 def differing_words(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Per word of packed nibbles (any unsigned width): non-zero where the values differ. A nibble's
     magnitude bits, and its sign bit where either magnitude is non-zero, must agree."""
-    mags, signs = (x.dtype.type(int(d * (x.dtype.itemsize * 2), 16)) for d in ("7", "8"))
+    mags, signs = (x.dtype.type(int(m) >> (64 - 8 * x.dtype.itemsize)) for m in (MAGNITUDE_BITS, SIGN_BITS))
     must = x | y
     must &= mags
     must += mags      # bit 3 of a nibble set where its magnitude (in either) is non-zero, no carry out

@@ -23,8 +23,6 @@ BLOCK = 16
 E4M3_MIN_EXPONENT = -9  # smallest power of two E4M3 represents (a subnormal)
 E4M3_MAX_EXPONENT = 8   # largest power of two E4M3 represents
 DEFAULT_TOP = E4M3_MAX_EXPONENT
-_LOW3 = np.uint64(0x7777777777777777)   # the magnitude bits of 16 nibbles
-_SIGN = np.uint64(0x8888888888888888)   # the sign bits of 16 nibbles
 _CHUNK_WORDS = 1 << 15                  # 256 KiB: the bit passes below stay in cache
 
 
@@ -63,8 +61,7 @@ def clear_negative_zero(packed: np.ndarray, in_place: bool = False) -> np.ndarra
     """Packed E2M1 bytes with every -0 nibble (0x8) replaced by +0: a copy, or `packed` itself
     rewritten when `in_place` (one pass over memory fewer, no fresh pages).
 
-    Works on 64-bit words: adding 7 to a nibble's low three bits carries into its bit 3 exactly when
-    they are non-zero, and never into the next nibble.
+    Works on 64-bit words, with e2m1's carry rule for non-zero magnitudes.
     """
     if in_place and not packed.flags.c_contiguous:
         raise ValueError("an in-place -0 fix needs contiguous bytes")
@@ -74,11 +71,11 @@ def clear_negative_zero(packed: np.ndarray, in_place: bool = False) -> np.ndarra
     for i in range(0, len(words), _CHUNK_WORDS):
         src, dst = words[i:i + _CHUNK_WORDS], out[i:i + _CHUNK_WORDS]
         t = scratch[: len(src)]
-        np.bitwise_and(src, _LOW3, out=t)
-        t += _LOW3
+        np.bitwise_and(src, e2m1.MAGNITUDE_BITS, out=t)
+        t += e2m1.MAGNITUDE_BITS
         np.invert(t, out=t)          # bit 3 of a nibble now set iff its magnitude is zero
         t &= src
-        t &= _SIGN                   # ...and it is negative
+        t &= e2m1.SIGN_BITS          # ...and it is negative
         np.bitwise_xor(src, t, out=dst)
     return out.view(np.uint8).reshape(packed.shape)
 
