@@ -551,10 +551,9 @@ class _Runner:
 
 
 def _kernel(fm, x, ids, weights, layer: LayerExperts, cfg, **kwargs) -> torch.Tensor:
-    """The routed experts through requant's kernel, with the recipe's activation and the biases.
-    In the kernel's default compute dtype for every format: NVFP4's faster FP16 route would set a
-    converted layer against its MXFP4 source (no FP16 route) in another dtype, a rounding difference
-    (~2e-3) above the lossless limit (scripts/bench_moe_results.md, run 7)."""
+    """The routed experts through requant's kernel, with the recipe's activation and the biases, in
+    the kernel's default compute dtype (the same for every format, so that a lossless conversion
+    compares equal)."""
     act = cfg.activation
     return fm.fused_moe(x, ids, weights, *layer.weights, swiglu_limit=act.limit, activation=act.kind,
                         swiglu_alpha=act.alpha, **layer.kernel_biases(), **kwargs)

@@ -9,12 +9,13 @@ counts and prints a table. Full results go to $OUT (or --out) as JSON.
     python3 scripts/bench_moe.py [--tokens 1,4,...] [--formats nvfp4,int4,mxfp4] [--sweep F1,F2]
                                  [--compare-with OLD/fused_moe.py] [--hidden H --intermediate I ...]
 
-Formats: nvfp4, int4, mxfp4, and nvfp4-fp16 (NVFP4 weights through the FP16 route; its checks
-report the BF16 route's error on the same inputs next to it).
+Formats: nvfp4, int4, mxfp4 (and int4-asym in the checks).
 
 --compare-with times another version of the kernel module (say, the previous commit's) on the same
 inputs in the same run, with its own default configs, so that a change is judged against noise
-from one device, not across runs.
+from one device, not across runs, and says whether its output is bitwise the same as this one's.
+--compare-formats picks its formats (default --formats); a "-fp16" suffix passes
+compute_dtype=torch.float16, for modules that had NVFP4's FP16 route (before run 10).
 """
 
 from __future__ import annotations
@@ -107,15 +108,14 @@ def layer_bytes(ws, ids) -> int:
 
 
 def split_format(f: str) -> tuple[str, torch.dtype]:
-    """"nvfp4-fp16" is NVFP4 weights through the FP16 route; other names compute in BF16."""
+    """A compared module's format name: "-fp16" computes in FP16 (NVFP4's former FP16 route)."""
     return (f[:-5], torch.float16) if f.endswith("-fp16") else (f, torch.bfloat16)
 
 
-def check(fmt, ws, gen, tokens, cfg=None, activation_scales=None, oai=False, compute=torch.bfloat16):
+def check(fmt, ws, gen, tokens, cfg=None, activation_scales=None, oai=False):
     """Kernel vs FP32 torch reference; with activation_scales (W4A4) the reference gets the same
     NVFP4-quantized GEMM inputs; oai: gpt-oss's activation with BF16 biases on all three GEMMs.
-    Returns the relative error for each compute dtype (BF16, and `compute` if another) on the same
-    inputs, and whether every output was finite."""
+    Returns the relative error and whether every output was finite."""
     w1, w3, w2 = ws
     ids, weights = routing(tokens, gen)
     x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
@@ -125,8 +125,7 @@ def check(fmt, ws, gen, tokens, cfg=None, activation_scales=None, oai=False, com
         act = OAI
         kwargs = dict(activation=OAI.kind, swiglu_limit=OAI.limit, swiglu_alpha=OAI.alpha,
                       b1=biases[0], b3=biases[1], b2=biases[2])
-    ys = {c: fm.fused_moe(x, ids, weights, w1, w3, w2, config=cfg, activation_scales=activation_scales,
-                          compute_dtype=c, **kwargs) for c in dict.fromkeys((torch.bfloat16, compute))}
+    y = fm.fused_moe(x, ids, weights, w1, w3, w2, config=cfg, activation_scales=activation_scales, **kwargs)
     expert = lambda e: (dense(w1, e), dense(w3, e), dense(w2, e), *(b[e] for b in biases))  # noqa: E731
     if activation_scales:
         a13, a2 = activation_scales
@@ -134,8 +133,7 @@ def check(fmt, ws, gen, tokens, cfg=None, activation_scales=None, oai=False, com
                              intermediate=lambda h: fake_quantize_activations(h.bfloat16(), a2).float())
     else:
         ref = routed_experts(x, ids, weights, expert, act)
-    rel = {str(c).removeprefix("torch."): float((y.float() - ref).norm() / ref.norm()) for c, y in ys.items()}
-    return rel, all(bool(torch.isfinite(y).all()) for y in ys.values())
+    return float((y.float() - ref).norm() / ref.norm()), bool(torch.isfinite(y).all())
 
 
 def bf16_baseline(w13, w2d, x, ids, weights):
@@ -160,6 +158,7 @@ def main():
     ap.add_argument("--sweep", default="", help="formats to sweep (sweep_configs) keeping the best; others use "
                     "the default config")
     ap.add_argument("--compare-with", help="path of another fused_moe.py to time side by side (full time only)")
+    ap.add_argument("--compare-formats", help="formats to time with --compare-with (default: --formats)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--hidden", type=int, default=H)
     ap.add_argument("--intermediate", type=int, default=I)
@@ -190,30 +189,30 @@ def main():
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
 
     weights = {f: [random_weights(f, n, k, gen) for n, k in ((I, H), (I, H), (H, I))]
-               for f in dict.fromkeys(split_format(f)[0] for f in formats + ["int4-asym"])}
+               for f in dict.fromkeys(formats + ["int4-asym"])}
+    # The kernel's layout, made once as engines repack at load time (fused_moe would per call).
+    prepared = {f: [fm.kernel_weights(w) for w in ws] for f, ws in weights.items()}
     cases = [(1, None, None), (64, None, None), (4096, None, None),
              (300, fm.KernelConfig(64, 128, 128, 4, 4), None), (1, fm.KernelConfig(16, 64, 128, 4, 4, split_k=8), None),
              (5, fm.KernelConfig(16, 128, 128, 8, 4, 2), None)]
     for f, ws in weights.items():
-        compute = torch.float16 if f == "nvfp4" and "nvfp4-fp16" in formats else torch.bfloat16
         extra = [(64, None, (0.002, 0.004)), (1, None, (1.0, 1.0))] if f == "nvfp4" else []
         for tokens, cfg, scales, oai in [(t, c, s, False) for t, c, s in cases + extra] + [(1, None, None, True),
                                                                                       (64, None, None, True)]:
             try:
-                rel, finite = check(f, ws, gen, tokens, cfg, scales, oai, compute)
+                rel, finite = check(f, ws, gen, tokens, cfg, scales, oai)
             except Exception:  # report and go on: the timings are still worth having
                 traceback.print_exc()
                 continue
             results["correctness"].append({"format": f, "tokens": tokens, "config": str(cfg), "w4a4": scales,
                                            "oai": oai, "rel_err": rel, "finite": finite})
-            errs = ", ".join(f"{c} {e:.2e}" for c, e in rel.items())
-            print(f"check {f:9s} tokens {tokens:5d} cfg {cfg} w4a4 {scales} oai {oai}: rel err {errs} "
+            print(f"check {f:9s} tokens {tokens:5d} cfg {cfg} w4a4 {scales} oai {oai}: rel err {rel:.2e} "
                   f"finite {finite}", flush=True)
     if "int4-asym" not in formats:
         del weights["int4-asym"]
 
     # Is the GEMM on wgmma? Look at the compiled kernel of the large-batch config.
-    w1, w3, w2 = weights[split_format(formats[0])[0]]
+    w1, w3, w2 = prepared[formats[0]]
     for cfg in (dataclasses.replace(fm.default_config(6, E), split_k=1), fm.default_config(6 * 16384, E)):
         try:
             ids, _ = routing(64, gen)
@@ -234,7 +233,7 @@ def main():
             traceback.print_exc()
 
     # BF16 baseline first (same run), dequantized from the first format's weights (the values do not change the time).
-    w1, w3, w2 = weights[split_format(formats[0])[0]]
+    w1, w3, w2 = weights[formats[0]]
     w13 = torch.stack([torch.cat([dense(w1, e), dense(w3, e)]).bfloat16() for e in range(E)])
     w2d = torch.stack([dense(w2, e).bfloat16() for e in range(E)])
     for tokens in tokens_list:
@@ -251,19 +250,17 @@ def main():
     del w13, w2d
 
     for f in formats:
-        fmt, compute = split_format(f)
-        w1, w3, w2 = weights[fmt]
+        w1, w3, w2 = prepared[f]
         for tokens in tokens_list:
             ids, rw = routing(tokens, gen)
             x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
             flops = 2 * tokens * TOP_K * 3 * H * I
-            nbytes = layer_bytes((w1, w3, w2), ids)
+            nbytes = layer_bytes(weights[f], ids)
             cfgs = sweep_configs(tokens) if f in args.sweep.split(",") else [fm.default_config(tokens * TOP_K, E)]
             best = None
             for cfg in cfgs:
                 try:
-                    t_full = do_bench_cudagraph(lambda: fm.fused_moe(x, ids, rw, w1, w3, w2, config=cfg,
-                                                                     compute_dtype=compute),
+                    t_full = do_bench_cudagraph(lambda: fm.fused_moe(x, ids, rw, w1, w3, w2, config=cfg),
                                                 rep=200, return_mode="median")
                 except Exception as e:  # a config that does not compile or fit is skipped, not fatal
                     print(f"  {f} {tokens} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
@@ -277,14 +274,14 @@ def main():
             if best is None:
                 continue
             t_full, cfg = best
-            a, sorted_ids, block_expert = fm.prepare(x, ids, E, cfg.block_m, compute)
+            a, sorted_ids, block_expert = fm.prepare(x, ids, E, cfg.block_m, torch.bfloat16)
             rwf = rw.flatten().contiguous()
             pairs = tokens * TOP_K
 
             def gemms():  # the two GEMMs (with split-K's SwiGLU of the partials), no prologue, no top-k sum
-                h = fm.gate_up(a, TOP_K, w1, w3, sorted_ids, block_expert, pairs, compute, cfg,
+                h = fm.gate_up(a, TOP_K, w1, w3, sorted_ids, block_expert, pairs, torch.bfloat16, cfg,
                                fm.SwiGLU(limit=LIMIT))
-                fm.down(h, w2, sorted_ids, block_expert, rwf, pairs, compute, cfg)
+                fm.down(h, w2, sorted_ids, block_expert, rwf, pairs, torch.bfloat16, cfg)
             t_gemm = do_bench_cudagraph(gemms, rep=200, return_mode="median")
             row = {"format": f, "tokens": tokens, "config": str(cfg), "ms_full": t_full, "ms_gemms": t_gemm,
                    "bytes": nbytes, "flops": flops}
@@ -297,18 +294,22 @@ def main():
         other = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = other  # its dataclasses look their module up
         spec.loader.exec_module(other)
-        for f in (f for f in formats if split_format(f)[1] == torch.bfloat16):  # the older kernel: BF16 only
-            w1, w3, w2 = weights[f]
+        for f in (args.compare_formats or args.formats).split(","):
+            fmt, compute = split_format(f)
+            w1, w3, w2 = weights[fmt]
             for tokens in tokens_list:
                 ids, rw = routing(tokens, gen)
                 x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
-                t_full = do_bench_cudagraph(lambda: other.fused_moe(x, ids, rw, w1, w3, w2), rep=200,
-                                            return_mode="median")
+                t_full = do_bench_cudagraph(lambda: other.fused_moe(x, ids, rw, w1, w3, w2, compute_dtype=compute),
+                                            rep=200, return_mode="median")
+                same = None if compute != torch.bfloat16 else bool(torch.equal(
+                    other.fused_moe(x, ids, rw, w1, w3, w2), fm.fused_moe(x, ids, rw, *prepared[fmt])))
                 results["timings"].append({"format": f"{f} (compared)", "tokens": tokens, "ms_full": t_full,
                                            "ms_gemms": None, "bytes": layer_bytes((w1, w3, w2), ids),
-                                           "flops": 2 * tokens * TOP_K * 3 * H * I})
+                                           "flops": 2 * tokens * TOP_K * 3 * H * I, "bitwise_equal": same})
                 save()
-                print(f"{f} (compared) {tokens}: full {t_full * 1e3:.1f} us", flush=True)
+                print(f"{f} (compared) {tokens}: full {t_full * 1e3:.1f} us; output bitwise equal to this "
+                      f"kernel's: {same}", flush=True)
 
     save()
     print(f"\ndevice {props.name}, copy {copy_bw / 1e12:.2f} TB/s; time in us (CUDA graph replay, median)")

@@ -39,7 +39,7 @@ COUNTED = ("HGMMA", "WARPGROUP", "LDSM", "STS", "LDS", "BAR", "LDGSTS", "PRMT", 
            "LDL", "STL")
 
 
-def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig, even_k: bool = True, compute=tl.bfloat16):
+def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig, even_k: bool = True):
     """even_k False: a K off whole tiles, as gpt-oss's 2880 (rows of 360 words: 16-byte aligned, not
     a multiple of 16 words, so Triton does not specialize the row strides)."""
     kernel = fm._moe_gemm_kernel
@@ -48,13 +48,12 @@ def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig, even_k: bool = Tru
     for name in kernel.arg_names:
         if name.endswith("_ptr"):
             signature[name] = "*fp32"
-    act = "*fp16" if compute == tl.float16 else "*bf16"
-    signature.update({"a_ptr": act, "out_ptr": act if cfg.split_k == 1 else "*fp32", "w_ptr": "*i32",
+    signature.update({"a_ptr": "*bf16", "out_ptr": "*bf16" if cfg.split_k == 1 else "*fp32", "w_ptr": "*i32",
                       "w3_ptr": "*i32", "z_ptr": "*i32", "z3_ptr": "*i32", "sorted_ids_ptr": "*i32",
                       "block_expert_ptr": "*i32", "s_ptr": scale_type, "s3_ptr": scale_type})
     constants = dict(A_ROW_DIV=6 if gated else 1, FMT=FORMAT_CODES[fmt].value, GROUP=group, HAS_ZP=False,
                      HAS_GLOBAL=fmt == "nvfp4", HAS_BIAS=False, GATED=gated, ROUTE_WEIGHT=not gated, ACTIVATION=0,
-                     LIMIT=10.0, ALPHA=1.0, COMPUTE=compute, ASM=True, DOT_PRECISION="tf32", PERM_OUT=gated,
+                     LIMIT=10.0, ALPHA=1.0, COMPUTE=tl.bfloat16, ASM=True, DOT_PRECISION="tf32", PERM_OUT=gated,
                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
                      EVEN_K=even_k, WORDS_16B=True)
     signature.update({name: "constexpr" for name in constants})
@@ -89,15 +88,13 @@ def main():
     print(f"Triton {triton.__version__}, target sm_90")
     decode, prefill = fm.KernelConfig(16, 64, 128, 4, 4), fm.KernelConfig(128, 128, 128, 8, 3)
     shapes = [(gated, name, cfg) for gated in (True, False) for name, cfg in (("decode", decode), ("prefill", prefill))]
-    variants = [(fmt, *shape, True, tl.bfloat16) for fmt in SCALE_TYPES for shape in shapes]
-    variants += [("mxfp4", *shape, False, tl.bfloat16) for shape in shapes]
-    variants += [("nvfp4", *shape, True, tl.float16) for shape in shapes]
-    for fmt, gated, name, cfg, even_k, compute in variants:
-        tag = (f"{fmt}{'_f16' if compute == tl.float16 else ''}_{'w13' if gated else 'w2'}_{name}"
-               f"{'' if even_k else '_2880'}")
+    variants = [(fmt, *shape, True) for fmt in SCALE_TYPES for shape in shapes]
+    variants += [("mxfp4", *shape, False) for shape in shapes]
+    for fmt, gated, name, cfg, even_k in variants:
+        tag = f"{fmt}_{'w13' if gated else 'w2'}_{name}{'' if even_k else '_2880'}"
         if args.only and args.only not in tag:
             continue
-        compiled = compile_gemm(fmt, gated, cfg, even_k, compute)
+        compiled = compile_gemm(fmt, gated, cfg, even_k)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             for ext in ("ttgir", "ptx"):

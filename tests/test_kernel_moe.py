@@ -20,7 +20,7 @@ from requant.errors import FormatError  # noqa: E402
 from requant.formats import mxfp4  # noqa: E402
 from requant.formats.engine_numerics import fake_quantize_activations  # noqa: E402
 from requant.kernels import fused_moe as fused_moe_module  # noqa: E402
-from requant.kernels.fused_moe import (ExpertWeights, KernelConfig, _moe_align_torch, _words, fused_moe,  # noqa: E402
+from requant.kernels.fused_moe import (ExpertWeights, KernelConfig, _moe_align_torch, fused_moe,  # noqa: E402
                                        moe_align, permute_k, prepare)
 from requant.moe import Activation, MoEConfig, MoELayer, Router, route, routed_experts  # noqa: E402
 
@@ -291,7 +291,7 @@ def gated_experts(x, ids, weights, d13, b13, d2, b2, limit, *, kind="swiglu_oai"
 ])
 def test_fused_interleaved_gate_up_with_biases(kind, split, hidden, inter, monkeypatch):
     """gpt-oss: MXFP4 gate/up fused in one [E, 2I, H] matrix with interleaved rows, passed as row
-    views (not copied), BF16 biases on all three projections. Split-K must add each bias once.
+    views, BF16 biases on all three projections. Split-K must add each bias once.
     256: 2 K tiles each; 160 / 96 (gpt-oss's 2880 is not whole tiles either): the rows continue
     past K with garbage and NaN scales, and float buffers start as NaN (`test_k_off_whole_tiles`)."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}/{split}/{hidden}/{inter}".encode()))
@@ -316,7 +316,6 @@ def test_fused_interleaved_gate_up_with_biases(kind, split, hidden, inter, monke
     w1 = ExpertWeights("mxfp4", p13[:, 0::2], s13[:, 0::2])
     w3 = ExpertWeights("mxfp4", p13[:, 1::2], s13[:, 1::2])
     w2 = ExpertWeights("mxfp4", p2, s2)
-    assert _words(w3.packed).untyped_storage().data_ptr() == p13.untyped_storage().data_ptr()
     cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=split)
     alpha = 1.702 if kind == "swiglu_oai" else None
     y = fused_moe(x, ids, weights, w1, w3, w2, swiglu_limit=limit, activation=kind, swiglu_alpha=alpha,
@@ -348,5 +347,5 @@ def test_activation_arguments_are_checked():
         fused_moe(x, ids, weights, w1, w3, w2, b1=torch.zeros(EXPERTS, INTER))
     with pytest.raises(FormatError, match="b2 must be"):
         fused_moe(x, ids, weights, w1, w3, w2, b2=torch.zeros(EXPERTS, INTER))
-    with pytest.raises(ValueError, match="FP16 compute is NVFP4's route"):
+    with pytest.raises(ValueError, match="compute dtype torch.float16 is not one of"):
         fused_moe(x, ids, weights, w1, w3, w2, compute_dtype=torch.float16)

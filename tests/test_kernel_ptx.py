@@ -2,8 +2,10 @@
 it uses, against plain decoding.
 
 The interpreter tests (test_kernel_moe.py) take the FP32 route; the inline PTX runs only on a GPU.
-This checks the PTX text itself: byte selectors, shifts, masks and the bf16x2 arithmetic, for every
-byte value in every byte position of a word.
+This checks the PTX text itself: rotations, masks and the bf16x2 arithmetic, for every byte value
+in every byte position of a word, on the words as the kernel holds them (`kernel_words`: the
+stored bits moved into the kernel's layout), against the stored nibbles. The FP32 route's reading
+of the same layout (`_pair_nibbles`) runs here through Triton's interpreter.
 """
 
 import re
@@ -23,15 +25,6 @@ SCALES = [1.0, 0.25, 3.0, 448.0, 2.0**-9 * 1.125, 0.0078125]
 
 def bf16_value(bits: int) -> float:
     return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
-
-
-def f16_value(bits: int) -> float:
-    return float(torch.tensor([bits & 0xFFFF], dtype=torch.int32).to(torch.int16).view(torch.float16).item())
-
-
-def f16_bits(x: float) -> int:
-    """Round to nearest even, as the mul.rn the PTX uses."""
-    return int(torch.tensor([x], dtype=torch.float64).to(torch.float16).view(torch.int16).item()) & 0xFFFF
 
 
 def e4m3_value(byte: int) -> float:
@@ -77,6 +70,8 @@ def run_ptx(asm: str, args: dict[int, int]) -> dict[str, int]:
             r = (a[0] << a[1]) & 0xFFFFFFFF
         elif op == "shr.b32":
             r = a[0] >> a[1]
+        elif op == "shf.l.wrap.b32":  # the upper half of the 64 bits {b, a} shifted left by c mod 32
+            r = ((a[1] << 32 | a[0]) << (a[2] & 31)) >> 32 & 0xFFFFFFFF
         elif op == "and.b32":
             r = a[0] & a[1]
         elif op == "or.b32":
@@ -88,10 +83,6 @@ def run_ptx(asm: str, args: dict[int, int]) -> dict[str, int]:
             pool = [(a[0] >> 8 * i) & 0xFF for i in range(4)] + [(a[1] >> 8 * i) & 0xFF for i in range(4)]
             assert all((a[2] >> 4 * i) & 8 == 0 for i in range(4)), "sign-replicating selectors are not modelled"
             r = sum(pool[(a[2] >> 4 * i) & 7] << 8 * i for i in range(4))
-        elif op == "cvt.rn.f16x2.e4m3x2":  # the 16-bit source's byte h // 16 into the result's half h
-            r = sum(f16_bits(e4m3_value((a[0] >> (h // 2)) & 0xFF)) << h for h in (0, 16))
-        elif op == "mul.rn.f16x2":
-            r = sum(f16_bits(f16_value(a[0] >> h) * f16_value(a[1] >> h)) << h for h in (0, 16))
         elif op == "fma.rn.bf16x2":
             r = sum(bf16_bits(bf16_value(a[0] >> h) * bf16_value(a[1] >> h) + bf16_value(a[2] >> h)) << h
                     for h in (0, 16))
@@ -106,14 +97,33 @@ def words():
     return [sum(((b + 67 * k) % 256) << 8 * k for k in range(4)) for b in range(256)]
 
 
+def kernel_words(stored: list[int], fmt) -> list[int]:
+    """The stored words in the kernel's layout (`fm.kernel_words`, the torch code the kernel's
+    callers run), as unsigned 32-bit values."""
+    signed = torch.tensor([w - (1 << 32) if w >> 31 else w for w in stored], dtype=torch.int32)
+    return [w & 0xFFFFFFFF for w in fm.kernel_words(signed, fmt.value).tolist()]
+
+
+@pytest.mark.parametrize("fmt", [fm.NVFP4, fm.MXFP4, fm.INT4])
+def test_kernel_words_move_every_bit_once(fmt):
+    """A permutation of the 32 bit positions, the same for every word: each single-bit word lands
+    on a single bit, no two on the same one."""
+    landed = kernel_words([1 << i for i in range(32)], fmt)
+    assert sorted(landed) == [1 << i for i in range(32)]
+    stored = words()
+    for w, k in zip(stored, kernel_words(stored, fmt)):
+        assert k == sum(landed[i] for i in range(32) if w >> i & 1)
+
+
 @pytest.mark.parametrize("kind", ["e2m1", "int4", "int4-zero-point"])
 def test_pair_ptx_decodes_every_byte(kind):
     asm = {"e2m1": fm._ASM_FP4, "int4": fm._ASM_INT4, "int4-zero-point": fm._ASM_INT4_ZP}[kind].value
-    for i, word in enumerate(words()):
+    stored = words()
+    for i, (word, kernel_word) in enumerate(zip(stored, kernel_words(stored, fm.MXFP4 if kind == "e2m1" else fm.INT4))):
         scale = SCALES[i % len(SCALES)]
         zero = i % 16
         for m in range(4):  # byte m of the word
-            out = run_ptx(asm[m], {2: word, 3: bf16_bits(scale), 4: zero | 0xC300})  # $4: -(128 + zero) if asym
+            out = run_ptx(asm[m], {2: kernel_word, 3: bf16_bits(scale), 4: zero | 0xC300})  # $4: -(128 + zero) if asym
             for j, name in ((2 * m, "$0"), (2 * m + 1, "$1")):
                 nib = (word >> 4 * j) & 15
                 if kind == "e2m1":
@@ -150,25 +160,32 @@ def test_folded_e2m1_ptx_decodes_every_byte_exactly():
     (the accumulator takes 2^7 back)."""
     scales = [b for b in range(0x7F)] + [0x80 | b for b in range(1, 0x7F)]
     scale_bits = kernel_scale_bits()
-    for i, word in enumerate(words()):
+    stored = words()
+    for i, (word, kernel_word) in enumerate(zip(stored, kernel_words(stored, fm.NVFP4))):
         byte = scales[(37 * i) % len(scales)]
         for m in range(4):
-            out = run_ptx(fm._ASM_FP4_FOLDED.value[m], {2: word, 3: scale_bits[byte]})
+            out = run_ptx(fm._ASM_FP4_FOLDED.value[m], {2: kernel_word, 3: scale_bits[byte]})
             for j, name in ((2 * m, "$0"), (2 * m + 1, "$1")):
                 nib = (word >> 4 * j) & 15
                 want = (-1 if nib & 8 else 1) * E2M1[nib & 7] * e4m3_value(byte) * 2.0**-7
                 assert bf16_value(out[name]) == want, (hex(word), hex(byte), m, j)
 
 
-def test_e2m1_as_e4m3_ptx_decodes_every_byte_exactly_in_fp16():
-    """NVFP4's FP16 route: each weight comes out as code x scale x 2^-6, exactly, for every byte in
-    every position and E4M3 block scales from the smallest subnormal to 448."""
-    scales = [e4m3_value(b) for b in range(1, 0x7F)]
-    for i, word in enumerate(words()):
-        scale = scales[(37 * i) % len(scales)]
-        for m in range(4):
-            out = run_ptx(fm._ASM_E2M1_F16.value[m], {2: word, 3: f16_bits(scale)})
-            for j, name in ((2 * m, "$0"), (2 * m + 1, "$1")):
-                nib = (word >> 4 * j) & 15
-                want = (-1 if nib & 8 else 1) * E2M1[nib & 7] * scale * 2.0**-6
-                assert f16_value(out[name]) == want and (out[name] == 0x8000) == (nib == 8), (hex(word), m, j)
+@triton.jit
+def _pair_nibbles_kernel(words_ptr, out_ptr, FMT: tl.constexpr):
+    offs = tl.arange(0, 256)
+    w = tl.load(words_ptr + offs)
+    for m in tl.static_range(4):
+        lo, hi = fm._pair_nibbles(w, m, FMT)
+        tl.store(out_ptr + (2 * m) * 256 + offs, lo)
+        tl.store(out_ptr + (2 * m + 1) * 256 + offs, hi)
+
+
+@pytest.mark.parametrize("fmt", [fm.NVFP4, fm.INT4])
+def test_fp32_route_reads_the_kernel_layout(fmt):
+    """The interpreter's (FP32) route recovers every stored nibble from the kernel words."""
+    stored = words()
+    k = torch.tensor(kernel_words(stored, fmt), dtype=torch.int64).to(torch.int32)
+    out = torch.empty(8, 256, dtype=torch.int32)
+    _pair_nibbles_kernel[(1,)](k, out, FMT=fmt)
+    assert out.tolist() == [[(w >> 4 * j) & 15 for w in stored] for j in range(8)]

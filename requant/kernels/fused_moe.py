@@ -1,10 +1,10 @@
 """Fused-MoE grouped GEMM over 4-bit expert weights as requant reads and writes them.
 
-Weights stay packed in device memory as int32 words of 8 nibbles; each program dequantizes its
-weight tile in registers (on the GPU with packed bf16x2 PTX, 2-3 instructions per weight) and
-feeds it to the tensor cores (`tl.dot`, wgmma) against BF16 activations, accumulating in FP32
-(NVFP4 may run in FP16 instead, `_pair_asm_f16`). K is padded to whole 128-wide tiles, the last
-one masked (`padded_k`).
+Weights stay packed in device memory as int32 words of 8 nibbles, their bits moved once into the
+kernel's layout (`kernel_weights`); each program dequantizes its weight tile in registers (on the
+GPU with packed bf16x2 PTX, about 2 instructions per weight) and feeds it to the tensor cores
+(`tl.dot`, wgmma) against BF16 activations, accumulating in FP32. K is padded to whole 128-wide
+tiles, the last one masked (`padded_k`).
 The tile is built in the order of wgmma's register operand (`_mma_tile`), so the dequantized
 weights never pass through shared memory.
 
@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from requant import formats
 from requant.errors import FormatError
 from requant.formats import int4, mxfp4, nvfp4
 from requant.formats.engine_numerics import fake_quantize_activations
@@ -287,74 +288,119 @@ def _nibble_f32(nib, zero, FMT: tl.constexpr):
     return (bits | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
 
 
+# The kernel's word layout. Byte pair m of a word (nibbles 2m and 2m + 1: the two adjacent K
+# columns that one bf16x2 register of the MMA operand holds) is decoded from a 32-bit register
+# holding nibble 2m's bits in its low half and nibble 2m + 1's 16 bits up, each bit of a nibble
+# (mantissa or value bit 0 first, sign or bit 3 last) at `NIBBLE_BITS` of its half:
+# - E2M1: mantissa and exponent at BF16 bits 6-8 (exponent LSBs and top mantissa bit), sign at 15:
+#   that is the code times 2^-126 (exponent 0 gives the subnormal 0.5);
+# - INT4: bits 0-3, OR-ed into 128.0's mantissa, then 128 + zero subtracted.
+# In stored order a pair takes a byte permute, a shift and two masks. `kernel_words` moves every
+# bit once, when the weights are loaded (as engines repack theirs), to where each pair is the OR
+# of `PAIR_TERMS`' (left rotation, mask) terms of the word: one term for 3 of E2M1's 4 pairs and
+# all of INT4's, two for E2M1's last (no rotations place all four pairs with one term each: an
+# exhaustive search over 32-bit rotations, and over funnel shifts of two words, found none).
+NIBBLE_BITS = {"e2m1": (6, 7, 8, 15), "int4": (0, 1, 2, 3)}
+PAIR_TERMS = {
+    "e2m1": (((0, 0x81C081C0),), ((4, 0x81C081C0),), ((10, 0x81C081C0),), ((6, 0x80C080C0), (14, 0x01000100))),
+    "int4": tuple((((32 - 4 * m) % 32, 0x000F000F),) for m in range(4)),
+}
+_LAYOUTS = {nvfp4.CODEC.kernel_code: "e2m1", mxfp4.CODEC.kernel_code: "e2m1", int4.CODEC.kernel_code: "int4"}
+
+
+def _signed(bits: int) -> int:
+    """A 32-bit pattern as the int32 holding it."""
+    return bits - (1 << 32) if bits >> 31 else bits
+
+
+def _bit_moves(layout: str) -> list[tuple[int, int]]:
+    """(mask of stored bits, left rotation) pairs that take a stored word to the kernel's layout:
+    bit b of nibble 2m + h goes to the register bit NIBBLE_BITS[b] + 16h of pair m, which its term
+    (r, mask) reads from word bit (that - r) mod 32."""
+    moves: dict[int, int] = {}
+    for m, terms in enumerate(PAIR_TERMS[layout]):
+        for h in range(2):
+            for b, bit in enumerate(NIBBLE_BITS[layout]):
+                target = bit + 16 * h
+                r = next(r for r, mask in terms if mask >> target & 1)
+                stored = 4 * (2 * m + h) + b
+                rotation = ((target - r) - stored) % 32
+                moves[rotation] = moves.get(rotation, 0) | 1 << stored
+    return sorted((mask, r) for r, mask in moves.items())
+
+
+def _rotl_torch(x: torch.Tensor, r: int) -> torch.Tensor:
+    # int32 shifts: << wraps, >> is arithmetic, so the bits shifted in from the left are masked off.
+    return x if r == 0 else (x << r) | ((x >> (32 - r)) & ((1 << r) - 1))
+
+
+def kernel_words(words: torch.Tensor, kernel_code: int) -> torch.Tensor:
+    """int32 words (8 nibbles, element 8w + j in bits 4j) with their bits in the kernel's layout for
+    the format with this kernel code: a fixed permutation of each word's 32 bits, same size."""
+    out = torch.zeros_like(words)
+    for mask, r in _bit_moves(_LAYOUTS[kernel_code]):
+        out |= _rotl_torch(words & _signed(mask), r)
+    return out
+
+
 def _pair_asm(kind: str, m: int) -> str:
-    """PTX turning byte m of a word ($2) into its two weights, nibble 2m ($0) and 2m + 1 ($1), as
-    one bf16x2 (the pair of adjacent K columns that a thread holds of the wgmma register operand).
+    """PTX turning byte pair m of a kernel word ($2) into its two weights, nibble 2m ($0) and
+    2m + 1 ($1), as one bf16x2 (the pair of adjacent K columns that a thread holds of the wgmma
+    register operand).
 
     Inputs: the word, its block scale's BF16 bits ($3), -(128 + zero) as BF16 bits ($4) for
-    "integer_zero_point". The byte permute reads the word (bytes 0-3) and the word shifted by a
-    nibble (bytes 4-7; ptxas computes that shift once for the word's 4 calls).
-    E2M1 ("e2m1", "e2m1_folded"): the permute puts nibble 2m at bits 12-15 and nibble 2m + 1 at bits
-    28-31; each half's sign is then BF16's sign bit and its 3 magnitude bits go to bits 6-8 (exponent
-    LSBs and top mantissa bit): that is the code times 2^-126 (exponent 0 gives the subnormal 0.5).
-    "e2m1" multiplies by 2^126, then by the block scale (exact both, E8M0 scales span all of BF16's
+    "integer_zero_point". The pair's `PAIR_TERMS`: a rotation (one funnel shift) and a mask each,
+    the second OR-ed in by one lop3; the mask of INT4's term and the OR with 128.0's bits are one
+    lop3 too.
+    E2M1 ("e2m1", "e2m1_folded"): the pair's register is then two BF16s worth code x 2^-126; "e2m1"
+    multiplies by 2^126, then by the block scale (exact both, E8M0 scales span all of BF16's
     range); "e2m1_folded" takes a scale already times 2^119 (`_scale_bf16_bits`: E4M3's 448 x 2^119
     still fits BF16) and multiplies once, leaving the weights 2^-7 times the true ones for the
     accumulator to take back. Every product is exact: at most 2 x 4 significant bits.
-    INT4 ("integer", "integer_zero_point"): the nibbles go to bits 0-3 and 16-19; OR-ing them into
-    the mantissa of 128.0 gives 128 + n; minus (128 + zero) is exact, then times the scale.
-    About 2.5 ("e2m1_folded"), 3 ("e2m1") and 2 (INT4) instructions per weight against ~13 for the
-    FP32 route: at decode sizes that issue rate, not DRAM, is the limit
-    (scripts/bench_moe_results.md, runs 5-8).
+    INT4 ("integer", "integer_zero_point"): 128 + n; minus (128 + zero) is exact, then times the
+    scale. 3.25 (E2M1 folded) and 4 (INT4) instructions per pair; at decode sizes that issue rate,
+    not DRAM, is the limit (scripts/bench_moe_results.md, runs 5-10).
     """
+    integer = kind.startswith("integer")
+    (r, mask), *more = PAIR_TERMS["int4" if integer else "e2m1"][m]
     lines = ["{", ".reg .b32 s, k, z, t, u;", "mov.b32 z, 0x80008000;", "mov.b32 s, {$3, $3};"]
-    if kind.startswith("integer"):  # byte m of the word into byte 0, of the word shifted right into byte 2
-        lines += ["shr.b32 u, $2, 4;", f"prmt.b32 t, $2, u, {m | (4 + m) << 8:#x};",
-                  "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;",  # (t & 0x000F000F) | 0x43004300 in one op
+    src = "$2"
+    if r:
+        lines.append(f"shf.l.wrap.b32 t, $2, $2, {r};")
+        src = "t"
+    if integer:
+        lines += [f"lop3.b32 t, {src}, {mask:#x}, 0x43004300, 0xEA;",  # (src & mask) | 0x43004300
                   "mov.b32 u, 0x3F803F80;",
                   "mov.b32 k, {$4, $4};" if kind == "integer_zero_point" else "mov.b32 k, 0xC308C308;",
                   "fma.rn.bf16x2 t, t, u, k;"]
-    else:  # byte m of the word shifted left into byte 1, of the word itself into byte 3
-        lines += ["shl.b32 u, $2, 4;", f"prmt.b32 t, u, $2, {m << 4 | (4 + m) << 12:#x};", "shr.b32 u, t, 6;",
-                  "and.b32 u, u, 0x01C001C0;", "and.b32 t, t, 0x80008000;", "or.b32 t, t, u;"]
+    else:
+        lines.append(f"and.b32 t, {src}, {mask:#x};")
+        for r2, mask2 in more:
+            lines += [f"shf.l.wrap.b32 u, $2, $2, {r2};", f"lop3.b32 t, t, u, {mask2:#x}, 0xF8;"]  # t | (u & mask2)
         if kind == "e2m1":
             lines += ["mov.b32 k, 0x7E807E80;", "fma.rn.bf16x2 t, t, k, z;"]  # x 2^126
     return "\n".join(lines + ["fma.rn.bf16x2 t, t, s, z;", "mov.b32 {$0, $1}, t;", "}"])
 
 
-def _pair_asm_f16(m: int) -> str:
-    """PTX turning byte m of a word of E2M1 codes ($2) into its two weights as one f16x2 ($0, $1),
-    times the block scale's FP16 bits ($3) and 2^-6 (the caller's global scale takes 2^6 back).
-
-    An E2M1 code's sign moved to bit 7 and its 3 magnitude bits to bits 2-4 make an E4M3 byte
-    worth exactly code x 2^-6 (magnitude 1, the subnormal 0.5, lands as an E4M3 subnormal), which
-    Hopper converts two at a time (`cvt.rn.f16x2.e4m3x2`). The E4M3 bytes of the word's even
-    nibbles (t) and odd nibbles (u) are the same for its 4 bytes (ptxas computes them once); a
-    permute pairs byte m of each. code x 2^-6 x scale is exact in FP16: at most 6 significant
-    bits, from 2^-16 (a subnormal, still exact) to 6 x 2^-6 x 448 = 42. About 5 instructions per
-    pair against 6 for the BF16 route (scripts/bench_moe_results.md, run 7).
-    """
-    return "\n".join([
-        "{", ".reg .b32 t, u, v, s;", ".reg .b16 e, f;",
-        "shl.b32 t, $2, 2;", "and.b32 t, t, 0x1C1C1C1C;", "shl.b32 u, $2, 4;",
-        "lop3.b32 t, t, u, 0x80808080, 0xF8;",  # t | (u & 0x80808080): even nibbles' E4M3 bytes
-        "shr.b32 u, $2, 2;", "and.b32 u, u, 0x1C1C1C1C;",
-        "lop3.b32 u, u, $2, 0x80808080, 0xF8;",  # odd nibbles' E4M3 bytes
-        f"prmt.b32 v, t, u, {m | (4 + m) << 4:#x};", "mov.b32 {e, f}, v;", "cvt.rn.f16x2.e4m3x2 v, e;",
-        "mov.b32 s, {$3, $3};", "mul.rn.f16x2 v, v, s;", "mov.b32 {$0, $1}, v;", "}"])
-
-
-# Indexed by the byte m.
-_ASM_E2M1_F16 = tl.constexpr(tuple(_pair_asm_f16(m) for m in range(4)))
+# Indexed by the byte pair m.
 _ASM_FP4 = tl.constexpr(tuple(_pair_asm("e2m1", m) for m in range(4)))
 _ASM_FP4_FOLDED = tl.constexpr(tuple(_pair_asm("e2m1_folded", m) for m in range(4)))
 _ASM_INT4 = tl.constexpr(tuple(_pair_asm("integer", m) for m in range(4)))
 _ASM_INT4_ZP = tl.constexpr(tuple(_pair_asm("integer_zero_point", m) for m in range(4)))
+# The same terms for the FP32 route, two per pair (a zero mask where there is one).
+_TERMS = {layout: tuple(tuple(t[i] if i < len(t) else (0, 0) for t in terms) for i in range(2))
+          for layout, terms in PAIR_TERMS.items()}
+_E2M1_ROT = tl.constexpr(tuple(r for r, _ in _TERMS["e2m1"][0]))
+_E2M1_MASK = tl.constexpr(tuple(_signed(m) for _, m in _TERMS["e2m1"][0]))
+_E2M1_ROT2 = tl.constexpr(tuple(r for r, _ in _TERMS["e2m1"][1]))
+_E2M1_MASK2 = tl.constexpr(tuple(_signed(m) for _, m in _TERMS["e2m1"][1]))
+_INT4_ROT = tl.constexpr(tuple(r for r, _ in _TERMS["int4"][0]))
+_E2M1_BITS = tl.constexpr(NIBBLE_BITS["e2m1"])
 
 
 @triton.jit
 def _asm_pair(words, s, nz, M: tl.constexpr, FMT: tl.constexpr, HAS_ZP: tl.constexpr):
-    """Nibbles 2M and 2M + 1 of each word as two BF16 tiles."""
+    """Nibbles 2M and 2M + 1 of each kernel word as two BF16 tiles."""
     if FMT == INT4:
         if HAS_ZP:
             lo, hi = tl.inline_asm_elementwise(_ASM_INT4_ZP[M], "=h,=h,r,h,h", [words, s, nz],
@@ -372,8 +418,27 @@ def _asm_pair(words, s, nz, M: tl.constexpr, FMT: tl.constexpr, HAS_ZP: tl.const
 
 
 @triton.jit
-def _asm_pair_f16(words, s, M: tl.constexpr):
-    return tl.inline_asm_elementwise(_ASM_E2M1_F16[M], "=h,=h,r,h", [words, s], (tl.float16, tl.float16), True, 1)
+def _rotl(x, R: tl.constexpr):
+    if R == 0:
+        return x
+    return (x << R) | ((x >> (32 - R)) & ((1 << R) - 1))
+
+
+@triton.jit
+def _pair_nibbles(words, M: tl.constexpr, FMT: tl.constexpr):
+    """The FP32 route's reading of the layout: nibbles 2M and 2M + 1 of each kernel word, as codes
+    0-15, through the same terms as the PTX."""
+    if FMT == INT4:
+        t = _rotl(words, _INT4_ROT[M])
+        lo = t & 15
+        hi = (t >> 16) & 15
+    else:
+        t = _rotl(words, _E2M1_ROT[M]) & _E2M1_MASK[M]
+        if _E2M1_MASK2[M] != 0:
+            t = t | (_rotl(words, _E2M1_ROT2[M]) & _E2M1_MASK2[M])
+        lo = ((t >> _E2M1_BITS[0]) & 7) | ((t >> (_E2M1_BITS[3] - 3)) & 8)
+        hi = ((t >> (_E2M1_BITS[0] + 16)) & 7) | ((t >> (_E2M1_BITS[3] + 13)) & 8)
+    return lo, hi
 
 
 @triton.jit
@@ -384,21 +449,19 @@ def _per_word(t, words):
 
 
 @triton.jit
+def _f32_pair(words, s, zero, M: tl.constexpr, FMT: tl.constexpr, COMPUTE: tl.constexpr):
+    lo, hi = _pair_nibbles(words, M, FMT)
+    return (_nibble_f32(lo, zero, FMT) * s).to(COMPUTE), (_nibble_f32(hi, zero, FMT) * s).to(COMPUTE)
+
+
+@triton.jit
 def _dequant(words, scale_raw, zero, FMT: tl.constexpr, HAS_ZP: tl.constexpr, COMPUTE: tl.constexpr,
              ASM: tl.constexpr):
-    """The 8 nibble planes of a word tile as COMPUTE tiles: plane j holds nibble j of each word.
-    scale_raw and zero are per group (`_load_scales`), converted before they are broadcast to the
-    words: once per group instead of once per word.
-    On the GPU NVFP4's planes are scaled: 2^-6 times the weights in FP16 (`_pair_asm_f16`), 2^-7 in
-    BF16 ("e2m1_folded")."""
-    if ASM and COMPUTE == tl.float16:
-        s = _per_word(scale_raw.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.int16, bitcast=True), words)
-        p0, p1 = _asm_pair_f16(words, s, 0)
-        p2, p3 = _asm_pair_f16(words, s, 1)
-        p4, p5 = _asm_pair_f16(words, s, 2)
-        p6, p7 = _asm_pair_f16(words, s, 3)
-        planes = (p0, p1, p2, p3, p4, p5, p6, p7)
-    elif ASM:
+    """The 8 nibble planes of a tile of kernel words as COMPUTE tiles: plane j holds nibble j of
+    each word. scale_raw and zero are per group (`_load_scales`), converted before they are
+    broadcast to the words: once per group instead of once per word.
+    On the GPU NVFP4's planes are 2^-7 times the weights ("e2m1_folded")."""
+    if ASM:
         s = _per_word(_scale_bf16_bits(scale_raw, FMT), words)
         nz = 0
         if HAS_ZP:
@@ -407,20 +470,15 @@ def _dequant(words, scale_raw, zero, FMT: tl.constexpr, HAS_ZP: tl.constexpr, CO
         p2, p3 = _asm_pair(words, s, nz, 1, FMT, HAS_ZP)
         p4, p5 = _asm_pair(words, s, nz, 2, FMT, HAS_ZP)
         p6, p7 = _asm_pair(words, s, nz, 3, FMT, HAS_ZP)
-        planes = (p0, p1, p2, p3, p4, p5, p6, p7)
     else:
         s = _per_word(_scale_f32(scale_raw, FMT), words)
         if HAS_ZP:
             zero = _per_word(zero, words)
-        planes = ((_nibble_f32(words & 15, zero, FMT) * s).to(COMPUTE),
-                  (_nibble_f32((words >> 4) & 15, zero, FMT) * s).to(COMPUTE),
-                  (_nibble_f32((words >> 8) & 15, zero, FMT) * s).to(COMPUTE),
-                  (_nibble_f32((words >> 12) & 15, zero, FMT) * s).to(COMPUTE),
-                  (_nibble_f32((words >> 16) & 15, zero, FMT) * s).to(COMPUTE),
-                  (_nibble_f32((words >> 20) & 15, zero, FMT) * s).to(COMPUTE),
-                  (_nibble_f32((words >> 24) & 15, zero, FMT) * s).to(COMPUTE),
-                  (_nibble_f32((words >> 28) & 15, zero, FMT) * s).to(COMPUTE))
-    return planes
+        p0, p1 = _f32_pair(words, s, zero, 0, FMT, COMPUTE)
+        p2, p3 = _f32_pair(words, s, zero, 1, FMT, COMPUTE)
+        p4, p5 = _f32_pair(words, s, zero, 2, FMT, COMPUTE)
+        p6, p7 = _f32_pair(words, s, zero, 3, FMT, COMPUTE)
+    return (p0, p1, p2, p3, p4, p5, p6, p7)
 
 
 @triton.jit
@@ -586,10 +644,9 @@ def _moe_gemm_kernel(
     offs_n = pid_n * BLOCK_N + _mma_rows(BLOCK_N)  # the accumulator's rows
     n_mask = offs_n < N
     n_store = tl.cdiv(N, BLOCK_K) * BLOCK_K if PERM_OUT else N  # the zeros of a padded last tile too
-    # On the GPU NVFP4's weights come scaled: 2^-6 times the true ones in FP16 (`_pair_asm_f16`),
-    # 2^-7 in BF16 ("e2m1_folded"); the global scale, which NVFP4 always has, takes it back.
-    gs_factor: tl.constexpr = (64.0 if COMPUTE == tl.float16 else _FOLDED_WEIGHT_FACTOR) if ASM and FMT == NVFP4 \
-        else 1.0
+    # On the GPU NVFP4's weights come 2^-7 times the true ones ("e2m1_folded"); the global scale,
+    # which NVFP4 always has, takes it back.
+    gs_factor: tl.constexpr = _FOLDED_WEIGHT_FACTOR if ASM and FMT == NVFP4 else 1.0
     if HAS_GLOBAL:
         acc *= tl.load(gs_ptr + e) * gs_factor
     if HAS_BIAS:
@@ -676,17 +733,56 @@ def permute_k(x: torch.Tensor, block_k: int) -> torch.Tensor:
     return x.view(rows, padded // block_k, 4, 4, 4, 2).permute(0, 1, 3, 4, 2, 5).reshape(rows, padded)
 
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
-    """FP4 bytes as int32 words: little-endian, so nibble j of word w is element 8w + j, as for INT4.
-    Row views (gpt-oss's interleaved gate/up rows, `packed[:, 0::2]`) are viewed, not copied."""
+    """FP4 bytes as int32 words: little-endian, so nibble j of word w is element 8w + j, as for INT4."""
     if packed.dtype == torch.int32:
         return packed
     if packed.shape[-1] % 4:
         raise FormatError(f"K/2={packed.shape[-1]} bytes is not a whole number of int32 words")
     return (packed if packed.stride(-1) == 1 else packed.contiguous()).view(torch.int32)
+
+
+@dataclass(frozen=True)
+class KernelWeights:
+    """One projection of every expert as the kernel reads it: the weights as int32 words in the
+    kernel's bit layout (`kernel_words`), the other parts as stored. `kernel_weights` makes it
+    once, as engines repack weights when they load them; `fused_moe` makes it on every call when
+    given ExpertWeights (one pass over the weights)."""
+
+    format: str
+    words: torch.Tensor                # int32 [E, N, K/8], contiguous
+    scale: torch.Tensor
+    global_scale: torch.Tensor | None
+    zero_point: torch.Tensor | None
+    group: int
+
+    @property
+    def kernel_code(self) -> int:
+        return formats.get(self.format).kernel_code
+
+    @property
+    def experts(self) -> int:
+        return self.words.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.words.shape[1]
+
+    @property
+    def k(self) -> int:
+        return self.words.shape[2] * 8
+
+
+def kernel_weights(w: "ExpertWeights | KernelWeights") -> KernelWeights:
+    """w with its weights in the kernel's layout (a copy; row views such as gpt-oss's interleaved
+    gate/up rows come out contiguous). KernelWeights pass through."""
+    if isinstance(w, KernelWeights):
+        return w
+    words = kernel_words(_words(w.packed), w.codec.kernel_code).contiguous()
+    return KernelWeights(w.format, words, w.scale, w.global_scale, w.zero_point, w.group)
 
 
 K_TILE = 128   # the kernel's K step: the 16 words `_mma_tile` lays out
@@ -713,14 +809,12 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
                          "words)")
     if a.shape[1] != padded_k(w.k):
         raise ValueError(f"A has {a.shape[1]} columns, not K={w.k} padded to whole tiles (`permute_k`)")
-    if compute == torch.float16 and w.codec.kernel_code != nvfp4.CODEC.kernel_code:
-        raise ValueError(f"FP16 compute is NVFP4's route (`_pair_asm_f16`), not {w.format}'s")
     gated = w3 is not None
-    if gated and (w3.format != w.format or w3.packed.shape != w.packed.shape or w3.scale.shape != w.scale.shape
+    if gated and (w3.format != w.format or w3.words.shape != w.words.shape or w3.scale.shape != w.scale.shape
                   or (w3.zero_point is None) != (w.zero_point is None)):
         raise FormatError("w1 and w3 must share format and shapes")
     w3 = w3 if gated else w
-    words, words3 = _words(w.packed), _words(w3.packed)
+    words, words3 = w.words, w3.words
     if words3.stride() != words.stride() or w3.scale.stride() != w.scale.stride():
         raise FormatError("w1 and w3 must share strides")
     dummy = words
@@ -744,7 +838,7 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         out, out.stride(-2), out.stride(0) if split > 1 else 0, out.stride(1) if gated and split > 1 else 0,
         sorted_ids, block_expert, route_w if route_w is not None else out,
         num_pairs, w.n, w.k,
-        A_ROW_DIV=a_row_div, FMT=w.codec.kernel_code, GROUP=w.group, HAS_ZP=w.zero_point is not None,
+        A_ROW_DIV=a_row_div, FMT=w.kernel_code, GROUP=w.group, HAS_ZP=w.zero_point is not None,
         HAS_GLOBAL=w.global_scale is not None, HAS_BIAS=bias is not None, GATED=gated,
         ROUTE_WEIGHT=route_w is not None, ACTIVATION=_ACTIVATION_CODES[act.kind], LIMIT=float(act.limit),
         ALPHA=float(act.alpha), COMPUTE=_TL_DTYPES[compute], ASM=compute != torch.float32,
@@ -782,9 +876,9 @@ def gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act
 def down(h, w2, sorted_ids, block_expert, route_w, pairs, compute, cfg, b2=None) -> torch.Tensor:
     """Per-pair outputs (h W2.T + b2) * routing weight (route_w: [pairs], any float dtype): [S, pairs,
     H], FP32 partials when split (S slices), else the compute dtype (BF16 on the GPU halves this
-    buffer's traffic; BF16 too with FP16 compute, whose range the outputs need not fit)."""
+    buffer's traffic)."""
     split = _split(cfg, w2.k)
-    dtype = torch.float32 if split > 1 else torch.bfloat16 if compute == torch.float16 else compute
+    dtype = torch.float32 if split > 1 else compute
     y = torch.empty(split, pairs, w2.n, dtype=dtype, device=h.device)
     _launch(h, 1, w2, None, y if split > 1 else y[0], sorted_ids, block_expert, route_w, pairs, compute, cfg, None,
             b2)
@@ -815,22 +909,26 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     (gpt-oss: (clamp(u, -L, L) + 1) * g' * sigmoid(swiglu_alpha * g'), g' = min(g, L)), L = swiglu_limit.
     b1, b3: [E, I] and b2: [E, H] per-expert biases (any float dtype, any strides), optional; b2 is
     added before the routing weight multiplies the expert's output.
-    gpt-oss's fused, interleaved gate/up (rows 2i gate, 2i+1 up) needs no copy: pass row views,
+    gpt-oss's fused, interleaved gate/up (rows 2i gate, 2i+1 up): pass row views,
     w1 = ExpertWeights(fmt, packed[:, 0::2], scale[:, 0::2]), w3 the same with 1::2, and likewise
     b1 = bias[:, 0::2], b3 = bias[:, 1::2] (INT4 zero points, packed 8 rows to a word, cannot be
-    split so: de-interleave those first).
+    split so: de-interleave those first); scales and biases are read through the views, the
+    weights' kernel layout is a contiguous copy.
     activation_scales: (input_scale of w1/w3, of w2) to emulate a W4A4 engine: each GEMM's input
     (x, then the BF16 intermediate) is quantized to NVFP4 and decoded before the weights meet it.
-    compute_dtype: the GEMM inputs' dtype: BF16 on the GPU by default, FP32 under the interpreter;
-    FP16 for NVFP4 only (fewer instructions per weight, `_pair_asm_f16`): x and the intermediate in
-    FP16, exact for |x| in [2^-14, 65504] (x beyond that range overflows: opt in knowingly).
+    w1, w3, w2: ExpertWeights as stored (put into the kernel's layout on every call, one pass over
+    them) or KernelWeights (`kernel_weights`, made once).
+    compute_dtype: the GEMM inputs' dtype: BF16 on the GPU by default, FP32 under the interpreter.
     """
     compute = compute_dtype or (torch.float32 if interpreting() else torch.bfloat16)
+    if compute not in _TL_DTYPES:
+        raise ValueError(f"compute dtype {compute} is not one of {sorted(map(str, _TL_DTYPES))}")
+    w1, w3, w2 = (kernel_weights(w) for w in (w1, w3, w2))
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     pairs = tokens * top_k
     if (w1.k, w2.n, w2.k) != (hidden, hidden, w1.n) or w1.experts != w2.experts:
-        raise FormatError(f"expert shapes w1 {list(w1.packed.shape)} w2 {list(w2.packed.shape)} "
+        raise FormatError(f"expert shapes w1 {list(w1.words.shape)} w2 {list(w2.words.shape)} "
                           f"do not fit hidden size {hidden}")
     _check_biases(b1, b3, b2, w1, w2)
     if (activation == "swiglu_oai") != (swiglu_alpha is not None):
