@@ -94,7 +94,10 @@ def dense(w: fm.ExpertWeights, e: int) -> torch.Tensor:
     return (q - z) * w.scale[e].float().repeat_interleave(w.group, -1)
 
 
-def routing(tokens: int, gen: torch.Generator):
+def routing(tokens: int, gen: torch.Generator | None = None):
+    """Random top-k routing; without gen, the same draw for a token count in every run and table row
+    (the experts touched, so the bytes, vary with the draw: ~77 or ~82 of 256 at 16 tokens)."""
+    gen = gen or torch.Generator(device="cuda").manual_seed(tokens)
     ids = torch.rand(tokens, E, generator=gen, device="cuda").topk(TOP_K, dim=-1).indices
     weights = torch.rand(tokens, TOP_K, generator=gen, device="cuda") * 0.5
     return ids, weights
@@ -237,7 +240,7 @@ def main():
     w13 = torch.stack([torch.cat([dense(w1, e), dense(w3, e)]).bfloat16() for e in range(E)])
     w2d = torch.stack([dense(w2, e).bfloat16() for e in range(E)])
     for tokens in tokens_list:
-        ids, rw = routing(tokens, gen)
+        ids, rw = routing(tokens)
         x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
         try:
             t = do_bench(lambda: bf16_baseline(w13, w2d, x, ids, rw), warmup=25, rep=200, return_mode="median")
@@ -252,7 +255,7 @@ def main():
     for f in formats:
         w1, w3, w2 = prepared[f]
         for tokens in tokens_list:
-            ids, rw = routing(tokens, gen)
+            ids, rw = routing(tokens)
             x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
             flops = 2 * tokens * TOP_K * 3 * H * I
             nbytes = layer_bytes(weights[f], ids)
@@ -297,15 +300,17 @@ def main():
         for f in (args.compare_formats or args.formats).split(","):
             fmt, compute = split_format(f)
             w1, w3, w2 = weights[fmt]
+            if hasattr(other, "kernel_weights"):  # its layout made once too, not on every call
+                w1, w3, w2 = (other.kernel_weights(w) for w in (w1, w3, w2))
             for tokens in tokens_list:
-                ids, rw = routing(tokens, gen)
+                ids, rw = routing(tokens)
                 x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
                 t_full = do_bench_cudagraph(lambda: other.fused_moe(x, ids, rw, w1, w3, w2, compute_dtype=compute),
                                             rep=200, return_mode="median")
                 same = None if compute != torch.bfloat16 else bool(torch.equal(
                     other.fused_moe(x, ids, rw, w1, w3, w2), fm.fused_moe(x, ids, rw, *prepared[fmt])))
                 results["timings"].append({"format": f"{f} (compared)", "tokens": tokens, "ms_full": t_full,
-                                           "ms_gemms": None, "bytes": layer_bytes((w1, w3, w2), ids),
+                                           "ms_gemms": None, "bytes": layer_bytes(weights[fmt], ids),
                                            "flops": 2 * tokens * TOP_K * 3 * H * I, "bitwise_equal": same})
                 save()
                 print(f"{f} (compared) {tokens}: full {t_full * 1e3:.1f} us; output bitwise equal to this "

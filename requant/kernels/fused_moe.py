@@ -300,12 +300,12 @@ def _nibble_f32(nib, zero, FMT: tl.constexpr):
 # of `PAIR_TERMS`' (left rotation, mask) terms of the word: one term for 3 of E2M1's 4 pairs and
 # all of INT4's, two for E2M1's last (no rotations place all four pairs with one term each: an
 # exhaustive search over 32-bit rotations, and over funnel shifts of two words, found none).
-NIBBLE_BITS = {"e2m1": (6, 7, 8, 15), "int4": (0, 1, 2, 3)}
+NIBBLE_BITS = {"e2m1": (6, 7, 8, 15), "integer": (0, 1, 2, 3)}
 PAIR_TERMS = {
     "e2m1": (((0, 0x81C081C0),), ((4, 0x81C081C0),), ((10, 0x81C081C0),), ((6, 0x80C080C0), (14, 0x01000100))),
-    "int4": tuple((((32 - 4 * m) % 32, 0x000F000F),) for m in range(4)),
+    "integer": tuple((((32 - 4 * m) % 32, 0x000F000F),) for m in range(4)),
 }
-_LAYOUTS = {nvfp4.CODEC.kernel_code: "e2m1", mxfp4.CODEC.kernel_code: "e2m1", int4.CODEC.kernel_code: "int4"}
+_LAYOUTS = {nvfp4.CODEC.kernel_code: "e2m1", mxfp4.CODEC.kernel_code: "e2m1", int4.CODEC.kernel_code: "integer"}
 
 
 def _signed(bits: int) -> int:
@@ -362,7 +362,7 @@ def _pair_asm(kind: str, m: int) -> str:
     not DRAM, is the limit (scripts/bench_moe_results.md, runs 5-10).
     """
     integer = kind.startswith("integer")
-    (r, mask), *more = PAIR_TERMS["int4" if integer else "e2m1"][m]
+    (r, mask), *more = PAIR_TERMS["integer" if integer else "e2m1"][m]
     lines = ["{", ".reg .b32 s, k, z, t, u;", "mov.b32 z, 0x80008000;", "mov.b32 s, {$3, $3};"]
     src = "$2"
     if r:
@@ -394,7 +394,7 @@ _E2M1_ROT = tl.constexpr(tuple(r for r, _ in _TERMS["e2m1"][0]))
 _E2M1_MASK = tl.constexpr(tuple(_signed(m) for _, m in _TERMS["e2m1"][0]))
 _E2M1_ROT2 = tl.constexpr(tuple(r for r, _ in _TERMS["e2m1"][1]))
 _E2M1_MASK2 = tl.constexpr(tuple(_signed(m) for _, m in _TERMS["e2m1"][1]))
-_INT4_ROT = tl.constexpr(tuple(r for r, _ in _TERMS["int4"][0]))
+_INT4_ROT = tl.constexpr(tuple(r for r, _ in _TERMS["integer"][0]))
 _E2M1_BITS = tl.constexpr(NIBBLE_BITS["e2m1"])
 
 
