@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -461,10 +461,11 @@ def _validate_block(fm, a, b, block, cfg, tokens, device, gen, acts, serve_modes
             variants = [(x, observe if side is a else None)] + [_w4a4_inputs(x, s) for s in scales]
             ys = routed_experts_variants(variants, ids, weights, _reference_experts(side, block, fmt),
                                          cfg.activation, workers=default_workers())
-            y, w4a4, ws = ys[0], dict(zip(scales, ys[1:])), None
+            y, w4a4, ws, kernel_layer = ys[0], dict(zip(scales, ys[1:])), None, None
         else:
             ws = load_layer(side, block, fmt, cfg.n_routed_experts, device)
-            y = _kernel(fm, x, ids, weights, ws, cfg).float()
+            kernel_layer = _kernel_layout(fm, ws)
+            y = _kernel(fm, x, ids, weights, kernel_layer, cfg).float()
             if side is a:
                 ref = routed_experts(x, ids, weights, ws.dense,
                                      cfg.activation, intermediate=observe)
@@ -474,13 +475,13 @@ def _validate_block(fm, a, b, block, cfg, tokens, device, gen, acts, serve_modes
         routed.append(y)
         fmts.append((fmt, ids))
         if side is b:
-            runner = _Runner(fm, side, block, fmt, cfg, x, ids, weights, y, ws, w4a4)
+            runner = _Runner(fm, side, block, fmt, cfg, x, ids, weights, y, ws, kernel_layer, w4a4)
             for mode, policy, scales, flushed, y_mode in _served(runner, side, block, cfg, modes, calibrated):
                 out = (y_mode + shared).bfloat16()
                 rel_m, cos_m, max_m = _metrics(outputs[0], out)
                 serving.append(ServingResult(mode, policy, scales, rel_m, cos_m, max_m,
                                              _metrics(routed[0], y_mode)[0], flushed))
-        del ws
+        del ws, kernel_layer
     (fa, ids_a), (fb, ids_b) = fmts
     agreement = float((ids_a.sort(-1).values == ids_b.sort(-1).values).all(-1).float().mean())
     rel, cos, max_abs = _metrics(*outputs)
@@ -513,22 +514,27 @@ class _Runner:
     """The converted layer's routed experts, recomputed for a serving mode: through the kernel where
     it ran, else through the torch reference (a CPU), with the same numerics."""
 
-    def __init__(self, fm, side, block, fmt, cfg, x, ids, weights, y_bf16, ws, w4a4_outputs):
+    def __init__(self, fm, side, block, fmt, cfg, x, ids, weights, y_bf16, ws, kernel_layer, w4a4_outputs):
         self.fm, self.side, self.block, self.fmt, self.cfg = fm, side, block, fmt, cfg
         self.x, self.ids, self.weights, self.y_bf16, self.ws = x, ids, weights, y_bf16, ws
+        self.kernel_layer = kernel_layer   # ws in the kernel's layout (None without the kernel)
         self.w4a4_outputs = w4a4_outputs   # CPU: computed with y_bf16, each expert decoded once
 
     def w4a4(self, scales: tuple[float, float]) -> torch.Tensor:
         if self.fm is None:
             return self.w4a4_outputs[scales]
-        return _kernel(self.fm, self.x, self.ids, self.weights, self.ws, self.cfg, activation_scales=scales).float()
+        return _kernel(self.fm, self.x, self.ids, self.weights, self.kernel_layer, self.cfg,
+                       activation_scales=scales).float()
 
     def marlin(self) -> tuple[torch.Tensor, int]:
         if self.fm is not None:
             served, flushed = serve.marlin_weights(dict(zip(ROLES, self.ws.weights)), self.ws.fused)
             if not flushed:
                 return self.y_bf16, 0
-            return _kernel(self.fm, self.x, self.ids, self.weights, self.ws.with_weights(served), self.cfg).float(), flushed
+            # Marlin changes scales only: the weights keep their kernel layout.
+            kernel = dict(zip(ROLES, self.kernel_layer.weights))
+            served = self.kernel_layer.with_weights({r: replace(kernel[r], scale=served[r].scale) for r in ROLES})
+            return _kernel(self.fm, self.x, self.ids, self.weights, served, self.cfg).float(), flushed
         if not serve.rescaled_by_marlin(self.fmt):
             return self.y_bf16, 0
         # Marlin's factor spans the layer: every expert's scales are read (not their weights), then
@@ -548,6 +554,12 @@ class _Runner:
 
         return routed_experts_variants([(self.x, None)], self.ids, self.weights, served, self.cfg.activation,
                                        workers=default_workers())[0], flushed
+
+
+def _kernel_layout(fm, layer: LayerExperts) -> LayerExperts:
+    """The layer with its weights in the kernel's layout (`kernel_weights`), made once for the
+    layer's several kernel runs instead of on each."""
+    return layer.with_weights({r: fm.kernel_weights(w) for r, w in zip(ROLES, layer.weights)})
 
 
 def _kernel(fm, x, ids, weights, layer: LayerExperts, cfg, **kwargs) -> torch.Tensor:
