@@ -18,6 +18,8 @@ source's own reference path (its weights decoded exactly, BF16 activations):
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from requant.errors import RequantError
 from requant import formats
 from requant.formats import engine_numerics
@@ -71,11 +73,10 @@ def marlin_factors(histograms: dict, fused: list[list[str]]) -> dict[str, float]
 
 
 def marlin_served(w, factor: float):
-    """(ExpertWeights w with the block scales Marlin zeroes under `factor` set to 0, how many)."""
-    from requant.kernels.weights import ExpertWeights
-
+    """(w with the block scales Marlin zeroes under `factor` set to 0, how many): ExpertWeights, or
+    the kernel's KernelWeights, whose weights keep their layout."""
     scale, flushed = engine_numerics.marlin_flush(w.scale, factor)
-    return ExpertWeights(w.format, w.packed, scale, w.global_scale, w.zero_point), flushed
+    return replace(w, scale=scale), flushed
 
 
 def rescaled_by_marlin(fmt: str) -> bool:
@@ -84,7 +85,8 @@ def rescaled_by_marlin(fmt: str) -> bool:
 
 
 def marlin_weights(weights: dict, fused: list[list[str]]) -> tuple[dict, int]:
-    """({proj: ExpertWeights}, blocks flushed) as vLLM 0.33.0's Marlin serves the layer's experts."""
+    """({proj: weights}, blocks flushed) as vLLM 0.33.0's Marlin serves the layer's experts (weights
+    as `marlin_served` takes them)."""
     if not rescaled_by_marlin(next(iter(weights.values())).format):
         return weights, 0
     factors = marlin_factors({p: engine_numerics.scale_histogram(w.scale) for p, w in weights.items()}, fused)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
@@ -528,13 +528,11 @@ class _Runner:
 
     def marlin(self) -> tuple[torch.Tensor, int]:
         if self.fm is not None:
-            served, flushed = serve.marlin_weights(dict(zip(ROLES, self.ws.weights)), self.ws.fused)
+            served, flushed = serve.marlin_weights(dict(zip(ROLES, self.kernel_layer.weights)), self.ws.fused)
             if not flushed:
                 return self.y_bf16, 0
-            # Marlin changes scales only: the weights keep their kernel layout.
-            kernel = dict(zip(ROLES, self.kernel_layer.weights))
-            served = self.kernel_layer.with_weights({r: replace(kernel[r], scale=served[r].scale) for r in ROLES})
-            return _kernel(self.fm, self.x, self.ids, self.weights, served, self.cfg).float(), flushed
+            return (_kernel(self.fm, self.x, self.ids, self.weights, self.kernel_layer.with_weights(served),
+                            self.cfg).float(), flushed)
         if not serve.rescaled_by_marlin(self.fmt):
             return self.y_bf16, 0
         # Marlin's factor spans the layer: every expert's scales are read (not their weights), then
