@@ -29,6 +29,7 @@ BLOCK = 16
 E4M3_MAX = 448.0
 MARLIN_MIN_SCALE = 2.0**-6          # smaller block scales (after the layer's factor) are flushed to 0
 _E4M3_NAN = 0x7F                    # 0x7F and 0xFF are E4M3's NaNs; 0x01-0x7E its positive values, in order
+_E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().tolist()
 _MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 _MAGNITUDES = torch.tensor(e2m1.MAGNITUDES)
 
@@ -87,7 +88,7 @@ def marlin_scale_factor(histogram: torch.Tensor) -> float:
     counts = histogram.tolist()
     # positive E4M3 bytes (0x01-0x7E) order as their values: the largest is the highest one present
     top = max((b for b in range(1, _E4M3_NAN) if counts[b]), default=0)
-    return marlin_factor(_e4m3_value(top) if top else 0.0)
+    return marlin_factor(_E4M3_VALUES[top])
 
 
 def scale_histogram(scales: torch.Tensor) -> torch.Tensor:
@@ -125,9 +126,5 @@ def _flushed_bytes(factor: float) -> tuple[range, range]:
     is below MARLIN_MIN_SCALE, which (positive bytes order as their values) are those below the
     smallest it keeps; and every negative one but -0 and NaN. The float rule over all 256 bytes is
     the test's oracle."""
-    kept = next((x for x in range(1, _E4M3_NAN) if _e4m3_value(x) * factor >= MARLIN_MIN_SCALE), _E4M3_NAN)
+    kept = next((x for x in range(1, _E4M3_NAN) if _E4M3_VALUES[x] * factor >= MARLIN_MIN_SCALE), _E4M3_NAN)
     return range(1, kept), range(0x81, 0x80 | _E4M3_NAN)
-
-
-def _e4m3_value(byte: int) -> float:
-    return float(torch.tensor(byte, dtype=torch.uint8).view(torch.float8_e4m3fn).float())
