@@ -55,13 +55,14 @@ def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig, even_k: bool = Tru
                      HAS_GLOBAL=fmt == "nvfp4", HAS_BIAS=False, GATED=gated, ROUTE_WEIGHT=not gated, ACTIVATION=0,
                      LIMIT=10.0, ALPHA=1.0, COMPUTE=tl.bfloat16, ASM=True, DOT_PRECISION="tf32", PERM_OUT=gated,
                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-                     EVEN_K=even_k, WORDS_16B=True)
+                     EVEN_K=even_k, WORDS_16B=True, PDL=True)
     signature.update({name: "constexpr" for name in constants})
     divisible = DIVISIBLE if even_k else DIVISIBLE - {"stride_wn", "stride_sn"}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in kernel.arg_names
              if signature[name].startswith("*") or name in divisible}
     target = GPUTarget("cuda", 90, 32)
-    options = make_backend(target).parse_options({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    options = make_backend(target).parse_options({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                                                   "launch_pdl": True})
     return triton.compile(ASTSource(kernel, signature, constants, attrs), target=target, options=options.__dict__)
 
 

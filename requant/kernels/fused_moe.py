@@ -16,7 +16,8 @@ Pairs (token, k) are sorted by expert and padded per expert to the M tile (`moe_
 serving engines do. Four launches at decode sizes: one prepares the GEMMs' inputs (`prepare`: the
 align and the activations' cast and column order), then w1/w3 with their biases and the gated
 activation fused (`SwiGLU`: DeepSeek's clamped SwiGLU or gpt-oss's), w2 with its bias and the
-routing weight, and the top-k sum (`topk_sum`); split-K adds a fifth.
+routing weight, and the top-k sum (`topk_sum`); split-K adds a fifth. On Hopper and later they
+are chained by programmatic dependent launch (`_pdl`), so each starts while the one before ends.
 
 Under TRITON_INTERPRET=1 (CPU) bf16 dots and arithmetic are wrong, so everything takes a compute
 dtype: float32 there, bfloat16 on the GPU.
@@ -24,12 +25,17 @@ dtype: float32 there, bfloat16 on the GPU.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+try:  # Triton >= 3.4: grid dependency control, for programmatic dependent launch (Hopper and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 from requant import formats
 from requant.errors import FormatError
@@ -50,6 +56,28 @@ _FOLDED_WEIGHT_FACTOR = tl.constexpr(2.0 ** (126 - _SCALE_FOLD))
 SWIGLU_CLAMP = tl.constexpr(0)
 SWIGLU_OAI = tl.constexpr(1)
 _ACTIVATION_CODES = {"swiglu_clamp": 0, "swiglu_oai": 1}
+
+
+@functools.cache
+def _pdl_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def _pdl(t: torch.Tensor) -> bool:
+    """Whether the launches on t's device chain by programmatic dependent launch: each starts its
+    programs while the one before finishes, and they wait (`_wait_for_inputs`) before reading its
+    output. On the H200 that took 2-3 us off a decode step's ~45 (scripts/bench_moe_results.md, run 11)."""
+    return gdc_wait is not None and t.is_cuda and not interpreting() and _pdl_device(t.device.index or 0)
+
+
+@triton.jit
+def _wait_for_inputs(PDL: tl.constexpr, TRIGGER: tl.constexpr):
+    """Under programmatic dependent launch (`_pdl`): wait until the previous launch has finished and
+    its writes are visible, then (TRIGGER) let the next launch start its programs."""
+    if PDL:
+        gdc_wait()
+        if TRIGGER:
+            gdc_launch_dependents()
 
 
 def interpreting() -> bool:
@@ -168,7 +196,7 @@ def prepare(x: torch.Tensor | None, topk_ids: torch.Tensor, num_experts: int, bl
             a if a is not None else sorted_ids, 0 if a is None else a.stride(0),
             ALIGN=align, BLOCK_M=block_m, PAIRS=triton.next_power_of_2(max(pairs, 2)) if align else 2,
             EXPERTS=triton.next_power_of_2(num_experts + 1), BLOCKS=min(32, triton.next_power_of_2(max_blocks)),
-            BLOCK_K=K_TILE, CHUNK=1024, num_warps=4)
+            BLOCK_K=K_TILE, CHUNK=1024, PDL=_pdl(topk_ids), num_warps=4)
     return a, sorted_ids, block_expert
 
 
@@ -176,10 +204,12 @@ def prepare(x: torch.Tensor | None, topk_ids: torch.Tensor, num_experts: int, bl
 def _prologue_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks,
                      x_ptr, stride_xm, stride_xk, K, a_ptr, stride_am,
                      ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr,
-                     BLOCKS: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+                     BLOCKS: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Program 0 (if ALIGN) aligns the pairs (`_align`); each further program writes one row of A
     (`_permute_row`). Without ALIGN `_align` is not compiled: its sort would not fit PAIRS there."""
     pid = tl.program_id(0)
+    if PDL:  # launched as usual; the GEMM after it may start its programs now, they wait for it
+        gdc_launch_dependents()
     if ALIGN:
         if pid == 0:
             _align(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks, BLOCK_M, PAIRS,
@@ -557,6 +587,7 @@ def _moe_gemm_kernel(
     COMPUTE: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PERM_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, WORDS_16B: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[pair, n] for the pairs of one M block (one expert) and one N tile.
 
@@ -584,6 +615,7 @@ def _moe_gemm_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
+    _wait_for_inputs(PDL, True)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -704,10 +736,12 @@ def _out_columns(offs_n, PERM_OUT: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _swiglu_partials_kernel(part_ptr, stride_ps, stride_pg, h_ptr, stride_hm, N, ACTIVATION: tl.constexpr,
                             LIMIT: tl.constexpr, ALPHA: tl.constexpr, SPLIT_K: tl.constexpr,
-                            PERM_OUT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
+                            PERM_OUT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr):
     """h[pair] = the gated activation of the summed split-K partials of w1 and w3 (row `pair` of
     each; their biases are already in slice 0). With PERM_OUT, h's columns up to whole K tiles,
     zeros beyond N, as `_moe_gemm_kernel` stores them."""
+    _wait_for_inputs(PDL, True)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -844,8 +878,14 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         ALPHA=float(act.alpha), COMPUTE=_TL_DTYPES[compute], ASM=compute != torch.float32,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", PERM_OUT=perm_out,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
-        EVEN_K=w.k % cfg.block_k == 0, WORDS_16B=words_16b, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_K=w.k % cfg.block_k == 0, WORDS_16B=words_16b, PDL=_pdl(a), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **_pdl_launch(a),
     )
+
+
+def _pdl_launch(t: torch.Tensor) -> dict:
+    """The launch option that lets a kernel start before the previous one ends (`_pdl`)."""
+    return {"launch_pdl": True} if _pdl(t) else {}
 
 
 def _split(cfg: KernelConfig, k: int) -> int:
@@ -869,7 +909,7 @@ def gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act
     _swiglu_partials_kernel[(pairs, triton.cdiv(h.shape[1], block))](
         part, part.stride(0), part.stride(1), h, h.stride(0), w1.n, ACTIVATION=_ACTIVATION_CODES[act.kind],
         LIMIT=float(act.limit), ALPHA=float(act.alpha), SPLIT_K=split, PERM_OUT=perm_out, BLOCK_K=cfg.block_k,
-        BLOCK=block, num_warps=4)
+        BLOCK=block, PDL=_pdl(part), num_warps=4, **_pdl_launch(part))
     return h
 
 
@@ -956,13 +996,15 @@ def topk_sum(y: torch.Tensor, top_k: int) -> torch.Tensor:
                       device=y.device)
     block = 1024
     _topk_sum_kernel[(pairs // top_k, triton.cdiv(hidden, block))](
-        y, y.stride(0), y.stride(1), out, hidden, SLICES=slices, TOP_K=top_k, BLOCK=block, num_warps=4)
+        y, y.stride(0), y.stride(1), out, hidden, SLICES=slices, TOP_K=top_k, BLOCK=block, PDL=_pdl(y), num_warps=4,
+        **_pdl_launch(y))
     return out.to(torch.bfloat16)
 
 
 @triton.jit
 def _topk_sum_kernel(y_ptr, stride_ys, stride_ym, out_ptr, H, SLICES: tl.constexpr, TOP_K: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _wait_for_inputs(PDL, False)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
