@@ -27,7 +27,7 @@ from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 
 import torch
 
-from requant.io.safetensors import PAGE, TensorInfo, open_direct, read_tensor, write_tensors
+from requant.io.safetensors import PAGE, TensorInfo, open_direct, read_buffer_bytes, read_tensor, write_tensors
 from requant.plan import Plan
 from requant.targets import Stats, Unit
 
@@ -65,17 +65,21 @@ def encode_unit(unit: Unit, reads: list[tuple[str, str, TensorInfo]], out_path: 
     starts, total = [], 0
     for _, _, info in reads:
         starts.append(total)
-        total += -(-info.nbytes // _ALIGN) * _ALIGN
+        total += -(-read_buffer_bytes(info) // _ALIGN) * _ALIGN
     buffer = _input_buffer(total)
-    tensors, fds = {}, {}
+    tensors, fds = {}, {}   # path -> [descriptor, O_DIRECT descriptor or None]
     try:
         for (name, path, info), start in zip(reads, starts):
             if path not in fds:
-                fds[path] = os.open(path, os.O_RDONLY)
-            tensors[name] = read_tensor(fds[path], info, path, out=buffer[start:])
+                fds[path] = [os.open(path, os.O_RDONLY), None]   # closed below if the next open fails
+                fds[path][1] = open_direct(path, os.O_RDONLY)
+            fd, direct = fds[path]
+            tensors[name] = read_tensor(fd, info, path, out=buffer[start:], direct=direct)
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        for pair in fds.values():
+            for fd in pair:
+                if fd is not None:
+                    os.close(fd)
     outputs, stats = unit.encode(tensors)
     fd = os.open(out_path, os.O_WRONLY)
     direct = None

@@ -144,3 +144,106 @@ def test_conversion_with_direct_writes_is_byte_identical(tmp_path, monkeypatch, 
     if not direct_writes_supported(str(tmp_path)):
         pytest.skip("this file system refuses O_DIRECT: only the fallback ran")
     assert spy["direct"]
+
+
+# Direct reads -------------------------------------------------------------------------------
+
+def tensor_file(path: str) -> list[tuple[st.TensorInfo, np.ndarray]]:
+    """Tensors of several dtypes at offsets on and off page boundaries, the last one ending the
+    file mid-page; -> (info, expected element values)."""
+    rng = np.random.default_rng(7)
+    layout_ = [("U8", np.uint8, 3 * PAGE + 5, 1000), ("I32", np.int32, 2 * PAGE, 4 * PAGE + 8),
+               ("BF16", np.int16, 5 * PAGE + 3, 13 * PAGE - 8), ("U8", np.uint8, 17, 24 * PAGE + 1),
+               ("I32", np.int32, PAGE - 4, 25 * PAGE + 3)]   # last: off an element boundary (buffered)
+    image, found = bytearray(), []
+    for k, (dtype, np_type, count, start) in enumerate(layout_):
+        assert start >= len(image)
+        image += bytes(start - len(image))
+        values = rng.integers(0, 2**15, count).astype(np_type)
+        image += values.tobytes()
+        spec = st.TensorSpec(f"t{k}", dtype, (count,))
+        found.append((st.TensorInfo(spec, start, start + values.nbytes), values))
+    with open(path, "wb") as f:
+        f.write(image)
+    return found
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+@pytest.fixture
+def read_spy(monkeypatch):
+    """Bytes read through O_DIRECT descriptors."""
+    seen = {"direct": 0}
+    preadv = os.preadv
+
+    def recording(fd, buffers, offset):
+        n = preadv(fd, buffers, offset)
+        if getattr(os, "O_DIRECT", 0) and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            seen["direct"] += n
+        return n
+    monkeypatch.setattr(os, "preadv", recording)
+    return seen
+
+
+@pytest.mark.parametrize("into", ["fresh", "reused"])
+def test_direct_reads_match_buffered(tmp_path, monkeypatch, read_spy, into):
+    monkeypatch.setattr(st, "DIRECT_MIN_BYTES", 0)
+    path = str(tmp_path / "f")
+    tensors = tensor_file(path)
+    fd, direct = os.open(path, os.O_RDONLY), st.open_direct(path, os.O_RDONLY)
+    try:
+        for info, values in tensors:
+            # a reused buffer, as a worker's, misaligned on purpose and holding older bytes
+            out = None if into == "fresh" else torch.full((st.read_buffer_bytes(info) + 64,), 0xA5,
+                                                          dtype=torch.uint8)[64 - 8:]
+            got = st.read_tensor(fd, info, path, out=out, direct=direct)
+            assert got.dtype == st.DTYPES[info.spec.dtype][1] and tuple(got.shape) == info.spec.shape
+            assert np.array_equal(as_numpy(got), values), info.spec.name
+    finally:
+        os.close(fd)
+        if direct is not None:
+            os.close(direct)
+    if not direct_writes_supported(str(tmp_path)):
+        pytest.skip("this file system refuses O_DIRECT: only the buffered reads ran")
+    assert read_spy["direct"] >= 10 * PAGE, "the tensors were not read through the O_DIRECT descriptor"
+
+
+def test_direct_read_of_a_truncated_file_names_file_and_tensor(tmp_path, monkeypatch):
+    monkeypatch.setattr(st, "DIRECT_MIN_BYTES", 0)
+    path = str(tmp_path / "f")
+    info, _ = tensor_file(path)[2]
+    os.truncate(path, info.start + 2 * PAGE + 100)   # mid-tensor, mid-page
+    if not direct_writes_supported(str(tmp_path)):
+        pytest.skip("this file system refuses O_DIRECT")
+    fd, direct = os.open(path, os.O_RDONLY), st.open_direct(path, os.O_RDONLY)
+    try:
+        with pytest.raises(st.CheckpointError) as e:
+            st.read_tensor(fd, info, path, direct=direct)
+    finally:
+        os.close(fd)
+        os.close(direct)
+    assert "unexpected end of file" in str(e.value) and path in str(e.value) and "t2" in str(e.value)
+
+
+def test_refused_direct_read_falls_back_to_the_cache(tmp_path, monkeypatch):
+    """A file system that opens O_DIRECT but rejects the reads (EINVAL): the same values, buffered."""
+    monkeypatch.setattr(st, "DIRECT_MIN_BYTES", 0)
+    preadv, refused = os.preadv, []
+
+    def refusing(fd, buffers, offset):
+        if fd == -2:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return preadv(fd, buffers, offset)
+    monkeypatch.setattr(os, "preadv", refusing)
+    path = str(tmp_path / "f")
+    tensors = tensor_file(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for info, values in tensors:
+            assert np.array_equal(as_numpy(st.read_tensor(fd, info, path, direct=-2)), values)
+    finally:
+        os.close(fd)
+    assert len(refused) == len(tensors) - 1   # the one off an element boundary is never tried direct

@@ -17,7 +17,7 @@ import torch
 
 from requant.errors import CheckpointError
 from requant.io import journal
-from requant.io.safetensors import Header, TensorInfo, parse_header, read_header, read_tensor
+from requant.io.safetensors import Header, TensorInfo, open_direct, parse_header, read_header, read_tensor
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
@@ -77,6 +77,7 @@ class Checkpoint:
     # converted shard (in place) or is a downloaded copy (streamed from the Hub).
     reads: dict[str, Header] | None = None
     _fds: dict[str, int] = field(default_factory=dict, repr=False)
+    _direct_fds: dict[str, int | None] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self):
@@ -165,9 +166,10 @@ class Checkpoint:
         """Read `shard`'s tensors from `header`'s file from now on (None: nowhere). Closes the old
         file, so a replaced or deleted shard's space is freed at once."""
         with self._lock:
-            fd = self._fds.pop(shard, None)
-        if fd is not None:
-            os.close(fd)
+            fds = [self._fds.pop(shard, None), self._direct_fds.pop(shard, None)]
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
         if header is None:
             self.reads.pop(shard, None)
         else:
@@ -196,18 +198,30 @@ class Checkpoint:
                 self._fds[shard] = os.open(self.reads[shard].path, os.O_RDONLY)
             return self._fds[shard]
 
+    def direct_fd(self, shard: str) -> int | None:
+        """The shard opened for reading past the page cache (O_DIRECT), None where refused."""
+        with self._lock:
+            if shard not in self._direct_fds:
+                self._direct_fds[shard] = open_direct(self.reads[shard].path, os.O_RDONLY)
+            return self._direct_fds[shard]
+
     def tensor(self, name: str) -> torch.Tensor:
+        """Tensor `name` in its stored dtype; large ones read past the page cache where the file
+        system allows (read_tensor): a report or verify reads each once."""
         fd, info = self.locate(name)
-        return read_tensor(fd, info, self.reads[self.locations[name]].path)
+        shard = self.locations[name]
+        return read_tensor(fd, info, self.reads[shard].path, direct=self.direct_fd(shard))
 
     @property
     def tensor_bytes(self) -> int:
         return sum(i.nbytes for h in self.headers.values() for i in h.tensors.values())
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
+        for fd in [*self._fds.values(), *self._direct_fds.values()]:
+            if fd is not None:
+                os.close(fd)
         self._fds.clear()
+        self._direct_fds.clear()
 
     def __enter__(self):
         return self
