@@ -107,18 +107,24 @@ def test_without_o_direct_everything_goes_through_the_cache(tmp_path, monkeypatc
     assert (tmp_path / "f").read_bytes() == image and not spy["direct"]
 
 
-def test_refused_alignment_falls_back_to_the_cache(tmp_path, monkeypatch):
-    """A file system that opens O_DIRECT but rejects the writes (EINVAL): same bytes, buffered."""
-    monkeypatch.setattr(st, "DIRECT_MIN_BYTES", 0)
-    refused = []
-    pwrite = st._pwrite_all
+def refuse_fd_minus_2(monkeypatch, owner, name: str) -> list[int]:
+    """owner.name(fd, data, offset) raising EINVAL for descriptor -2, as a file system that opens
+    O_DIRECT but rejects the transfer does; -> the offsets refused."""
+    original, refused = getattr(owner, name), []
 
     def refusing(fd, data, offset):
         if fd == -2:
             refused.append(offset)
             raise OSError(errno.EINVAL, "Invalid argument")
-        return pwrite(fd, data, offset)
-    monkeypatch.setattr(st, "_pwrite_all", refusing)
+        return original(fd, data, offset)
+    monkeypatch.setattr(owner, name, refusing)
+    return refused
+
+
+def test_refused_alignment_falls_back_to_the_cache(tmp_path, monkeypatch):
+    """A file system that opens O_DIRECT but rejects the writes (EINVAL): same bytes, buffered."""
+    monkeypatch.setattr(st, "DIRECT_MIN_BYTES", 0)
+    refused = refuse_fd_minus_2(monkeypatch, st, "_pwrite_all")
     stretches, image = layout(3)
     path = str(tmp_path / "f")
     with open(path, "wb") as f:
@@ -230,14 +236,7 @@ def test_direct_read_of_a_truncated_file_names_file_and_tensor(tmp_path, monkeyp
 def test_refused_direct_read_falls_back_to_the_cache(tmp_path, monkeypatch):
     """A file system that opens O_DIRECT but rejects the reads (EINVAL): the same values, buffered."""
     monkeypatch.setattr(st, "DIRECT_MIN_BYTES", 0)
-    preadv, refused = os.preadv, []
-
-    def refusing(fd, buffers, offset):
-        if fd == -2:
-            refused.append(offset)
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return preadv(fd, buffers, offset)
-    monkeypatch.setattr(os, "preadv", refusing)
+    refused = refuse_fd_minus_2(monkeypatch, os, "preadv")
     path = str(tmp_path / "f")
     tensors = tensor_file(path)
     fd = os.open(path, os.O_RDONLY)
