@@ -67,19 +67,17 @@ def encode_unit(unit: Unit, reads: list[tuple[str, str, TensorInfo]], out_path: 
         starts.append(total)
         total += -(-read_buffer_bytes(info) // _ALIGN) * _ALIGN
     buffer = _input_buffer(total)
-    tensors, fds = {}, {}   # path -> [descriptor, O_DIRECT descriptor or None]
+    tensors, fds, directs = {}, {}, {}   # path -> descriptor, O_DIRECT descriptor (None: refused)
     try:
         for (name, path, info), start in zip(reads, starts):
             if path not in fds:
-                fds[path] = [os.open(path, os.O_RDONLY), None]   # closed below if the next open fails
-                fds[path][1] = open_direct(path, os.O_RDONLY)
-            fd, direct = fds[path]
-            tensors[name] = read_tensor(fd, info, path, out=buffer[start:], direct=direct)
+                fds[path] = os.open(path, os.O_RDONLY)
+                directs[path] = open_direct(path, os.O_RDONLY)
+            tensors[name] = read_tensor(fds[path], info, path, out=buffer[start:], direct=directs[path])
     finally:
-        for pair in fds.values():
-            for fd in pair:
-                if fd is not None:
-                    os.close(fd)
+        for fd in [*fds.values(), *directs.values()]:
+            if fd is not None:
+                os.close(fd)
     outputs, stats = unit.encode(tensors)
     fd = os.open(out_path, os.O_WRONLY)
     direct = None

@@ -66,7 +66,7 @@ def _pdl_device(index: int) -> bool:
 def _pdl(t: torch.Tensor) -> bool:
     """Whether the launches on t's device chain by programmatic dependent launch: each starts its
     programs while the one before finishes, and they wait (`_wait_for_inputs`) before reading its
-    output. On the H200 that took 2-3 us off a decode step's ~45 (scripts/bench_moe_results.md, run 11)."""
+    output. On the H200 that took 3 us off a one-token step's 52 (scripts/bench_moe_results.md, run 11)."""
     return gdc_wait is not None and t.is_cuda and not interpreting() and _pdl_device(t.device.index or 0)
 
 
@@ -878,14 +878,15 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         ALPHA=float(act.alpha), COMPUTE=_TL_DTYPES[compute], ASM=compute != torch.float32,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", PERM_OUT=perm_out,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
-        EVEN_K=w.k % cfg.block_k == 0, WORDS_16B=words_16b, PDL=_pdl(a), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **_pdl_launch(a),
+        EVEN_K=w.k % cfg.block_k == 0, WORDS_16B=words_16b, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **_chained(a),
     )
 
 
-def _pdl_launch(t: torch.Tensor) -> dict:
-    """The launch option that lets a kernel start before the previous one ends (`_pdl`)."""
-    return {"launch_pdl": True} if _pdl(t) else {}
+def _chained(t: torch.Tensor) -> dict:
+    """A launch's PDL argument (its waits compiled in) and the launch option that lets it start
+    before the previous launch ends, on t's device (`_pdl`)."""
+    return {"PDL": True, "launch_pdl": True} if _pdl(t) else {"PDL": False}
 
 
 def _split(cfg: KernelConfig, k: int) -> int:
@@ -909,7 +910,7 @@ def gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act
     _swiglu_partials_kernel[(pairs, triton.cdiv(h.shape[1], block))](
         part, part.stride(0), part.stride(1), h, h.stride(0), w1.n, ACTIVATION=_ACTIVATION_CODES[act.kind],
         LIMIT=float(act.limit), ALPHA=float(act.alpha), SPLIT_K=split, PERM_OUT=perm_out, BLOCK_K=cfg.block_k,
-        BLOCK=block, PDL=_pdl(part), num_warps=4, **_pdl_launch(part))
+        BLOCK=block, num_warps=4, **_chained(part))
     return h
 
 
@@ -996,8 +997,7 @@ def topk_sum(y: torch.Tensor, top_k: int) -> torch.Tensor:
                       device=y.device)
     block = 1024
     _topk_sum_kernel[(pairs // top_k, triton.cdiv(hidden, block))](
-        y, y.stride(0), y.stride(1), out, hidden, SLICES=slices, TOP_K=top_k, BLOCK=block, PDL=_pdl(y), num_warps=4,
-        **_pdl_launch(y))
+        y, y.stride(0), y.stride(1), out, hidden, SLICES=slices, TOP_K=top_k, BLOCK=block, num_warps=4, **_chained(y))
     return out.to(torch.bfloat16)
 
 
