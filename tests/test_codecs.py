@@ -168,3 +168,40 @@ def test_decoded_row_chunks_refuse_projections_of_different_shapes(chunk, monkey
                                             nvfp4.CODEC.decode))
     assert sum(len(x) for x, _ in weights.decoded_row_chunks(mxfp4.CODEC, a, nvfp4.CODEC, b, mxfp4.CODEC.decode,
                                                              nvfp4.CODEC.decode)) == ROWS
+
+
+def _w4a16_parts(seed, group, scheme):
+    w, s = mxfp4_source(seed)
+    enc = formats.encoder("mxfp4", "w4a16")({"w": (torch.from_numpy(w), torch.from_numpy(s))}, group, scheme)["w"]
+    parts = {"weight_packed": enc.packed, "weight_scale": enc.scale}
+    if enc.zero_point is not None:
+        parts["weight_zero_point"] = enc.zero_point
+    return {"weight": torch.from_numpy(w), "scale": torch.from_numpy(s)}, parts
+
+
+def test_every_codec_decodes_into_a_given_buffer_the_values_it_returns_without_one():
+    """decode(parts, out) writes the buffer and returns its values; stale contents do not leak through."""
+    a, b = _cast_pair()
+    src, w4 = _w4a16_parts(2, 32, "asym")
+    for codec, parts in ((mxfp4.CODEC, a), (nvfp4.CODEC, b), (int4.CODEC, w4)):
+        plain = codec.decode(parts)
+        buffer = torch.full((ROWS, K), float("nan"))
+        assert codec.decode(parts, buffer).data_ptr() == buffer.data_ptr()
+        assert torch.equal(buffer, plain), codec.name
+    with pytest.raises(ValueError, match="contiguous float32"):
+        mxfp4.CODEC.decode(src, torch.empty(ROWS, K - 2))
+
+
+@pytest.mark.parametrize("chunk", [3 * K, 16 * K, 1 << 18])   # row chunks: ragged, dividing, one piece
+def test_reused_chunk_buffers_give_the_comparison_of_the_whole_projections(chunk, monkeypatch):
+    """report compares row chunks decoded into two reused buffers: its sums equal those of the
+    projections decoded whole and compared in one piece."""
+    from requant.report import weights
+
+    src, w4 = _w4a16_parts(3, 32, "sym")
+    whole = weights.compare_chunks([(mxfp4.CODEC.decode(src), int4.CODEC.decode(w4))], 32)
+    monkeypatch.setattr(weights, "_CHUNK_ELEMENTS", chunk)
+    chunked = weights.compare_chunks(weights.decoded_row_chunks(
+        mxfp4.CODEC, src, int4.CODEC, w4, mxfp4.CODEC.decode, int4.CODEC.decode), 32)
+    assert chunked.metrics() == pytest.approx(whole.metrics(), rel=1e-6)
+    assert (chunked.hist, chunked.zero_error, chunked.n) == (whole.hist, whole.zero_error, whole.n)

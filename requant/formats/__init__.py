@@ -74,7 +74,9 @@ class Codec:
     parts: tuple[Part, ...]
     elements_per_word: int                          # K elements per stored element of the weight part
     packed_dtype: torch.dtype                       # how decoders and the MoE kernel view the weight part
-    decode: Callable[[dict[str, torch.Tensor]], torch.Tensor]   # parts by suffix -> float32 [out, K]
+    # (parts by suffix, out=None) -> float32 [out, K], written into `out` when given (a reused buffer
+    # of that shape: a fresh one per call costs the page faults of a pass)
+    decode: Callable[..., torch.Tensor]
     fixed_group: int | None = None                  # the block size, when the format fixes it
     group_sizes: tuple[int, ...] = ()               # the block sizes it allows (one: the fixed one)
     kernel_code: int | None = None                  # the fused-MoE kernel's format constant; None: not read
@@ -185,8 +187,9 @@ def encoder_sources(target: str) -> list[str]:
     return list(get(target).encoders)
 
 
-def byte_pairs(table: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """float32 [..., 2n] from uint8 [..., n]: both values of every byte from a [256, 2] table.
+def byte_pairs(table: torch.Tensor, packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [..., 2n] from uint8 [..., n]: both values of every byte from a [256, 2] table, into
+    `out` (float32, that shape, contiguous) when given.
 
     On the CPU each byte's pair is fetched as one 8-byte word by numpy's `take`, about 3x faster
     than torch's index_select with its int32 index copy; mode="wrap" (a no-op for byte indices)
@@ -194,12 +197,16 @@ def byte_pairs(table: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """
     packed = packed.view(torch.uint8)
     shape = (*packed.shape[:-1], packed.shape[-1] * 2)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=packed.device)
+    elif tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous float32 {list(shape)}, got {out.dtype} {list(out.shape)}")
     if packed.device.type != "cpu":
-        return table.to(packed.device).index_select(0, packed.reshape(-1).int()).view(shape)
+        torch.index_select(table.to(packed.device), 0, packed.reshape(-1).int(), out=out.view(-1, 2))
+        return out
     words = table.contiguous().numpy().view(np.int64).reshape(256)
-    out = np.empty(packed.shape, np.int64)
-    np.take(words, packed.numpy(), out=out, mode="wrap")
-    return torch.from_numpy(out).view(torch.float32).view(shape)
+    np.take(words, packed.numpy(), out=out.view(torch.int64).numpy(), mode="wrap")
+    return out
 
 
 def identical_energy(ca: Codec, ta: dict[str, torch.Tensor], cb: Codec, tb: dict[str, torch.Tensor]) -> float | None:

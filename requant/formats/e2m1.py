@@ -60,9 +60,10 @@ TABLES = CodeTables(
 )
 
 
-def decode_packed(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., K/2] -> float32 values [..., K]: one table lookup per byte yields both elements."""
-    return byte_pairs(_PAIRS, packed)
+def decode_packed(packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 [..., K/2] -> float32 values [..., K] (into `out` when given): one table lookup per
+    byte yields both elements."""
+    return byte_pairs(_PAIRS, packed, out)
 
 
 def round_to_nibbles(x: np.ndarray) -> np.ndarray:

@@ -18,9 +18,9 @@ def scale_shape(weight_shape) -> tuple[int, int]:
     return math.ceil(rows / BLOCK), math.ceil(cols / BLOCK)
 
 
-def decode(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 [out, in] from E4M3 bytes and a block-scale grid: E8M0 bytes as DeepSeek stores
-    them, or the same powers of two as F32 (compressed-tensors' `weight_scale`)."""
+def decode(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [out, in] (into `out` when given) from E4M3 bytes and a block-scale grid: E8M0 bytes
+    as DeepSeek stores them, or the same powers of two as F32 (compressed-tensors' `weight_scale`)."""
     if tuple(scale.shape) != scale_shape(weight.shape):
         raise FormatError(f"scale shape {list(scale.shape)} does not match weight {list(weight.shape)}")
     values = weight.view(torch.float8_e4m3fn).to(torch.float32)
@@ -30,7 +30,7 @@ def decode(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         factors = torch.exp2(scale.view(torch.uint8).to(torch.float32) - 127)
     rows, cols = weight.shape
     factors = factors.repeat_interleave(BLOCK, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :cols]
-    return values * factors
+    return torch.mul(values, factors, out=out)
 
 
 def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +54,7 @@ CODEC = formats.Codec(
            formats.Part("scale", formats.SCALE, ("F8_E8M0",), lambda out, k, p: scale_shape((out, k)))),
     elements_per_word=1,
     packed_dtype=torch.uint8,
-    decode=lambda t: decode(t["weight"], t["scale"]),
+    decode=lambda t, out=None: decode(t["weight"], t["scale"], out),
     fixed_group=BLOCK,
     group_sizes=(BLOCK,),
 )

@@ -86,15 +86,16 @@ def unpack_zero_point(packed: torch.Tensor, rows: int) -> torch.Tensor:
 _BYTE_VALUES = torch.stack([torch.arange(256) & 15, torch.arange(256) >> 4], 1).float() - 8
 
 
-def decode(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 [out, K] from the stored tensors, on their device. Plain torch, independent of the
-    encoder."""
+def decode(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [out, K] from the stored tensors, on their device (into `out` when given). Plain
+    torch, independent of the encoder."""
     rows, words = packed.shape
     k = words * PACK
     groups = scale.shape[1]
     if scale.shape[0] != rows or k % groups:
         raise FormatError(f"weight_scale shape {list(scale.shape)} does not match weight_packed {list(packed.shape)}")
-    q = formats.byte_pairs(_BYTE_VALUES, packed.contiguous().view(torch.uint8)).view(rows, groups, k // groups)
+    q = formats.byte_pairs(_BYTE_VALUES, packed.contiguous().view(torch.uint8), out).view(rows, groups, k // groups)
     if zero_point is not None:
         q -= unpack_zero_point(zero_point, rows).to(torch.float32)[..., None]
     q *= scale.to(torch.float32)[..., None]
@@ -505,7 +506,7 @@ CODEC = formats.Codec(
                         lambda out, k, p: (out // PACK, k // p.group_size), shape_checked=False)),
     elements_per_word=PACK,
     packed_dtype=torch.int32,
-    decode=lambda t: decode(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point")),
+    decode=lambda t, out=None: decode(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"), out),
     group_sizes=GROUP_SIZES,
     kernel_code=2,
     # The data-free scale search, batched: ({name: (weight, scale)}, group_size, scheme, device)

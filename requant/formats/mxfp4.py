@@ -46,14 +46,15 @@ def max_exponent(scales: np.ndarray) -> int | None:
     return largest - E8M0_BIAS if largest > 0 else None
 
 
-def decode(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Dequantize to float32 [out, K]. Plain torch, independent of the fast cast."""
+def decode(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantize to float32 [out, K] (into `out` when given). Plain torch, independent of the fast
+    cast."""
     check_shapes(tuple(weight.shape), tuple(scale.shape))
     scale = scale.view(torch.uint8)
     if (scale == E8M0_NAN).any():
         raise FormatError("E8M0 scale is NaN (byte 0xFF)")
     rows, nblocks = scale.shape
-    values = e2m1.decode_packed(weight).view(rows, nblocks, BLOCK)
+    values = e2m1.decode_packed(weight, out).view(rows, nblocks, BLOCK)
     values *= torch.exp2(scale.to(torch.float32) - E8M0_BIAS)[..., None]
     return values.view(rows, nblocks * BLOCK)
 
@@ -86,7 +87,7 @@ CODEC = formats.Codec(
            formats.Part("scale", formats.SCALE, ("F8_E8M0", "U8"), lambda out, k, p: (out, k // BLOCK))),
     elements_per_word=2,
     packed_dtype=torch.uint8,
-    decode=lambda t: decode(t["weight"].view(torch.uint8), t["scale"]),
+    decode=lambda t, out=None: decode(t["weight"].view(torch.uint8), t["scale"], out),
     fixed_group=BLOCK,
     group_sizes=(BLOCK,),
     kernel_code=1,

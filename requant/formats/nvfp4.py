@@ -137,12 +137,13 @@ def _requantize_below_window(weight, scale, codes, below, m) -> int:
     return int((restored == values).all(axis=1).sum())
 
 
-def decode(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: float | torch.Tensor) -> torch.Tensor:
-    """Dequantize to float32 [out, K]. Plain torch, independent of the cast."""
+def decode(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: float | torch.Tensor,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantize to float32 [out, K] (into `out` when given). Plain torch, independent of the cast."""
     rows, half_k = weight.shape
     if tuple(weight_scale.shape) != (rows, half_k * 2 // BLOCK):
         raise FormatError(f"weight_scale shape {list(weight_scale.shape)} does not match weight {list(weight.shape)}")
-    values = e2m1.decode_packed(weight).view(rows, -1, BLOCK)
+    values = e2m1.decode_packed(weight, out).view(rows, -1, BLOCK)
     values *= weight_scale.view(torch.float8_e4m3fn).to(torch.float32)[..., None] * float(weight_scale_2)
     return values.view(rows, half_k * 2)
 
@@ -156,7 +157,8 @@ CODEC = formats.Codec(
            formats.Part("input_scale", formats.INPUT_SCALE, ("F32",), lambda out, k, p: ())),
     elements_per_word=2,
     packed_dtype=torch.uint8,
-    decode=lambda t: decode(t["weight"].view(torch.uint8), t["weight_scale"], formats.scalar(t["weight_scale_2"])),
+    decode=lambda t, out=None: decode(t["weight"].view(torch.uint8), t["weight_scale"], formats.scalar(t["weight_scale_2"]),
+                                     out),
     fixed_group=BLOCK,
     group_sizes=(BLOCK,),
     kernel_code=0,

@@ -49,10 +49,10 @@ def _codecs(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, proj: str, w
     return ca, cb
 
 
-def _decode(codec: formats.Codec, tensors: dict, ck: Checkpoint, parts: dict[str, str]):
+def _decode(codec: formats.Codec, tensors: dict, ck: Checkpoint, parts: dict[str, str], out=None):
     """codec.decode, its errors (bytes no valid file holds: scales) naming the file and tensor."""
     try:
-        return codec.decode(tensors)
+        return codec.decode(tensors, out)
     except FormatError as e:
         name = parts[codec.part(formats.SCALE).suffix]
         raise FormatError(str(e), file=ck.shard_path(ck.locations[name]), tensor=name) from None
@@ -69,8 +69,8 @@ def _compare(ca: formats.Codec, ta: dict, src: Checkpoint, pa: dict[str, str],
         n = out * packed * ca.elements_per_word
         return identical(n, n // block, energy)
     ta, tb = ({p: t.to(device) for p, t in ts.items()} for ts in (ta, tb))
-    chunks = weights.decoded_row_chunks(ca, ta, cb, tb, lambda t: _decode(ca, t, src, pa),
-                                        lambda t: _decode(cb, t, dst, pb))
+    chunks = weights.decoded_row_chunks(ca, ta, cb, tb, lambda t, out: _decode(ca, t, src, pa, out),
+                                        lambda t, out: _decode(cb, t, dst, pb, out))
     return compare_chunks(chunks, block)
 
 

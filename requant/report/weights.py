@@ -100,23 +100,23 @@ def chunk_rows(k: int, device) -> int:
 def decoded_row_chunks(ca, ta: dict, cb, tb: dict, decode_a: Callable, decode_b: Callable):
     """(a rows, b rows) of two stored projections (codecs ca, cb; parts ta, tb), decoded a chunk
     of rows at a time, so that each chunk is compared while it is still in cache; decoded whole
-    (then compared by chunks) where a codec's parts are not laid out by rows."""
-    weight = ta[ca.weight.suffix]
+    (then compared by chunks) where a codec's parts are not laid out by rows. decode_a/decode_b
+    take (parts, out): every chunk is decoded into the same two buffers, so a chunk is only valid
+    until the next one is asked for."""
+    weight, other = ta[ca.weight.suffix], tb[cb.weight.suffix]
     rows, k = weight.shape[0], weight.shape[-1] * ca.elements_per_word
+    if (other.shape[0], other.shape[-1] * cb.elements_per_word) != (rows, k):
+        raise FormatError(f"decoded shapes differ: {[rows, k]} vs {[other.shape[0], other.shape[-1] * cb.elements_per_word]}")
     step = chunk_rows(k, weight.device)
-    by_rows = tb[cb.weight.suffix].shape[0] == rows and ca.rows(ta, 0, 1) is not None and cb.rows(tb, 0, 1) is not None
-    if step >= rows or not by_rows:
-        a, b = decode_a(ta), decode_b(tb)
-        if a.shape != b.shape:
-            raise FormatError(f"decoded shapes differ: {list(a.shape)} vs {list(b.shape)}")
+    if step >= rows or ca.rows(ta, 0, 1) is None or cb.rows(tb, 0, 1) is None:
+        a, b = decode_a(ta, None), decode_b(tb, None)
         for r in range(0, rows, step):
             yield a[r:r + step], b[r:r + step]
         return
+    buffers = torch.empty(2, step, k, dtype=torch.float32, device=weight.device)
     for r in range(0, rows, step):
-        a, b = decode_a(ca.rows(ta, r, r + step)), decode_b(cb.rows(tb, r, r + step))
-        if a.shape != b.shape:
-            raise FormatError(f"decoded shapes differ: {list(a.shape)} vs {list(b.shape)}")
-        yield a, b
+        n = min(step, rows - r)
+        yield decode_a(ca.rows(ta, r, r + n), buffers[0, :n]), decode_b(cb.rows(tb, r, r + n), buffers[1, :n])
 
 
 def identical(n: int, blocks: int, energy: float) -> ErrorSums:
