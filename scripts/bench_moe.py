@@ -21,7 +21,6 @@ compute_dtype=torch.float16, for modules that had NVFP4's FP16 route (before run
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import json
 import os
@@ -50,8 +49,11 @@ def sweep_configs(tokens: int) -> list[fm.KernelConfig]:
     memory or lost everywhere in earlier runs are left out; N tiles are 16 rows per warp, the shape
     `_mma_tile` keeps in registers)."""
     if tokens <= 64:
-        return [fm.KernelConfig(16, 64, 128, 4, 4, split_k=s) for s in (1, 2, 4)] + [
-            fm.KernelConfig(16, 64, 128, 4, 6), fm.KernelConfig(16, 128, 128, 8, 4)]
+        return [fm.KernelConfig(16, 64, 128, 4, 4, split_k=s) for s in (1, 2)] + [
+            fm.KernelConfig(16, 64, 128, 4, 4, split_k=s, gate_up_apart=True, max_registers=r)
+            for s in (1, 2) for r in (None, 80)] + [
+            fm.KernelConfig(16, 64, 128, 4, 6, split_k=1, gate_up_apart=True, max_registers=80),
+            fm.KernelConfig(16, 64, 128, 4, 4, split_k=2, max_registers=80)]
     if tokens <= 1024:
         return [fm.KernelConfig(16, 64, 128, 4, 4), fm.KernelConfig(32, 64, 128, 4, 4),
                 fm.KernelConfig(64, 128, 128, 8, 4)]
@@ -216,7 +218,7 @@ def main():
 
     # Is the GEMM on wgmma? Look at the compiled kernel of the large-batch config.
     w1, w3, w2 = prepared[formats[0]]
-    for cfg in (dataclasses.replace(fm.default_config(6, E), split_k=1), fm.default_config(6 * 16384, E)):
+    for cfg in (fm.KernelConfig(16, 64, 128, 4, 4), fm.default_config(6 * 16384, E)):
         try:
             ids, _ = routing(64, gen)
             x = torch.randn(64, H, device="cuda").bfloat16()
@@ -259,7 +261,7 @@ def main():
             x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
             flops = 2 * tokens * TOP_K * 3 * H * I
             nbytes = layer_bytes(weights[f], ids)
-            cfgs = sweep_configs(tokens) if f in args.sweep.split(",") else [fm.default_config(tokens * TOP_K, E)]
+            cfgs = sweep_configs(tokens) if f in args.sweep.split(",") else [fm.default_config(tokens * TOP_K, E, w1.kernel_code)]
             best = None
             for cfg in cfgs:
                 try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import re
 import subprocess
@@ -41,28 +42,32 @@ COUNTED = ("HGMMA", "WARPGROUP", "LDSM", "STS", "LDS", "BAR", "LDGSTS", "PRMT", 
 
 def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig, even_k: bool = True):
     """even_k False: a K off whole tiles, as gpt-oss's 2880 (rows of 360 words: 16-byte aligned, not
-    a multiple of 16 words, so Triton does not specialize the row strides)."""
+    a multiple of 16 words, so Triton does not specialize the row strides). cfg.gate_up_apart: w1/w3
+    by separate programs (the gated launch's APART)."""
     kernel = fm._moe_gemm_kernel
     scale_type, group = SCALE_TYPES[fmt]
     signature = {name: "i32" for name in kernel.arg_names}
     for name in kernel.arg_names:
         if name.endswith("_ptr"):
             signature[name] = "*fp32"
-    signature.update({"a_ptr": "*bf16", "out_ptr": "*bf16" if cfg.split_k == 1 else "*fp32", "w_ptr": "*i32",
+    apart = gated and cfg.gate_up_apart
+    partials = cfg.split_k > 1 or apart
+    signature.update({"a_ptr": "*bf16", "out_ptr": "*fp32" if partials else "*bf16", "w_ptr": "*i32",
                       "w3_ptr": "*i32", "z_ptr": "*i32", "z3_ptr": "*i32", "sorted_ids_ptr": "*i32",
                       "block_expert_ptr": "*i32", "s_ptr": scale_type, "s3_ptr": scale_type})
     constants = dict(A_ROW_DIV=6 if gated else 1, FMT=FORMAT_CODES[fmt].value, GROUP=group, HAS_ZP=False,
-                     HAS_GLOBAL=fmt == "nvfp4", HAS_BIAS=False, GATED=gated, ROUTE_WEIGHT=not gated, ACTIVATION=0,
-                     LIMIT=10.0, ALPHA=1.0, COMPUTE=tl.bfloat16, ASM=True, DOT_PRECISION="tf32", PERM_OUT=gated,
+                     HAS_GLOBAL=fmt == "nvfp4", HAS_BIAS=False, GATED=gated and not apart, ROUTE_WEIGHT=not gated,
+                     ACTIVATION=0, LIMIT=10.0, ALPHA=1.0, COMPUTE=tl.bfloat16, ASM=True, DOT_PRECISION="tf32",
+                     PERM_OUT=gated and not partials,
                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-                     EVEN_K=even_k, WORDS_16B=True, PDL=True)
+                     EVEN_K=even_k, WORDS_16B=True, APART=apart, PDL=True)
     signature.update({name: "constexpr" for name in constants})
     divisible = DIVISIBLE if even_k else DIVISIBLE - {"stride_wn", "stride_sn"}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in kernel.arg_names
              if signature[name].startswith("*") or name in divisible}
     target = GPUTarget("cuda", 90, 32)
     options = make_backend(target).parse_options({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                                                   "launch_pdl": True})
+                                                   "launch_pdl": True, "maxnreg": cfg.max_registers})
     return triton.compile(ASTSource(kernel, signature, constants, attrs), target=target, options=options.__dict__)
 
 
@@ -89,6 +94,9 @@ def main():
     print(f"Triton {triton.__version__}, target sm_90")
     decode, prefill = fm.KernelConfig(16, 64, 128, 4, 4), fm.KernelConfig(128, 128, 128, 8, 3)
     shapes = [(gated, name, cfg) for gated in (True, False) for name, cfg in (("decode", decode), ("prefill", prefill))]
+    shapes.insert(1, (True, "decode_apart", dataclasses.replace(decode, gate_up_apart=True)))
+    shapes.insert(2, (True, "decode_apart_r80", dataclasses.replace(decode, gate_up_apart=True, max_registers=80)))
+    shapes.insert(-1, (False, "decode_r80", dataclasses.replace(decode, max_registers=80)))
     variants = [(fmt, *shape, True) for fmt in SCALE_TYPES for shape in shapes]
     variants += [("mxfp4", *shape, False) for shape in shapes]
     for fmt, gated, name, cfg, even_k in variants:

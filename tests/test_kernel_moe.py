@@ -8,6 +8,7 @@ to near zero, where FP32 summation noise dominates.
 
 import os
 import zlib
+from dataclasses import replace
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
@@ -21,7 +22,7 @@ from requant.formats import mxfp4  # noqa: E402
 from requant.formats.engine_numerics import fake_quantize_activations  # noqa: E402
 from requant.kernels import fused_moe as fused_moe_module  # noqa: E402
 from requant.kernels.fused_moe import (ExpertWeights, KernelConfig, _moe_align_torch, fused_moe,  # noqa: E402
-                                       moe_align, permute_k, prepare)
+                                       default_config, moe_align, permute_k, prepare)
 from requant.moe import Activation, MoEConfig, MoELayer, Router, route, routed_experts  # noqa: E402
 
 EXPERTS, HIDDEN, INTER, LIMIT = 8, 256, 128, 10.0
@@ -98,35 +99,40 @@ def poison_float_buffers(monkeypatch):
     monkeypatch.setattr(torch, "empty", nan_empty)
 
 
-@pytest.mark.parametrize("fmt,group,hidden,inter,split,extra", [
-    ("mxfp4", 32, 160, 96, 1, 64), ("mxfp4", 32, 160, 96, 2, 64), ("nvfp4-any", 16, 176, 80, 1, 80),
-    ("int4-sym", 32, 96, 160, 1, 64), ("int4-asym", 32, 160, 96, 1, 64),
+@pytest.mark.parametrize("fmt,group,hidden,inter,split,extra,apart", [
+    ("mxfp4", 32, 160, 96, 1, 64, False), ("mxfp4", 32, 160, 96, 2, 64, False),
+    ("nvfp4-any", 16, 176, 80, 1, 80, False), ("int4-sym", 32, 96, 160, 1, 64, False),
+    ("int4-asym", 32, 160, 96, 1, 64, False), ("int4-asym", 32, 160, 96, 2, 64, True),
 ])
-def test_k_off_whole_tiles(fmt, group, hidden, inter, split, extra, monkeypatch):
+def test_k_off_whole_tiles(fmt, group, hidden, inter, split, extra, apart, monkeypatch):
     """K not a multiple of the 128-wide K tile (gpt-oss: 2880 = 22.5 tiles): the last tile is read
     up to K only, whatever lies beyond it in the weights' rows, and the intermediate's padding
     columns are zeros, not whatever memory held (split 2: w1/w3's 2 tiles in two slices, the last
     one partial). Rows `extra` longer than K: 64 gives row strides of whole 16-byte vectors with K
     a multiple of 32 (the kernel's 16-byte route, WORDS_16B), 80 such strides with K = 16 mod 32
-    (which must not take it: its word count is no multiple of 4)."""
+    (which must not take it: its word count is no multiple of 4). apart: w1 and w3 by separate
+    programs, with zero points."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{fmt}/{hidden}/{inter}/{split}".encode()))
     poison_float_buffers(monkeypatch)
     ids, weights = random_routing(7, 3, gen)
-    cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=split)
+    cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=split, gate_up_apart=apart)
     y, ref, _ = run_case(fmt, ids, weights, gen, group=group, hidden=hidden, inter=inter, config=cfg,
                          wrap=lambda w, gen: garbage_past_k(w, gen, extra))
     assert_matches(y, ref)
 
 
-def test_w1_and_w3_global_scales_are_separate():
-    """Engines that apply w1's global scale to w3 are silently wrong; this test must see that."""
+@pytest.mark.parametrize("apart", [False, True])
+def test_w1_and_w3_global_scales_are_separate(apart):
+    """Engines that apply w1's global scale to w3 are silently wrong; this test must see that, with
+    w1 and w3 in one program and in separate ones."""
     gen = torch.Generator().manual_seed(11)
     (w1, d1), (w3, _), (w2, d2) = make_layer("nvfp4-any", EXPERTS, HIDDEN, INTER, gen)
     w3.global_scale = w1.global_scale * torch.linspace(0.5, 2.0, EXPERTS)
     d3 = nvfp4_dense(w3)
     ids, weights = random_routing(9, 2, gen)
     x = (torch.randn(9, HIDDEN, generator=gen) * 0.05).bfloat16()
-    y = fused_moe(x, ids, weights, w1, w3, w2)
+    cfg = replace(default_config(18, EXPERTS), gate_up_apart=apart)
+    y = fused_moe(x, ids, weights, w1, w3, w2, config=cfg)
     assert_matches(y, routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), SWIGLU))
     shared_scale = d3 * (w1.global_scale / w3.global_scale)[:, None, None]
     wrong = routed_experts(x, ids, weights, lambda e: (d1[e], shared_scale[e], d2[e]), SWIGLU)
@@ -285,15 +291,16 @@ def gated_experts(x, ids, weights, d13, b13, d2, b2, limit, *, kind="swiglu_oai"
     return ((out + b2[ids].float()) * weights[..., None]).sum(1)
 
 
-@pytest.mark.parametrize("kind,split,hidden,inter", [
-    ("swiglu_oai", 1, 256, 256), ("swiglu_oai", 2, 256, 256), ("swiglu_clamp", 2, 256, 256),
-    ("swiglu_oai", 2, 160, 96),
+@pytest.mark.parametrize("kind,split,hidden,inter,apart", [
+    ("swiglu_oai", 1, 256, 256, False), ("swiglu_oai", 2, 256, 256, False), ("swiglu_clamp", 2, 256, 256, False),
+    ("swiglu_oai", 2, 160, 96, False), ("swiglu_oai", 1, 256, 256, True), ("swiglu_clamp", 2, 160, 96, True),
 ])
-def test_fused_interleaved_gate_up_with_biases(kind, split, hidden, inter, monkeypatch):
+def test_fused_interleaved_gate_up_with_biases(kind, split, hidden, inter, apart, monkeypatch):
     """gpt-oss: MXFP4 gate/up fused in one [E, 2I, H] matrix with interleaved rows, passed as row
     views, BF16 biases on all three projections. Split-K must add each bias once.
     256: 2 K tiles each; 160 / 96 (gpt-oss's 2880 is not whole tiles either): the rows continue
-    past K with garbage and NaN scales, and float buffers start as NaN (`test_k_off_whole_tiles`)."""
+    past K with garbage and NaN scales, and float buffers start as NaN (`test_k_off_whole_tiles`).
+    apart: gate and up by separate programs, each with its own bias."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}/{split}/{hidden}/{inter}".encode()))
     experts, limit = 4, 7.0
     p13, s13 = random_mxfp4(experts, 2 * inter, hidden, gen)
@@ -316,7 +323,7 @@ def test_fused_interleaved_gate_up_with_biases(kind, split, hidden, inter, monke
     w1 = ExpertWeights("mxfp4", p13[:, 0::2], s13[:, 0::2])
     w3 = ExpertWeights("mxfp4", p13[:, 1::2], s13[:, 1::2])
     w2 = ExpertWeights("mxfp4", p2, s2)
-    cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=split)
+    cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=split, gate_up_apart=apart)
     alpha = 1.702 if kind == "swiglu_oai" else None
     y = fused_moe(x, ids, weights, w1, w3, w2, swiglu_limit=limit, activation=kind, swiglu_alpha=alpha,
                   b1=b13[:, 0::2], b3=b13[:, 1::2], b2=b2, config=cfg)

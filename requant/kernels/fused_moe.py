@@ -13,11 +13,12 @@ when decoding) becomes the MMA's N dimension, which may be as small as 8-16, whi
 fill the 64-row M dimension.
 
 Pairs (token, k) are sorted by expert and padded per expert to the M tile (`moe_align`), as
-serving engines do. Four launches at decode sizes: one prepares the GEMMs' inputs (`prepare`: the
-align and the activations' cast and column order), then w1/w3 with their biases and the gated
-activation fused (`SwiGLU`: DeepSeek's clamped SwiGLU or gpt-oss's), w2 with its bias and the
-routing weight, and the top-k sum (`topk_sum`); split-K adds a fifth. On Hopper and later they
-are chained by programmatic dependent launch (`_pdl`), so each starts while the one before ends.
+serving engines do. Four launches: one prepares the GEMMs' inputs (`prepare`: the align and the
+activations' cast and column order), then w1/w3 with their biases and the gated activation fused
+(`SwiGLU`: DeepSeek's clamped SwiGLU or gpt-oss's), w2 with its bias and the routing weight, and
+the top-k sum (`topk_sum`). At decode sizes w1 and w3 are computed by separate programs, or K is
+split, and a fifth launch gates their FP32 partials. On Hopper and later the launches are chained
+by programmatic dependent launch (`_pdl`), so each starts while the one before ends.
 
 Under TRITON_INTERPRET=1 (CPU) bf16 dots and arithmetic are wrong, so everything takes a compute
 dtype: float32 there, bfloat16 on the GPU.
@@ -92,6 +93,10 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1  # programs per output tile along K, FP32 partial sums combined afterwards
+    # w1 and w3 by separate programs, their FP32 outputs gated afterwards: half the registers of
+    # a program holding both, so more programs fit an SM
+    gate_up_apart: bool = False
+    max_registers: int | None = None  # per thread (ptxas's maxnreg): fewer let more programs share an SM
 
 
 @dataclass(frozen=True)
@@ -110,18 +115,26 @@ class SwiGLU:
             raise ValueError(f"unknown activation {self.kind!r}; expected one of {sorted(_ACTIVATION_CODES)}")
 
 
-def default_config(pairs: int, experts: int) -> KernelConfig:
+def default_config(pairs: int, experts: int, kernel_code: int | None = None) -> KernelConfig:
+    """The config for `pairs` (token, expert) pairs over `experts` experts, in the format with this
+    kernel code (None: any)."""
     if interpreting():
         # Few, large programs: the interpreter's cost is per program and per op, not per element.
         return KernelConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=1)
     per_expert = pairs / experts
     # From the H200 sweep (scripts/bench_moe_results.md): BLOCK_K 128 beat 256 at decode sizes.
     if per_expert <= 16:
-        # One token touches top_k experts only: 192 (w1/w3) and 384 (w2) programs for 132 SMs.
-        # Two K slices were 7-10% faster there on the H200, four or more slower; from 4 tokens
-        # on no split was best (scripts/bench_moe_results.md, run 4b).
-        split = 2 if pairs <= 8 else 1
-        return KernelConfig(16, 64, 128, num_warps=4, num_stages=4, split_k=split)
+        if pairs <= 8:
+            # One token touches top_k experts only. Two K slices, w1 and w3 by separate programs and
+            # 80 registers: 768 programs per GEMM, 6 to an SM, all resident on the H200's 132 SMs
+            # (scripts/bench_moe_results.md, runs 4b and 12).
+            return KernelConfig(16, 64, 128, num_warps=4, num_stages=4, split_k=2, gate_up_apart=True,
+                                max_registers=80)
+        # From 4 tokens on no split is best (run 4b). w1 and w3 apart were 1-4% faster at 16 and 64
+        # tokens, but 0.4-1.4% slower for INT4 at 64 (run 12): INT4 keeps them together beyond
+        # 96 pairs (16 tokens of top-6).
+        apart = kernel_code != int4.CODEC.kernel_code or pairs <= 96
+        return KernelConfig(16, 64, 128, num_warps=4, num_stages=4, gate_up_apart=apart)
     if per_expert <= 32:
         return KernelConfig(32, 64, 128, num_warps=4, num_stages=4)
     if per_expert <= 64:
@@ -586,7 +599,7 @@ def _moe_gemm_kernel(
     ROUTE_WEIGHT: tl.constexpr, ACTIVATION: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
     COMPUTE: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PERM_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, WORDS_16B: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, WORDS_16B: tl.constexpr, APART: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[pair, n] for the pairs of one M block (one expert) and one N tile.
@@ -604,6 +617,9 @@ def _moe_gemm_kernel(
     out + s * stride_os (w1's at +0, w3's at + stride_og when GATED, before the SwiGLU, which
     needs the whole sum: `_swiglu_partials_kernel`). Decode batches touch few experts, and
     slicing K gives every SM weights to stream.
+    APART: w1 (the w_ parts) and w3 (the w3_ parts) by separate programs, not GATED: program
+    (n, m, 2s + j) stores the FP32 partial of slice s of w1 (j = 0) or w3 (j = 1) where GATED
+    would store it.
 
     K need not be whole tiles (not EVEN_K: gpt-oss's 2880 is 22.5): the last tile's scales (and
     words) beyond K load as zero, so its weights there are exactly zero, and A's columns beyond
@@ -615,6 +631,11 @@ def _moe_gemm_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
+    if APART:
+        if pid_k % 2 == 1:
+            w_ptr, s_ptr, gs_ptr, z_ptr, b_ptr = w3_ptr, s3_ptr, gs3_ptr, z3_ptr, b3_ptr
+            out_ptr += stride_og
+        pid_k = pid_k // 2
     _wait_for_inputs(PDL, True)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -835,8 +856,9 @@ def fits(hidden_size: int, intermediate_size: int) -> bool:
 
 def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pairs, compute, cfg, act,
             bias=None, bias3=None, perm_out=False):
-    """One GEMM launch; `out` is [pairs, N], or when split (`_split`) FP32 partials [S, pairs, N]
-    ([S, 2, pairs, N] for w1/w3). `act` (a SwiGLU) is fused after w1/w3 unless split."""
+    """One GEMM launch; `out` is [pairs, N], or when split (`_split`) or w1/w3 apart FP32 partials
+    [S, pairs, N] ([S, 2, pairs, N] for w1/w3). `act` (a SwiGLU) is fused after w1/w3 unless
+    split or apart."""
     if w.k % K_STEP or cfg.block_k != K_TILE or w.group % 8:
         raise ValueError(f"K={w.k}, group {w.group} do not fit block_k={cfg.block_k} (the kernel takes K tiles of "
                          f"128, the 16 words that `_mma_tile` lays out, K a multiple of {K_STEP} and groups of whole "
@@ -857,11 +879,12 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
     b, b3 = (bias, bias3 if gated else bias) if bias is not None else (dummy, dummy)
     act = act or SwiGLU()
     split = _split(cfg, w.k)
+    apart = gated and cfg.gate_up_apart
     n_tiles = triton.cdiv(padded_k(w.n) if perm_out else w.n, cfg.block_n)  # PERM_OUT pads the next GEMM's K
     # 16-byte weight loads need rows of words on 16 bytes, and K in whole 16-byte vectors.
     words_16b = w.k % 32 == 0 and all(t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0 and t.data_ptr() % 16 == 0
                                       for t in (words, words3))
-    grid = (n_tiles, block_expert.numel(), split)
+    grid = (n_tiles, block_expert.numel(), split * (2 if apart else 1))
     return _moe_gemm_kernel[grid](
         a, a.stride(0),
         words, w.scale, gs, zp,
@@ -869,17 +892,18 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         words.stride(0), words.stride(1), w.scale.stride(0), w.scale.stride(1),
         zp.stride(0), zp.stride(1),
         b, b3, b.stride(0), b.stride(1),
-        out, out.stride(-2), out.stride(0) if split > 1 else 0, out.stride(1) if gated and split > 1 else 0,
+        out, out.stride(-2), out.stride(0) if split > 1 or apart else 0,
+        out.stride(1) if gated and (split > 1 or apart) else 0,
         sorted_ids, block_expert, route_w if route_w is not None else out,
         num_pairs, w.n, w.k,
         A_ROW_DIV=a_row_div, FMT=w.kernel_code, GROUP=w.group, HAS_ZP=w.zero_point is not None,
-        HAS_GLOBAL=w.global_scale is not None, HAS_BIAS=bias is not None, GATED=gated,
+        HAS_GLOBAL=w.global_scale is not None, HAS_BIAS=bias is not None, GATED=gated and not apart,
         ROUTE_WEIGHT=route_w is not None, ACTIVATION=_ACTIVATION_CODES[act.kind], LIMIT=float(act.limit),
         ALPHA=float(act.alpha), COMPUTE=_TL_DTYPES[compute], ASM=compute != torch.float32,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", PERM_OUT=perm_out,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
-        EVEN_K=w.k % cfg.block_k == 0, WORDS_16B=words_16b, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **_chained(a),
+        EVEN_K=w.k % cfg.block_k == 0, WORDS_16B=words_16b, APART=apart, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **_chained(a), **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )
 
 
@@ -900,7 +924,7 @@ def gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act
     its columns permuted for `down` when perm_out (and then zero-padded to whole K tiles)."""
     h = torch.empty(pairs, padded_k(w1.n) if perm_out else w1.n, dtype=compute, device=a.device)
     split = _split(cfg, w1.k)
-    if split == 1:
+    if split == 1 and not cfg.gate_up_apart:
         _launch(a, top_k, w1, w3, h, sorted_ids, block_expert, None, pairs, compute, cfg, act, b1, b3,
                 perm_out=perm_out)
         return h
@@ -976,7 +1000,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         raise ValueError("swiglu_alpha is the gpt-oss activation's sigmoid slope: give it with "
                          "activation='swiglu_oai' and only then")
     act = SwiGLU(activation, swiglu_limit, 1.0 if swiglu_alpha is None else swiglu_alpha)
-    cfg = config or default_config(pairs, w1.experts)
+    cfg = config or default_config(pairs, w1.experts, w1.kernel_code)
     if activation_scales is not None:
         x = fake_quantize_activations(x.bfloat16(), activation_scales[0])
     a, sorted_ids, block_expert = prepare(x, topk_ids, w1.experts, cfg.block_m, compute)
