@@ -299,7 +299,9 @@ def verify(path, deep, source, device, engine, gpu, as_json, quiet):
 @click.option("--out", "old_out_dir", type=click.Path(file_okay=False), hidden=True,
               help="The former spelling of --out-dir (convert's --out is a format).")
 @click.option("--layers", help="Subsample: layer numbers and ranges (0,5,10-12) or MTP layer names (mtp.0).")
-@click.option("--workers", type=click.IntRange(1, 256), help="Threads comparing experts (default: one per core, at most 32).")
+@click.option("--workers", type=click.IntRange(1, 256),
+              help="Workers comparing experts: processes on the CPU, threads feeding a GPU (default: one per "
+                   "core, at most 32).")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]),
               help="Where experts are decoded and compared (default: cuda when available).")
 @click.option("--no-forward", is_flag=True, help="Skip the MoE-forward comparison (requant validate; every "

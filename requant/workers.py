@@ -31,7 +31,7 @@ from requant.io.safetensors import PAGE, TensorInfo, open_direct, read_buffer_by
 from requant.plan import Plan
 from requant.targets import Stats, Unit
 
-_FORKED_PLAN: Plan | None = None   # the plan process workers inherit
+_INHERITED: object = None   # what forked workers look their tasks up in (`forked_pool`)
 
 
 _ALIGN = 64
@@ -93,7 +93,25 @@ def encode_unit(unit: Unit, reads: list[tuple[str, str, TensorInfo]], out_path: 
 
 
 def _encode_planned(shard: int, unit: int, reads, out_path: str, offsets: dict[str, int]) -> Stats:
-    return encode_unit(_FORKED_PLAN.shards[shard].units[unit], reads, out_path, offsets)
+    return encode_unit(inherited().shards[shard].units[unit], reads, out_path, offsets)
+
+
+def forked_pool(workers: int, context: object) -> ProcessPoolExecutor:
+    """`workers` processes forked from this one now, each set up by `worker_settings`, whose tasks
+    find `context` through `inherited()`: what they need that does not pickle (a plan's encoders
+    are closures) or should not be sent with every task (open checkpoints, their indexes). Fork
+    before starting threads of your own."""
+    global _INHERITED
+    _INHERITED = context
+    pool = ProcessPoolExecutor(max(1, workers), mp_context=multiprocessing.get_context("fork"),
+                               initializer=_init_process)
+    pool.submit(int).result()   # a fork pool forks every worker on its first task: now
+    return pool
+
+
+def inherited() -> object:
+    """The context of the `forked_pool` this process was forked into."""
+    return _INHERITED
 
 
 def _init_gpu_thread(device: str) -> None:
@@ -134,13 +152,9 @@ class Encoders:
     encoding on `gpu` (a CUDA device) when given."""
 
     def __init__(self, plan: Plan, workers: int, processes: bool, gpu: str | None = None):
-        global _FORKED_PLAN
         self.workers, self.processes = max(1, workers), processes
         if processes:
-            _FORKED_PLAN = plan
-            self.pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
-                                            initializer=_init_process)
-            self.pool.submit(int).result()   # a fork pool forks every worker on its first task: now
+            self.pool = forked_pool(self.workers, plan)
         elif gpu:
             self.pool = ThreadPoolExecutor(self.workers, initializer=_init_gpu_thread, initargs=(gpu,))
         else:

@@ -261,3 +261,27 @@ def test_compare_chunks_counts_every_error_where_numpy_does(largest):
     expected = np.bincount(np.clip(np.frexp(nz)[1] - 1 - weights.HIST_MIN_EXPONENT, 0, weights.HIST_BINS - 1),
                            minlength=weights.HIST_BINS)
     assert s.hist == expected.tolist() and s.hist[0] > 0
+
+
+def test_a_bad_scale_byte_is_one_line_naming_its_file_and_tensor(pair, tmp_path):
+    """Experts are compared in forked worker processes on the CPU: a decode error raised there
+    still reaches the user as one line naming the file and tensor, and no report is written."""
+    import shutil
+
+    from requant.io.checkpoint import Checkpoint
+
+    src = tmp_path / "src"
+    shutil.copytree(pair[0], src)
+    with Checkpoint.open(str(src)) as ck:
+        name = sorted(n for n in ck.names if ".ffn.experts.1.w2.scale" in n)[0]
+        path, info = ck.where(name)
+    with open(path, "r+b") as f:   # an E8M0 NaN, which no valid MXFP4 file holds
+        f.seek(info.start)
+        f.write(b"\xff")
+    out = tmp_path / "r"
+    run = CliRunner().invoke(cli, ["report", str(src), pair[1], "--out", str(out), "--no-forward", "--workers", "2",
+                                   "--device", "cpu"])
+    assert run.exit_code == 1, run.output
+    message = [line for line in run.output.splitlines() if "NaN" in line]
+    assert len(message) == 1 and name in message[0] and Path(path).name in message[0], run.output
+    assert "Traceback" not in run.output and not (out / "report.json").exists()

@@ -148,7 +148,7 @@ def compare_chunks(chunks, block: int) -> ErrorSums:
     scratch = torch.empty(0)   # sized at the first (largest) chunk, on its device
     for a_, b_ in chunks:
         if exponents is None:
-            exponents = torch.zeros(256, dtype=torch.int64, device=a_.device)
+            exponents = _ExponentCounts(a_.device)
         if scratch.numel() < 2 * a_.numel():
             # the chunk's error and products: the same two buffers for every chunk (fresh ones cost
             # page faults, as much as a pass)
@@ -180,25 +180,41 @@ def compare_chunks(chunks, block: int) -> ErrorSums:
         zero = err.numel() - int(torch.count_nonzero(bits))
         sums.zero_error += zero
         sums.n += err.numel()
-        exponents[0] -= zero   # exact zeros are counted apart
-        exponents += _exponent_counts((bits >> 23).to(torch.uint8).view(-1), pairs=largest < 2.0)
+        exponents.zeros -= zero   # exact zeros are counted apart
+        exponents.add(bits.bitwise_right_shift_(23).to(torch.uint8).view(-1), pairs=largest < 2.0)
     if exponents is None:
         return sums
     low, high = HIST_MIN_EXPONENT + _F32_BIAS, HIST_MAX_EXPONENT + _F32_BIAS - 1
-    counts = exponents.tolist()
+    counts = exponents.total()
     sums.hist = ([sum(counts[:low + 1])] + counts[low + 1:high] + [sum(counts[high:])])
     return sums
 
 
-def _exponent_counts(exponent: torch.Tensor, pairs: bool) -> torch.Tensor:
-    """int64 [256]: how often each biased exponent (uint8, 0 for zeros and subnormals) occurs.
+class _ExponentCounts:
+    """How often each biased exponent (uint8, 0 for zeros and subnormals) occurs, over many chunks.
 
-    A bincount is a scalar loop, the largest pass of a comparison: with `pairs` (every exponent below
-    128, |e| < 2) two neighbours are counted as one int16, half the loop; its [odd, even] counts add up
+    A bincount is a scalar loop, the largest pass of a comparison: with `pairs` (every exponent
+    below 128, |e| < 2) two neighbours are counted as one int16, half the loop. Those [2^15] counts
+    accumulate as they are and are folded to 256 once, in `total`: their [odd, even] counts add up
     both ways."""
-    if not pairs:
-        return torch.bincount(exponent, minlength=256)
-    both = torch.bincount(exponent.view(torch.int16), minlength=1 << 15).view(128, 256)
-    counts = both.sum(0)
-    counts[:128] += both.sum(1)
-    return counts
+
+    def __init__(self, device):
+        self.single = torch.zeros(256, dtype=torch.int64, device=device)
+        self.pairs: torch.Tensor | None = None
+        self.zeros = 0   # added to exponent 0's count
+
+    def add(self, exponent: torch.Tensor, pairs: bool) -> None:
+        if not pairs or exponent.numel() % 2:
+            self.single += torch.bincount(exponent, minlength=256)
+            return
+        counts = torch.bincount(exponent.view(torch.int16), minlength=1 << 15)
+        self.pairs = counts if self.pairs is None else self.pairs.add_(counts)
+
+    def total(self) -> list[int]:
+        counts = self.single.clone()
+        if self.pairs is not None:
+            both = self.pairs.view(128, 256)
+            counts += both.sum(0)
+            counts[:128] += both.sum(1)
+        counts[0] += self.zeros
+        return counts.tolist()

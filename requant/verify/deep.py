@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from requant import formats, sources
+from requant import formats, sources, workers as worker_pools
 from requant.compute import compute_device, default_workers
 from requant.errors import UnsupportedError
 from requant.io.checkpoint import Checkpoint
@@ -25,15 +25,21 @@ class DeepCompare:
         self.source = Checkpoint.open(source) if source else None
         self.source_experts = ({(e.block, e.expert): e for e in sources.reader(ctx.model).experts(self.source.names)}
                                if self.source else {})
-        # Decodes on the GPU when there is one, else on every core (torch's kernels release the GIL).
+        # Decodes on the GPU when there is one (threads feeding it), else in a forked process per
+        # core (decoding is many short torch calls: threads would contend for the GIL).
         self.device = compute_device(device)
         self.workers = default_workers()
-        self.pool = ThreadPoolExecutor(self.workers)
+        if self.device == "cpu":
+            self.pool, self._task = worker_pools.forked_pool(self.workers, self), _measure_forked
+        else:
+            self.pool, self._task = ThreadPoolExecutor(self.workers), self._measure
         self.pending: deque = deque()
         self.by_block: dict[str, list[int]] = {}   # block -> [blocks, exact blocks, non-finite values]
 
     def submit(self, expert: Expert, readable: dict[str, formats.Codec]) -> None:
-        self.pending.append((expert, self.pool.submit(self._measure, expert, readable)))
+        # codecs by name: a codec holds functions, which do not pickle
+        names = {proj: codec.name for proj, codec in readable.items()}
+        self.pending.append((expert, self.pool.submit(self._task, expert, names)))
         while len(self.pending) > 2 * self.workers:   # bounded: decoded experts are large
             self._record(*self.pending.popleft())
 
@@ -51,12 +57,13 @@ class DeepCompare:
     def summary(self) -> dict:
         return {b: {"blocks": s[0], "exact_blocks": s[1], "nonfinite": s[2]} for b, s in self.by_block.items()}
 
-    def _measure(self, expert: Expert, readable: dict[str, formats.Codec]) -> list[tuple]:
-        """Per projection ("skipped", why), ("no-source", proj) or ("ok", proj, blocks, exact blocks,
-        non-finite)."""
+    def _measure(self, expert: Expert, readable: dict[str, str]) -> list[tuple]:
+        """Per projection (proj -> codec name) ("skipped", why), ("no-source", proj) or ("ok", proj,
+        blocks, exact blocks, non-finite)."""
         found = []
         src = self.source_experts.get((expert.block, expert.expert))
-        for proj, codec in readable.items():
+        for proj, codec_name in readable.items():
+            codec = formats.get(codec_name)
             tensors = self._tensors(self.ctx.ck, expert.parts[proj], codec)
             if self.source is None:
                 try:
@@ -107,3 +114,8 @@ class DeepCompare:
                 if bad:
                     out.add("error", "nonfinite-weights", "decoded weights are not finite", f"{where}.{proj}",
                             f"{bad} values")
+
+
+def _measure_forked(expert: Expert, readable: dict[str, str]) -> list[tuple]:
+    """DeepCompare._measure in a worker forked by it."""
+    return worker_pools.inherited()._measure(expert, readable)
