@@ -103,10 +103,16 @@ def forked_pool(workers: int, context: object) -> ProcessPoolExecutor:
     before starting threads of your own."""
     global _INHERITED
     _INHERITED = context
-    pool = ProcessPoolExecutor(max(1, workers), mp_context=multiprocessing.get_context("fork"),
-                               initializer=_init_process)
+    pool = _ForkedPool(max(1, workers), mp_context=multiprocessing.get_context("fork"), initializer=_init_process)
     pool.submit(int).result()   # a fork pool forks every worker on its first task: now
     return pool
+
+
+class _ForkedPool(ProcessPoolExecutor):
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        global _INHERITED
+        super().shutdown(wait=wait, cancel_futures=cancel_futures)
+        _INHERITED = None   # the parent no longer holds the context (open checkpoints) for its workers
 
 
 def inherited() -> object:

@@ -10,10 +10,10 @@ threads contending for the GIL ran 1.3x slower on 2 cores), threads feeding a GP
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
-import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
