@@ -880,6 +880,7 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
     act = act or SwiGLU()
     split = _split(cfg, w.k)
     apart = gated and cfg.gate_up_apart
+    partials = split > 1 or apart   # FP32 partials [S, pairs, N] ([S, 2, pairs, N] for w1/w3)
     n_tiles = triton.cdiv(padded_k(w.n) if perm_out else w.n, cfg.block_n)  # PERM_OUT pads the next GEMM's K
     # 16-byte weight loads need rows of words on 16 bytes, and K in whole 16-byte vectors.
     words_16b = w.k % 32 == 0 and all(t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0 and t.data_ptr() % 16 == 0
@@ -892,8 +893,7 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         words.stride(0), words.stride(1), w.scale.stride(0), w.scale.stride(1),
         zp.stride(0), zp.stride(1),
         b, b3, b.stride(0), b.stride(1),
-        out, out.stride(-2), out.stride(0) if split > 1 or apart else 0,
-        out.stride(1) if gated and (split > 1 or apart) else 0,
+        out, out.stride(-2), out.stride(0) if partials else 0, out.stride(1) if gated and partials else 0,
         sorted_ids, block_expert, route_w if route_w is not None else out,
         num_pairs, w.n, w.k,
         A_ROW_DIV=a_row_div, FMT=w.kernel_code, GROUP=w.group, HAS_ZP=w.zero_point is not None,

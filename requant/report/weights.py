@@ -105,8 +105,9 @@ def decoded_row_chunks(ca, ta: dict, cb, tb: dict, decode_a: Callable, decode_b:
     until the next one is asked for."""
     weight, other = ta[ca.weight.suffix], tb[cb.weight.suffix]
     rows, k = weight.shape[0], weight.shape[-1] * ca.elements_per_word
-    if (other.shape[0], other.shape[-1] * cb.elements_per_word) != (rows, k):
-        raise FormatError(f"decoded shapes differ: {[rows, k]} vs {[other.shape[0], other.shape[-1] * cb.elements_per_word]}")
+    other_shape = [other.shape[0], other.shape[-1] * cb.elements_per_word]
+    if other_shape != [rows, k]:
+        raise FormatError(f"decoded shapes differ: {[rows, k]} vs {other_shape}")
     step = chunk_rows(k, weight.device)
     if step >= rows or ca.rows(ta, 0, 1) is None or cb.rows(tb, 0, 1) is None:
         a, b = decode_a(ta, None), decode_b(tb, None)
