@@ -251,7 +251,7 @@ def test_compare_chunks_counts_every_error_where_numpy_does(largest):
     a[3, :64] = 0.0
     b[3, :64] = -0.0                               # -0 against +0 is no error
     b[4, 7] = a[4, 7] + largest
-    s = weights.compare_chunks([(a[:4], b[:4]), (a[4:], b[4:])], 32)
+    s = weights.compare_chunks([(a[:4], b[:4].clone()), (a[4:], b[4:].clone())], 32)   # b's chunks become errors
     e = (b.double() - a.double()).numpy()
     e32 = np.abs((b - a).numpy())
     assert s.n == e.size and s.blocks == e.size // 32
@@ -261,6 +261,23 @@ def test_compare_chunks_counts_every_error_where_numpy_does(largest):
     expected = np.bincount(np.clip(np.frexp(nz)[1] - 1 - weights.HIST_MIN_EXPONENT, 0, weights.HIST_BINS - 1),
                            minlength=weights.HIST_BINS)
     assert s.hist == expected.tolist() and s.hist[0] > 0
+    ad, bd = a.double().numpy(), b.double().numpy()
+    assert (s.sum_a2, s.sum_b2, s.sum_e2) == pytest.approx(((ad * ad).sum(), (bd * bd).sum(), (e * e).sum()), rel=1e-6)
+    assert s.sum_e_apb == pytest.approx((e * (ad + bd)).sum(), rel=1e-6)
+
+
+def test_compare_chunks_counts_non_finite_values_and_compares_them_as_zeros():
+    """NaN or inf in the candidate: counted, and the sums are those of the candidate with 0 there."""
+    g = torch.Generator().manual_seed(6)
+    a = torch.randn(4, 64, generator=g)
+    b = a + torch.randn(4, 64, generator=g) * 0.01
+    b[1, 3], b[2, 40], b[3, 0] = float("nan"), float("inf"), -float("inf")
+    s = weights.compare_chunks([(a, b.clone())], 32)
+    zeroed = torch.where(torch.isfinite(b), b, 0.0).double().numpy()
+    e = zeroed - a.double().numpy()
+    assert s.nonfinite == 3 and s.n == a.numel()
+    assert (s.sum_e2, s.sum_b2) == pytest.approx(((e * e).sum(), (zeroed * zeroed).sum()), rel=1e-6)
+    assert s.max_abs == pytest.approx(float(np.abs(e).max()))
 
 
 def test_a_bad_scale_byte_is_one_line_naming_its_file_and_tensor(pair, tmp_path):
