@@ -301,7 +301,7 @@ def verify(path, deep, source, device, engine, gpu, as_json, quiet):
 @click.option("--layers", help="Subsample: layer numbers and ranges (0,5,10-12) or MTP layer names (mtp.0).")
 @click.option("--workers", type=click.IntRange(1, 256),
               help="Workers comparing experts: processes on the CPU, threads feeding a GPU (default: one per "
-                   "core, at most 32).")
+                   "core, at most 32, and one more on the CPU to compare while another reads).")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]),
               help="Where experts are decoded and compared (default: cuda when available).")
 @click.option("--no-forward", is_flag=True, help="Skip the MoE-forward comparison (requant validate; every "
