@@ -3,9 +3,9 @@
 Schema: docs/report-schema.md. Each expert's projections are read from both checkpoints; stored
 codes that show equal values settle a projection on the CPU, others are decoded to float32 and
 compared, on the GPU when there is one; only sums (weights.ErrorSums) outlive the expert, so
-memory stays at a few experts whatever the checkpoint size. Experts are spread over workers, one
-per core by default: forked processes on the CPU (a comparison is many short torch calls, and
-threads contending for the GIL ran 1.3x slower on 2 cores), threads feeding a GPU.
+memory stays at a few experts whatever the checkpoint size. Experts are spread over workers:
+forked processes on the CPU, one per core and one more (a comparison is many short torch calls,
+and threads contending for the GIL ran 1.3x slower on 2 cores), threads feeding a GPU, one per core.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
         nbytes += sum(src.info(n).nbytes for k in selected for p in src_experts[k].parts.values() for n in p.values())
         # A worker waiting for its expert's reads leaves its core idle: on the CPU one more worker
         # than cores fills that time (a full-size layer, 2 cores: 15.6 -> 14.3 s warm).
-        workers = workers or default_workers() + (device == "cpu")
+        workers = workers or (default_workers() + 1 if device == "cpu" else default_workers())
         context = (reader, src, dst, src_experts, dst_experts, projections, device)
         with contextlib.ExitStack() as stack:
             if device == "cpu":   # forked before the progress bar starts its thread
