@@ -175,7 +175,8 @@ def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_sc
                    "more accurate; needs a vLLM whose Marlin MoE loads zero points).")
 @click.option("--workers", type=click.IntRange(1, 256),
               help="Experts encoded at once (default: one per core, at most 32): processes for w4a16 "
-                   "on a CPU (~400 MiB peak each), threads otherwise.")
+                   "on a CPU (~400 MiB peak each; about half as many more read and write meanwhile), "
+                   "threads otherwise.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]),
               help="Where w4a16 encodes (default: cuda when available); the bytes are the same on either.")
 @click.option("--in-place", is_flag=True, help="Convert SRC inside its own directory (no DST), shard by shard: "
@@ -300,8 +301,8 @@ def verify(path, deep, source, device, engine, gpu, as_json, quiet):
               help="The former spelling of --out-dir (convert's --out is a format).")
 @click.option("--layers", help="Subsample: layer numbers and ranges (0,5,10-12) or MTP layer names (mtp.0).")
 @click.option("--workers", type=click.IntRange(1, 256),
-              help="Workers comparing experts: processes on the CPU, threads feeding a GPU (default: one per "
-                   "core, at most 32, and one more on the CPU to compare while another reads).")
+              help="Experts compared at once (default: one per core, at most 32): processes on the CPU, "
+                   "with about half as many more reading the next experts meanwhile; threads feeding a GPU.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]),
               help="Where experts are decoded and compared (default: cuda when available).")
 @click.option("--no-forward", is_flag=True, help="Skip the MoE-forward comparison (requant validate; every "

@@ -20,7 +20,7 @@ def compute_device(requested: str | None) -> str:
     return requested
 
 
-MAX_DEFAULT_WORKERS = 32   # a W4A16 worker peaks at ~400 MiB: the default stays under ~13 GiB
+MAX_DEFAULT_WORKERS = 32   # W4A16: 48 processes (workers.io_spares) of ~400 MiB peak, under ~19 GiB
 
 
 def default_workers() -> int:

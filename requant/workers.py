@@ -7,8 +7,15 @@ boundary. Threads suit targets whose encoding is cheap (NVFP4's bit cast) or run
 a CPU-heavy target (W4A16's scale search) on a CPU device gets processes: real parallelism,
 whatever the GIL. A process worker holds one expert's inputs and outputs plus the encoder's
 scratch: a full-size W4A16 worker peaks at about 400 MiB RSS, 240 MiB of it torch and the plan
-(scripts/bench_throughput.py measures it). At most `2 * workers` units are in flight, so memory
+(scripts/bench_throughput.py measures it). At most `2 * processes` units are in flight, so memory
 stays bounded whatever the checkpoint size.
+
+A worker process's reads and writes leave its core idle (a full-size expert's 25 MB of direct I/O
+against ~160 ms of scale search; on a 2-vCPU machine the cores were idle 12-14% of a W4A16
+conversion). So a CPU-heavy pool forks `io_spares` more processes than `workers` and lets only
+`workers` of them encode at once (`compute_slot`): the others read and write meanwhile, and no
+more processes compute than there are cores to run them, which would only trade caches (3
+unthrottled processes on 2 cores were slower than 2). Memory is per process: 1.5x the workers'.
 
 Processes are forked once, when the pool is made (after planning, before any shard is opened for
 writing or copying), and look their unit up in the inherited plan (an encoder is a closure, which
@@ -18,6 +25,7 @@ in-place conversion replaces is freed at once, not held open by a worker.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import os
@@ -32,6 +40,7 @@ from requant.plan import Plan
 from requant.targets import Stats, Unit
 
 _INHERITED: object = None   # what forked workers look their tasks up in (`forked_pool`)
+_COMPUTE_SLOTS = None       # a semaphore shared by a forked pool's processes (`compute_slot`), or None
 
 
 _ALIGN = 64
@@ -78,7 +87,8 @@ def encode_unit(unit: Unit, reads: list[tuple[str, str, TensorInfo]], out_path: 
         for fd in [*fds.values(), *directs.values()]:
             if fd is not None:
                 os.close(fd)
-    outputs, stats = unit.encode(tensors)
+    with compute_slot():
+        outputs, stats = unit.encode(tensors)
     fd = os.open(out_path, os.O_WRONLY)
     direct = None
     try:
@@ -96,23 +106,39 @@ def _encode_planned(shard: int, unit: int, reads, out_path: str, offsets: dict[s
     return encode_unit(inherited().shards[shard].units[unit], reads, out_path, offsets)
 
 
-def forked_pool(workers: int, context: object) -> ProcessPoolExecutor:
+def io_spares(workers: int) -> int:
+    """Processes forked beyond `workers` computing ones, to read and write while those compute:
+    enough to cover I/O taking up to half of a unit's time."""
+    return max(1, workers // 2)
+
+
+def compute_slot():
+    """Held while a unit computes: in a pool forked with `compute_slots`, one of that many shared
+    slots (a process waits here for one); elsewhere nothing."""
+    return _COMPUTE_SLOTS if _COMPUTE_SLOTS is not None else contextlib.nullcontext()
+
+
+def forked_pool(workers: int, context: object, compute_slots: int | None = None) -> ProcessPoolExecutor:
     """`workers` processes forked from this one now, each set up by `worker_settings`, whose tasks
     find `context` through `inherited()`: what they need that does not pickle (a plan's encoders
-    are closures) or should not be sent with every task (open checkpoints, their indexes). Fork
-    before starting threads of your own."""
-    global _INHERITED
+    are closures) or should not be sent with every task (open checkpoints, their indexes). With
+    `compute_slots`, at most that many of them are inside `compute_slot` at once. Fork before
+    starting threads of your own."""
+    global _INHERITED, _COMPUTE_SLOTS
     _INHERITED = context
-    pool = _ForkedPool(max(1, workers), mp_context=multiprocessing.get_context("fork"), initializer=_init_process)
+    fork = multiprocessing.get_context("fork")
+    _COMPUTE_SLOTS = fork.BoundedSemaphore(compute_slots) if compute_slots else None
+    pool = _ForkedPool(max(1, workers), mp_context=fork, initializer=_init_process)
     pool.submit(int).result()   # a fork pool forks every worker on its first task: now
     return pool
 
 
 class _ForkedPool(ProcessPoolExecutor):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        global _INHERITED
+        global _INHERITED, _COMPUTE_SLOTS
         super().shutdown(wait=wait, cancel_futures=cancel_futures)
         _INHERITED = None   # the parent no longer holds the context (open checkpoints) for its workers
+        _COMPUTE_SLOTS = None
 
 
 def inherited() -> object:
@@ -154,13 +180,15 @@ def worker_settings() -> None:
 
 
 class Encoders:
-    """A pool of `workers` threads, or of forked processes when `processes`; threads set up for
+    """A pool of `workers` threads, or of forked processes when `processes` (`workers` of them
+    encoding at once, and `io_spares` more reading and writing meanwhile); threads set up for
     encoding on `gpu` (a CUDA device) when given."""
 
     def __init__(self, plan: Plan, workers: int, processes: bool, gpu: str | None = None):
         self.workers, self.processes = max(1, workers), processes
+        self.size = self.workers + io_spares(self.workers) if processes else self.workers
         if processes:
-            self.pool = forked_pool(self.workers, plan)
+            self.pool = forked_pool(self.size, plan, compute_slots=self.workers)
         elif gpu:
             self.pool = ThreadPoolExecutor(self.workers, initializer=_init_gpu_thread, initargs=(gpu,))
         else:
@@ -178,7 +206,7 @@ class Encoders:
     @property
     def window(self) -> int:
         """Units in flight at most."""
-        return 2 * self.workers
+        return 2 * self.size
 
     def submit(self, shard_index: int, unit_index: int, unit: Unit, reads, out_path: str,
                offsets: dict[str, int]) -> Future:

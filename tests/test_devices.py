@@ -83,3 +83,30 @@ def test_worker_counts_and_devices_write_the_same_bytes(small_source, tmp_path):
         assert result.returncode == 0, result.stderr
         trees.append(tree(dst))
     assert all(t == trees[0] for t in trees[1:])
+
+
+def _inside_compute_slot(seconds: float) -> tuple[float, float]:
+    """(enter, leave) times of a task's stay in the pool's compute slot."""
+    import time
+
+    from requant import workers
+
+    with workers.compute_slot():
+        start = time.monotonic()
+        time.sleep(seconds)
+        return start, time.monotonic()
+
+
+def test_a_forked_pool_computes_in_at_most_its_slots():
+    """Four processes, two compute slots: no three tasks are ever inside a slot together, and two
+    are (the slots are shared, not one per process)."""
+    from requant import workers
+
+    with workers.forked_pool(4, None, compute_slots=2) as pool:
+        spans = list(pool.map(_inside_compute_slot, [0.2] * 8))
+
+    def inside(t):
+        return sum(a <= t < b for a, b in spans)
+    starts = [a for a, _ in spans]
+    assert max(inside(t) for t in starts) == 2
+    assert workers.compute_slot().__class__.__name__ == "nullcontext"   # the pool's slots went with it

@@ -4,8 +4,9 @@ Schema: docs/report-schema.md. Each expert's projections are read from both chec
 codes that show equal values settle a projection on the CPU, others are decoded to float32 and
 compared, on the GPU when there is one; only sums (weights.ErrorSums) outlive the expert, so
 memory stays at a few experts whatever the checkpoint size. Experts are spread over workers:
-forked processes on the CPU, one per core and one more (a comparison is many short torch calls,
-and threads contending for the GIL ran 1.3x slower on 2 cores), threads feeding a GPU, one per core.
+forked processes on the CPU (a comparison is many short torch calls, and threads contending for the
+GIL ran 1.3x slower on 2 cores), one comparing per core while spares read the next experts;
+threads feeding a GPU, one per core.
 """
 
 from __future__ import annotations
@@ -79,12 +80,13 @@ def _compare(ca: formats.Codec, ta: dict, src: Checkpoint, pa: dict[str, str],
 def compare_expert(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, projections,
                    device: str = "cpu") -> dict[str, ErrorSums]:
     """proj -> ErrorSums of dst's decoding against src's, for one expert."""
-    out = {}
+    read = {}
     for proj in projections:
         ca, cb = _codecs(src, dst, a, b, proj, f"expert {a.expert} of {a.block}")
-        ta, tb = _read(src, a.parts[proj], ca), _read(dst, b.parts[proj], cb)
-        out[proj] = _compare(ca, ta, src, a.parts[proj], cb, tb, dst, b.parts[proj], device)
-    return out
+        read[proj] = ca, _read(src, a.parts[proj], ca), cb, _read(dst, b.parts[proj], cb)
+    with worker_pools.compute_slot():   # the reads done: compare while another worker reads
+        return {proj: _compare(ca, ta, src, a.parts[proj], cb, tb, dst, b.parts[proj], device)
+                for proj, (ca, ta, cb, tb) in read.items()}
 
 
 def compare_stacked(reader, src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, projections,
@@ -143,13 +145,13 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
         per = {}   # (block, expert) -> {proj: ErrorSums}
         nbytes = sum(dst.info(n).nbytes for k in selected for p in dst_experts[k].parts.values() for n in p.values())
         nbytes += sum(src.info(n).nbytes for k in selected for p in src_experts[k].parts.values() for n in p.values())
-        # A worker waiting for its expert's reads leaves its core idle: on the CPU one more worker
-        # than cores fills that time (a full-size layer, 2 cores: 15.6 -> 14.3 s warm).
-        workers = workers or (default_workers() + 1 if device == "cpu" else default_workers())
+        workers = workers or default_workers()
+        # On the CPU `workers` compare at once and spares read meanwhile (workers.compute_slot).
+        processes = workers + worker_pools.io_spares(workers) if device == "cpu" else workers
         context = (reader, src, dst, src_experts, dst_experts, projections, device)
         with contextlib.ExitStack() as stack:
             if device == "cpu":   # forked before the progress bar starts its thread
-                pool = stack.enter_context(worker_pools.forked_pool(workers, context))
+                pool = stack.enter_context(worker_pools.forked_pool(processes, context, compute_slots=workers))
                 task = _compare_forked
             else:
                 pool = stack.enter_context(ThreadPoolExecutor(workers))
@@ -157,7 +159,7 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
                 task = functools.partial(_compare_item, context)
             bar = stack.enter_context(tqdm(total=len(selected), unit="expert", desc="report", disable=not progress,
                                            dynamic_ncols=True))
-            window = workers * 2   # experts in flight: bounds memory
+            window = processes * 2   # experts in flight: bounds memory
             pending = {}
             for key in selected:
                 pending[key] = pool.submit(task, key)
