@@ -120,7 +120,10 @@ def decode(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor |
 # below 2^33. Products run in float64 on those integers, exact in any summation order: BLAS on the
 # CPU and cuBLAS on a GPU pick the same candidates. Ties go to the lowest candidate index, made
 # explicit (errors are scaled by _TIE and one more row adds the candidate's index), so no kernel's
-# argmin convention matters; the minimum then carries both the error and the candidate.
+# argmin convention matters. Each level's error is stored less its energy (x^2, what the level
+# costs when it decodes to 0): the same shift for every candidate of a group, so the same pick,
+# and the minimum then carries both the candidate and the group's error beyond its binned
+# energy, which is all the energy sums need (_search).
 #
 # The exhaustive search (every BF16 s' in range, times every zero point) is exact but costs
 # [groups x candidates x levels]; it stays as the test oracle. The default search is coarse to
@@ -192,12 +195,13 @@ class _Tables:
         assert not merged[: self.split].any() and self.split < 8 and self.n_bins <= 16   # _search's lanes
         kept = torch.cat([torch.ones(self.n_bins, dtype=torch.bool), ~merged])
         self.rows = self.n_bins + self.split
-        # Last row: the candidate index, matched by the counts' last column, all ones.
-        table = torch.cat([error[kept] * _TIE, torch.arange(n, dtype=torch.float64)[None]])
+        # Each level's error less its energy (see the section comment); the last row the candidate
+        # index, matched by the counts' last column, all ones.
+        excess = error[kept] - x.double().square()[kept] / _UNIT
+        assert float(excess.abs().max()) * 128 * _TIE < 2.0**53
+        table = torch.cat([excess * _TIE, torch.arange(n, dtype=torch.float64)[None]])
         self.error = table.to(device)                                               # [rows + 1, C]
         self.error_t = self.error.t().contiguous()                                  # [C, rows + 1]
-        level_energy = x.squeeze(1).double().square()[kept] / _UNIT
-        self.level_energy = torch.cat([level_energy, torch.zeros(1, dtype=torch.float64)]).to(device)   # [rows + 1]
         d = torch.arange(-1, _D_MAX + 1, dtype=torch.float32)
         v = e2m1.signed_values()[None, :, None] * torch.exp2(-d)[:, None, None]      # [d, 16, 1]
         nibble = (torch.clamp(torch.round(v / self.s) + self.z, QMIN, QMAX) - QMIN).to(torch.uint8)
@@ -284,7 +288,7 @@ def _block_lanes(blocks: torch.Tensor, tables: _Tables) -> tuple[torch.Tensor, t
     """uint8 [n, 16] packed MXFP4 blocks -> int64 [n] lane words (see _LANE_OF) of the positive
     codes and of the negative ones."""
     n = len(blocks)
-    pairs = (blocks.view(torch.int16).int() & 0xFFFF).view(-1)      # int32 indices: the fast gathers
+    pairs = blocks.view(torch.uint16).int().view(-1)                 # int32 indices: the fast gathers
     plus, minus = (table.index_select(0, pairs).view(n, 8).sum(1) for table in tables.pair_lanes)
     return plus, minus
 
@@ -468,7 +472,7 @@ def _search(weight: torch.Tensor, scale: torch.Tensor, shapes: tuple[tuple[int, 
     counts = torch.cat([lanes[:, :tables.n_bins], lanes[:, 16:17 + tables.split]], 1)
 
     key = tables.exhaustive(counts) if exhaustive else tables.coarse_to_fine(counts)
-    best = torch.div(key, _TIE, rounding_mode="floor")
+    best = torch.floor(key * (1 / _TIE))                              # exact: _TIE is a power of two
     pick = torch.where(empty, tables.zero_index, (key - best * _TIE).long())   # all-zero groups: q = z = 0
     norm = torch.exp2(r.double().clamp(min=-126))
     scale_out = torch.where(empty, 1.0, tables.s_dev[pick].double() * norm).to(torch.bfloat16)
@@ -482,10 +486,10 @@ def _search(weight: torch.Tensor, scale: torch.Tensor, shapes: tuple[tuple[int, 
 
     # Energies per tensor: whole numbers of units summed per exponent (exact on any device, in any
     # order), scaled on the host. Error = the searched error per group plus the energy of the
-    # levels left out (they decode to 0) = all energy + per group (searched - binned energy).
+    # levels left out (they decode to 0) = all energy + per group (searched - binned energy), the
+    # last term being what the search's minimum carries.
     block_energy = both.view(torch.uint8).view(-1, 8).double() @ tables.lane_squared   # 4x, whole numbers
-    binned = torch.cat([counts[part].double() @ tables.level_energy for part in _chunks(counts)])
-    excess = torch.where(empty, 0.0, best - binned)
+    excess = torch.where(empty, 0.0, best)
     signal_bins = torch.zeros(len(shapes), 256, dtype=torch.float64, device=device)
     excess_bins = torch.zeros(len(shapes), _R_BINS, dtype=torch.float64, device=device)
     for i, (b0, b1) in enumerate(_spans(shapes)):
