@@ -219,7 +219,7 @@ class _Tables:
         return self._best(counts, torch.arange(len(self.s), device=self.device))
 
     def coarse_to_fine(self, counts: torch.Tensor) -> torch.Tensor:
-        """Per group: error * _TIE + candidate of the best candidate (see the section comment)."""
+        """Per group: excess error * _TIE + candidate of the best candidate (see the section comment)."""
         pick = (self._best(counts, self.coarse) % _TIE).long()
         return self._best_each(counts, pick) if counts.is_cuda else self._best_by_centre(counts, pick)
 
@@ -472,8 +472,8 @@ def _search(weight: torch.Tensor, scale: torch.Tensor, shapes: tuple[tuple[int, 
     counts = torch.cat([lanes[:, :tables.n_bins], lanes[:, 16:17 + tables.split]], 1)
 
     key = tables.exhaustive(counts) if exhaustive else tables.coarse_to_fine(counts)
-    best = torch.floor(key * (1 / _TIE))                              # exact: _TIE is a power of two
-    pick = torch.where(empty, tables.zero_index, (key - best * _TIE).long())   # all-zero groups: q = z = 0
+    excess = torch.floor(key * (1 / _TIE))     # error beyond the binned energy; exact: _TIE is 2^12
+    pick = torch.where(empty, tables.zero_index, (key - excess * _TIE).long())   # all-zero groups: q = z = 0
     norm = torch.exp2(r.double().clamp(min=-126))
     scale_out = torch.where(empty, 1.0, tables.s_dev[pick].double() * norm).to(torch.bfloat16)
     zero = torch.where(empty, 0.0, tables.z_dev[pick]).to(torch.int8)
@@ -489,7 +489,7 @@ def _search(weight: torch.Tensor, scale: torch.Tensor, shapes: tuple[tuple[int, 
     # levels left out (they decode to 0) = all energy + per group (searched - binned energy), the
     # last term being what the search's minimum carries.
     block_energy = both.view(torch.uint8).view(-1, 8).double() @ tables.lane_squared   # 4x, whole numbers
-    excess = torch.where(empty, 0.0, best)
+    excess = torch.where(empty, 0.0, excess)
     signal_bins = torch.zeros(len(shapes), 256, dtype=torch.float64, device=device)
     excess_bins = torch.zeros(len(shapes), _R_BINS, dtype=torch.float64, device=device)
     for i, (b0, b1) in enumerate(_spans(shapes)):
