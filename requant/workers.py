@@ -113,27 +113,34 @@ def io_spares(workers: int) -> int:
 
 
 def compute_slot():
-    """Held while a unit computes: in a pool forked with `compute_slots`, one of that many shared
+    """Held while a unit computes: in a pool forked with `spares`, one of its `workers` shared
     slots (a process waits here for one); elsewhere nothing."""
     return _COMPUTE_SLOTS if _COMPUTE_SLOTS is not None else contextlib.nullcontext()
 
 
-def forked_pool(workers: int, context: object, compute_slots: int | None = None) -> ProcessPoolExecutor:
+def forked_pool(workers: int, context: object, spares: bool = False) -> "_ForkedPool":
     """`workers` processes forked from this one now, each set up by `worker_settings`, whose tasks
     find `context` through `inherited()`: what they need that does not pickle (a plan's encoders
     are closures) or should not be sent with every task (open checkpoints, their indexes). With
-    `compute_slots`, at most that many of them are inside `compute_slot` at once. Fork before
-    starting threads of your own."""
+    `spares`, `io_spares(workers)` more processes, and at most `workers` of them inside
+    `compute_slot` at once. The pool's `processes` says how many. Fork before starting threads of
+    your own."""
     global _INHERITED, _COMPUTE_SLOTS
+    workers = max(1, workers)
     _INHERITED = context
     fork = multiprocessing.get_context("fork")
-    _COMPUTE_SLOTS = fork.BoundedSemaphore(compute_slots) if compute_slots else None
-    pool = _ForkedPool(max(1, workers), mp_context=fork, initializer=_init_process)
+    _COMPUTE_SLOTS = fork.BoundedSemaphore(workers) if spares else None
+    pool = _ForkedPool(workers + io_spares(workers) if spares else workers, mp_context=fork,
+                       initializer=_init_process)
     pool.submit(int).result()   # a fork pool forks every worker on its first task: now
     return pool
 
 
 class _ForkedPool(ProcessPoolExecutor):
+    def __init__(self, processes: int, **kwargs):
+        super().__init__(processes, **kwargs)
+        self.processes = processes
+
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         global _INHERITED, _COMPUTE_SLOTS
         super().shutdown(wait=wait, cancel_futures=cancel_futures)
@@ -186,9 +193,8 @@ class Encoders:
 
     def __init__(self, plan: Plan, workers: int, processes: bool, gpu: str | None = None):
         self.workers, self.processes = max(1, workers), processes
-        self.size = self.workers + io_spares(self.workers) if processes else self.workers
         if processes:
-            self.pool = forked_pool(self.size, plan, compute_slots=self.workers)
+            self.pool = forked_pool(self.workers, plan, spares=True)
         elif gpu:
             self.pool = ThreadPoolExecutor(self.workers, initializer=_init_gpu_thread, initargs=(gpu,))
         else:
@@ -206,7 +212,7 @@ class Encoders:
     @property
     def window(self) -> int:
         """Units in flight at most."""
-        return 2 * self.size
+        return 2 * (self.pool.processes if self.processes else self.workers)
 
     def submit(self, shard_index: int, unit_index: int, unit: Unit, reads, out_path: str,
                offsets: dict[str, int]) -> Future:

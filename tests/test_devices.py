@@ -98,11 +98,12 @@ def _inside_compute_slot(seconds: float) -> tuple[float, float]:
 
 
 def test_a_forked_pool_computes_in_at_most_its_slots():
-    """Four processes, two compute slots: no three tasks are ever inside a slot together, and two
-    are (the slots are shared, not one per process)."""
+    """Two workers and a spare: three processes, two compute slots. No three tasks are ever inside
+    a slot together, and two are (the slots are shared, not one per process)."""
     from requant import workers
 
-    with workers.forked_pool(4, None, compute_slots=2) as pool:
+    with workers.forked_pool(2, None, spares=True) as pool:
+        assert pool.processes == 3
         spans = list(pool.map(_inside_compute_slot, [0.2] * 8))
 
     def inside(t):

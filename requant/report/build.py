@@ -146,12 +146,11 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
         nbytes = sum(dst.info(n).nbytes for k in selected for p in dst_experts[k].parts.values() for n in p.values())
         nbytes += sum(src.info(n).nbytes for k in selected for p in src_experts[k].parts.values() for n in p.values())
         workers = workers or default_workers()
-        # On the CPU `workers` compare at once and spares read meanwhile (workers.compute_slot).
-        processes = workers + worker_pools.io_spares(workers) if device == "cpu" else workers
         context = (reader, src, dst, src_experts, dst_experts, projections, device)
         with contextlib.ExitStack() as stack:
             if device == "cpu":   # forked before the progress bar starts its thread
-                pool = stack.enter_context(worker_pools.forked_pool(processes, context, compute_slots=workers))
+                # `workers` compare at once and spares read meanwhile (workers.compute_slot)
+                pool = stack.enter_context(worker_pools.forked_pool(workers, context, spares=True))
                 task = _compare_forked
             else:
                 pool = stack.enter_context(ThreadPoolExecutor(workers))
@@ -159,7 +158,7 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
                 task = functools.partial(_compare_item, context)
             bar = stack.enter_context(tqdm(total=len(selected), unit="expert", desc="report", disable=not progress,
                                            dynamic_ncols=True))
-            window = processes * 2   # experts in flight: bounds memory
+            window = 2 * (pool.processes if device == "cpu" else workers)   # experts in flight: bounds memory
             pending = {}
             for key in selected:
                 pending[key] = pool.submit(task, key)
