@@ -325,6 +325,10 @@ def report(src, dst, out_dir, old_out_dir, layers, workers, device, no_forward, 
         raise RequantError("give the report directory: --out-dir DIR")
     result = make_report(src, dst, out_dir, layers, workers, progress=not quiet, forward=not no_forward,
                          serve_modes=parse_modes(serve), device=device)
+    comparison = result["timing"].get("comparison", "")
+    if comparison.startswith("torch:") and not quiet:
+        click.echo(f"requant: note: experts compared with torch passes, 2-3x slower than the C pass "
+                   f"({comparison.removeprefix('torch: ')})", err=True)
     click.echo(json.dumps(result, indent=2) if as_json else terminal(result, out_dir, html.plots_missing()))
 
 

@@ -66,6 +66,19 @@ class CodeTables:
     squares: np.ndarray     # float32 [65536]: sum of the squared values of the 4 codes in 2 bytes
 
 
+@dataclass(frozen=True, eq=False)
+class Nibbles:
+    """A projection stored one code per nibble: element k of row r is (table[code] -
+    offset[r, k // group]) * scale[r, k // group], in float32, the operations of its format's
+    torch decoder, so that a pass over the codes (report/compare.c) sees the decoder's values."""
+
+    codes: torch.Tensor            # uint8 [rows, K/2]: element 2i in the low nibble of byte i
+    scale: torch.Tensor            # float32 [rows, K/group]
+    offset: torch.Tensor | None    # float32 [rows, K/group]; None: no offset
+    table: torch.Tensor            # float32 [16]: each code's value before offset and scale
+    group: int
+
+
 @dataclass(frozen=True, eq=False)   # one object per format: compared and hashed by identity
 class Codec:
     name: str                                       # as --in/--out and every report spell it
@@ -86,6 +99,8 @@ class Codec:
     # parts -> float32 [out, K/block] scales, so that equal values can be seen without decoding.
     code_tables: CodeTables | None = None
     block_scales: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None
+    # parts -> Nibbles (FormatError on scales no valid file holds), for formats of one code a nibble
+    nibbles: Callable[[dict[str, torch.Tensor]], Nibbles] | None = None
 
     def part(self, role: str) -> Part | None:
         return next((p for p in self.parts if p.role == role), None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from requant.formats import CodeTables, byte_pairs
+from requant.formats import CodeTables, Nibbles, byte_pairs
 
 MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 MAX = 6.0
@@ -58,6 +58,12 @@ TABLES = CodeTables(
     same_values=same_values,
     squares=np.add.outer(*[(_PAIRS.numpy() ** 2).sum(1)] * 2).reshape(-1).astype(np.float32),
 )
+
+
+def nibbles(packed: torch.Tensor, factors: torch.Tensor, block: int) -> Nibbles:
+    """A packed E2M1 projection with one float32 factor per block, as Nibbles."""
+    rows = factors.shape[0]
+    return Nibbles(packed.contiguous().view(torch.uint8).view(rows, -1), factors, None, signed_values(), block)
 
 
 def decode_packed(packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -102,6 +102,14 @@ def decode(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor |
     return q.view(rows, k)
 
 
+def nibbles(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> formats.Nibbles:
+    """The stored tensors as formats.Nibbles: the operations of decode, per code."""
+    rows, words = packed.shape
+    offset = None if zero_point is None else unpack_zero_point(zero_point, rows).to(torch.float32)
+    return formats.Nibbles(packed.contiguous().view(torch.uint8).view(rows, -1), scale.to(torch.float32), offset,
+                           _BYTE_VALUES[:16, 0].contiguous(), words * PACK // max(scale.shape[1], 1))
+
+
 # encode -------------------------------------------------------------------------------------
 # Every nonzero MXFP4 |value| m * 2^e is 2^k or 1.5 * 2^k. Normalised by 2^R, R the exponent of
 # the group's largest |value|, the group's top is exactly 1 or 1.5 and every element is one of the
@@ -511,6 +519,7 @@ CODEC = formats.Codec(
     elements_per_word=PACK,
     packed_dtype=torch.int32,
     decode=lambda t, out=None: decode(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"), out),
+    nibbles=lambda t: nibbles(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point")),
     group_sizes=GROUP_SIZES,
     kernel_code=2,
     # The data-free scale search, batched: ({name: (weight, scale)}, group_size, scheme, device)

@@ -50,13 +50,22 @@ def decode(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None =
     """Dequantize to float32 [out, K] (into `out` when given). Plain torch, independent of the fast
     cast."""
     check_shapes(tuple(weight.shape), tuple(scale.shape))
-    scale = scale.view(torch.uint8)
-    if (scale == E8M0_NAN).any():
-        raise FormatError("E8M0 scale is NaN (byte 0xFF)")
     rows, nblocks = scale.shape
     values = e2m1.decode_packed(weight, out).view(rows, nblocks, BLOCK)
-    values *= torch.exp2(scale.to(torch.float32) - E8M0_BIAS)[..., None]
+    values *= checked_factors(scale)[..., None]
     return values.view(rows, nblocks * BLOCK)
+
+
+def factors(scale: torch.Tensor) -> torch.Tensor:
+    """float32 2^(e - 127) per E8M0 byte (the NaN byte gives inf)."""
+    return torch.exp2(scale.view(torch.uint8).to(torch.float32) - E8M0_BIAS)
+
+
+def checked_factors(scale: torch.Tensor) -> torch.Tensor:
+    """factors, with a FormatError on the NaN byte."""
+    if (scale.view(torch.uint8) == E8M0_NAN).any():
+        raise FormatError("E8M0 scale is NaN (byte 0xFF)")
+    return factors(scale)
 
 
 def encode(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -94,5 +103,6 @@ CODEC = formats.Codec(
     check_scales=check_scales,
     code_tables=e2m1.TABLES,
     # 0xFF (NaN) gives inf here, which no other scale equals: such blocks are decoded (and refused).
-    block_scales=lambda t: torch.exp2(t["scale"].view(torch.uint8).to(torch.float32) - E8M0_BIAS),
+    block_scales=lambda t: factors(t["scale"]),
+    nibbles=lambda t: e2m1.nibbles(t["weight"], checked_factors(t["scale"]), BLOCK),
 )

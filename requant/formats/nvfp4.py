@@ -144,8 +144,13 @@ def decode(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: flo
     if tuple(weight_scale.shape) != (rows, half_k * 2 // BLOCK):
         raise FormatError(f"weight_scale shape {list(weight_scale.shape)} does not match weight {list(weight.shape)}")
     values = e2m1.decode_packed(weight, out).view(rows, -1, BLOCK)
-    values *= weight_scale.view(torch.float8_e4m3fn).to(torch.float32)[..., None] * float(weight_scale_2)
+    values *= factors(weight_scale, weight_scale_2)[..., None]
     return values.view(rows, half_k * 2)
+
+
+def factors(weight_scale: torch.Tensor, weight_scale_2: float | torch.Tensor) -> torch.Tensor:
+    """float32 [out, K/16]: what each block's codes are multiplied by (E4M3 scale x global scale)."""
+    return weight_scale.view(torch.float8_e4m3fn).to(torch.float32) * float(weight_scale_2)
 
 
 CODEC = formats.Codec(
@@ -165,6 +170,6 @@ CODEC = formats.Codec(
     # The lossless cast on the bits: (weight, scale, k_max, top, in_place) -> CastResult.
     encoders={"mxfp4": cast_from_mxfp4},
     code_tables=e2m1.TABLES,
-    # the factor decode multiplies each block's codes by, computed the same way
-    block_scales=lambda t: t["weight_scale"].view(torch.float8_e4m3fn).to(torch.float32) * formats.scalar(t["weight_scale_2"]),
+    block_scales=lambda t: factors(t["weight_scale"], formats.scalar(t["weight_scale_2"])),
+    nibbles=lambda t: e2m1.nibbles(t["weight"], factors(t["weight_scale"], formats.scalar(t["weight_scale_2"])), BLOCK),
 )

@@ -16,6 +16,7 @@ import functools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 from tqdm import tqdm
 
@@ -24,7 +25,7 @@ from requant.compute import compute_device, default_workers, torch_threads
 from requant.errors import FormatError, UnsupportedError
 from requant.io.checkpoint import Checkpoint
 from requant.model import Expert, ModelSpec
-from requant.report import weights
+from requant.report import native, weights
 from requant.report.weights import ErrorSums, compare_chunks, hist_edges_log10, identical
 
 SCHEMA = "requant.report/1"
@@ -52,25 +53,35 @@ def _codecs(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, proj: str, w
     return ca, cb
 
 
-def _decode(codec: formats.Codec, tensors: dict, ck: Checkpoint, parts: dict[str, str], out=None):
-    """codec.decode, its errors (bytes no valid file holds: scales) naming the file and tensor."""
+def _named(codec: formats.Codec, ck: Checkpoint, parts: dict[str, str], work: Callable):
+    """work(), its FormatErrors (bytes no valid file holds: scales) naming the file and tensor."""
     try:
-        return codec.decode(tensors, out)
+        return work()
     except FormatError as e:
         name = parts[codec.part(formats.SCALE).suffix]
         raise FormatError(str(e), file=ck.shard_path(ck.locations[name]), tensor=name) from None
 
 
+def _decode(codec: formats.Codec, tensors: dict, ck: Checkpoint, parts: dict[str, str], out=None):
+    return _named(codec, ck, parts, lambda: codec.decode(tensors, out))
+
+
 def _compare(ca: formats.Codec, ta: dict, src: Checkpoint, pa: dict[str, str],
              cb: formats.Codec, tb: dict, dst: Checkpoint, pb: dict[str, str], device: str) -> ErrorSums:
     """One projection's sums (its parts as read, on the CPU): from the stored codes when they show
-    equal values, which costs less than the copies to a GPU; else decoded and compared on `device`."""
+    equal values, which costs less than the copies to a GPU; on a CPU, in one C pass over the codes
+    where both formats are nibble-coded (native.py); else decoded and compared on `device`."""
     block = ca.block_size(ca.params_from_shapes({p: tuple(t.shape) for p, t in ta.items()}))
     energy = formats.identical_energy(ca, ta, cb, tb)
     if energy is not None:
         out, packed = ta[ca.weight.suffix].shape
         n = out * packed * ca.elements_per_word
         return identical(n, n // block, energy)
+    if device == "cpu" and ca.nibbles and cb.nibbles and native.available():
+        sums = native.compare(_named(ca, src, pa, lambda: ca.nibbles(ta)), _named(cb, dst, pb, lambda: cb.nibbles(tb)),
+                              block)
+        if sums is not None:
+            return sums
     ta, tb = ({p: t.to(device) for p, t in ts.items()} for ts in (ta, tb))
     chunks = weights.decoded_row_chunks(ca, ta, cb, tb, lambda t, out: _decode(ca, t, src, pa, out),
                                         lambda t, out: _decode(cb, t, dst, pb, out))
@@ -146,6 +157,8 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
         nbytes = sum(dst.info(n).nbytes for k in selected for p in dst_experts[k].parts.values() for n in p.values())
         nbytes += sum(src.info(n).nbytes for k in selected for p in src_experts[k].parts.values() for n in p.values())
         workers = workers or default_workers()
+        # built (or found) before the workers fork, which share it
+        comparison = native.status() if device == "cpu" else f"torch ({device})"
         context = (reader, src, dst, src_experts, dst_experts, projections, device)
         with contextlib.ExitStack() as stack:
             if device == "cpu":   # forked before the progress bar starts its thread
@@ -173,8 +186,10 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
                            "candidate": _codec_name(dst, dst_experts[k].parts[projections[0]])}
                        for k in selected for b in [k[0]]}
         n_experts = model.value("num_experts")
-    return _assemble(src_path, dst_path, model, blocks, per, codec_names, unmatched, n_experts,
-                     layers, time.monotonic() - started, nbytes)
+    report = _assemble(src_path, dst_path, model, blocks, per, codec_names, unmatched, n_experts,
+                       layers, time.monotonic() - started, nbytes)
+    report["timing"]["comparison"] = comparison
+    return report
 
 
 def _assemble(src_path, dst_path, model, blocks, per, codec_names, unmatched, n_experts, layers, seconds, nbytes):

@@ -190,12 +190,15 @@ def compare_chunks(chunks, block: int) -> ErrorSums:
         sums.zero_error += zero
         exponents.zeros -= zero   # exact zeros are counted apart
         exponents.add(exponent, pairs=largest < 2.0)
-    if exponents is None:
-        return sums
-    low, high = HIST_MIN_EXPONENT + _F32_BIAS, HIST_MAX_EXPONENT + _F32_BIAS - 1
-    counts = exponents.total()
-    sums.hist = ([sum(counts[:low + 1])] + counts[low + 1:high] + [sum(counts[high:])])
+    if exponents is not None:
+        sums.hist = fold_exponents(exponents.total())
     return sums
+
+
+def fold_exponents(counts: list[int]) -> list[int]:
+    """The histogram's bins from counts per biased float32 exponent of |e| (exact zeros left out)."""
+    low, high = HIST_MIN_EXPONENT + _F32_BIAS, HIST_MAX_EXPONENT + _F32_BIAS - 1
+    return [sum(counts[:low + 1])] + counts[low + 1:high] + [sum(counts[high:])]
 
 
 class _ExponentCounts:

@@ -13,6 +13,7 @@ from requant.compute import compute_device, default_workers
 from requant.errors import UnsupportedError
 from requant.io.checkpoint import Checkpoint
 from requant.model import Expert
+from requant.report import native
 from requant.report.weights import decoded_row_chunks, exactness
 from requant.verify.context import Context
 
@@ -30,6 +31,7 @@ class DeepCompare:
         self.device = compute_device(device)
         self.workers = default_workers()
         if self.device == "cpu":
+            native.available()   # the C comparison built before the workers fork, which share it
             self.pool, self._task = worker_pools.forked_pool(self.workers, self), _measure_forked
         else:
             self.pool, self._task = ThreadPoolExecutor(self.workers), self._measure
@@ -87,6 +89,11 @@ class DeepCompare:
                 blocks = src_tensors[src_codec.weight.suffix].numel() * src_codec.elements_per_word // block
                 found.append(("ok", proj, blocks, blocks, 0))   # the same values, seen on the stored bytes
                 continue
+            if self.device == "cpu" and src_codec.nibbles and codec.nibbles and native.available():
+                sums = native.compare(src_codec.nibbles(src_tensors), codec.nibbles(tensors), block)
+                if sums is not None:
+                    found.append(("ok", proj, sums.blocks, sums.exact_blocks, sums.nonfinite))
+                    continue
             try:
                 found.append(("ok", proj, *exactness(
                     decoded_row_chunks(src_codec, src_tensors, codec, tensors, src_codec.decode, codec.decode), block)))
