@@ -76,10 +76,12 @@ def evict(*paths: str) -> None:
                 os.close(fd)
 
 
-def run(*args: str) -> tuple[float, str]:
-    """Wall seconds of `python -m requant ARGS`, and its output; raises on failure."""
+def run(*args: str, env: dict | None = None) -> tuple[float, str]:
+    """Wall seconds of `python -m requant ARGS` (with `env` added to the environment), and its
+    output; raises on failure."""
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "requant", *args], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "requant", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
     seconds = time.perf_counter() - start
     if done.returncode not in (0,):
         raise RuntimeError(f"requant {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
@@ -256,18 +258,23 @@ def measure(a, src, nv, w4_out, skip, cuda, workers, rows):
     """report, verify --deep and validate on the converted checkpoints."""
     if "report" not in skip:
         layers = [f"layers.{x}" if x.isdigit() else x for x in a.report_layers.split(",")] if a.report_layers else None
-        for label, out in (("NVFP4", nv), ("W4A16", w4_out)):
+        # the W4A16 report once more with the torch passes (what runs where no C compiler is)
+        for label, out, env in (("NVFP4", nv, {}), ("W4A16", w4_out, {}),
+                                ("W4A16, torch passes", w4_out, {"REQUANT_NATIVE": "0"})):
             evict(src, out)
             floor = read_all(expert_tensors(src, layers) + expert_tensors(out, layers), workers)
             evict(src, out)
             extra = ["--layers", a.report_layers] if a.report_layers else []
-            t, _ = run("report", src, out, "--out", os.path.join(a.workdir, f"report-{label}"), "--no-forward",
-                       "--quiet", *extra)
+            report_dir = os.path.join(a.workdir, f"report-{label.split(',')[0]}")
+            t, _ = run("report", src, out, "--out", report_dir, "--no-forward", "--quiet", *extra, env=env)
+            with open(os.path.join(report_dir, "report.json")) as f:
+                timing = json.load(f)["timing"]
             rows.append((f"report {label}", t, f"read floor {floor:.1f} s"))
-            print(f"report {label}: {t:.1f} s; reading both checkpoints' experts: {floor:.1f} s; "
-                  f"RATIO report / read {t / floor:.2f}x", flush=True)
-        t_rn, t_rw = rows[-2][1], rows[-1][1]
-        print(f"RATIO report W4A16 / report NVFP4: {t_rw / t_rn:.2f}x", flush=True)
+            print(f"report {label}: {t:.1f} s ({timing['weights_seconds']:.1f} s comparing, {timing['comparison']}); "
+                  f"reading both checkpoints' experts: {floor:.1f} s; RATIO report / read {t / floor:.2f}x", flush=True)
+        t_rn, t_rw, t_torch = rows[-3][1], rows[-2][1], rows[-1][1]
+        print(f"RATIO report W4A16 / report NVFP4: {t_rw / t_rn:.2f}x; torch passes / C pass: {t_torch / t_rw:.2f}x",
+              flush=True)
 
     if "verify" not in skip:
         evict(src, w4_out)

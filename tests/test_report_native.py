@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import requant.native
 from requant import formats
 from requant.formats import int4
 from requant.report import native, weights
@@ -19,6 +20,12 @@ from requant.report import native, weights
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"the C comparison is unavailable here: {native.status()}")
 
 ROWS, K = 24, 512
+
+
+def _forget():
+    """Look for the library again (the environment changed)."""
+    requant.native.load.cache_clear()
+    native._library.cache_clear()
 
 
 def _mxfp4(g, rows=ROWS, k=K):
@@ -135,22 +142,22 @@ def test_without_a_compiler_the_status_says_why_and_the_report_still_compares(mo
     monkeypatch.setenv("REQUANT_CACHE_DIR", str(tmp_path / "cache"))
     try:
         monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-        native._library.cache_clear()
+        _forget()
         assert native.status() == f"torch: no C compiler ({tmp_path / 'no-such-cc'} not found)"
         assert native.compare(ca.nibbles(ta), cb.nibbles(tb), 32) is None
         monkeypatch.setenv("REQUANT_NATIVE", "0")
-        native._library.cache_clear()
+        _forget()
         assert native.status() == "torch: REQUANT_NATIVE=0"
         monkeypatch.delenv("REQUANT_NATIVE")
         monkeypatch.delenv("CC")
-        native._library.cache_clear()   # a fresh cache directory: built there, whole
+        _forget()   # a fresh cache directory: built there, whole
         assert native.status().startswith("c (")
         built = os.listdir(tmp_path / "cache" / "native")
         assert len(built) == 1 and built[0].startswith("compare-") and built[0].endswith(".so")
         assert native.compare(ca.nibbles(ta), cb.nibbles(tb), 32) == with_c
     finally:
         monkeypatch.undo()
-        native._library.cache_clear()
+        _forget()
 
 
 def test_the_report_says_which_comparison_ran(tmp_path, monkeypatch):
@@ -165,12 +172,12 @@ def test_the_report_says_which_comparison_ran(tmp_path, monkeypatch):
     convert(src, dst, "w4a16", Options(target=W4A16Options(group_size=32)), progress=False)
     fast = build.build(src, dst, workers=1, progress=False, device="cpu")
     monkeypatch.setenv("REQUANT_NATIVE", "0")
-    native._library.cache_clear()
+    _forget()
     try:
         slow = build.build(src, dst, workers=1, progress=False, device="cpu")
     finally:
         monkeypatch.undo()
-        native._library.cache_clear()
+        _forget()
     assert fast["timing"]["comparison"].startswith("c (") and slow["timing"]["comparison"] == "torch: REQUANT_NATIVE=0"
     for key in ("elements", "blocks", "exact_blocks", "max_abs_error", "nonfinite"):
         assert fast["overall"][key] == slow["overall"][key]

@@ -6,30 +6,24 @@ times; compare.c reads the stored codes once, with the same float32 values and e
 count (exact blocks, the error histogram, max error, non-finite values) is the same, and the sums
 are float64 over float32 lane sums (the torch passes: float32 BLAS dots), equal to ~1e-6.
 
-The library is compiled on first use with the machine's C compiler ($CC, else cc) into requant's
-cache directory ($REQUANT_CACHE_DIR, else $XDG_CACHE_HOME/requant, else ~/.cache/requant), one file
-per source and compiler, and loaded with ctypes, whose calls release the GIL. Where none compiles,
-or REQUANT_NATIVE=0, `status` says why and callers use the torch passes.
+Built and loaded by requant.native; where it is not there, `status` says why and callers use the
+torch passes.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
 import struct
-import subprocess
-import tempfile
 
 import torch
 
+from requant import native
 from requant.formats import Nibbles
 from requant.report.weights import ErrorSums, fold_exponents
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compare.c")
-_FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")   # no fused multiply-adds: the decoders' roundings
 
 
 class _Side(ctypes.Structure):
@@ -43,57 +37,17 @@ class _Sums(ctypes.Structure):
                 ("blocks", ctypes.c_int64), ("exact_blocks", ctypes.c_int64), ("max_bits", ctypes.c_uint32)]
 
 
-def cache_dir() -> str:
-    if os.environ.get("REQUANT_CACHE_DIR"):
-        return os.environ["REQUANT_CACHE_DIR"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "requant")
-
-
-def _build() -> tuple[ctypes.CDLL | None, str]:
-    if os.environ.get("REQUANT_NATIVE", "1") == "0":
-        return None, "REQUANT_NATIVE=0"
-    compiler = os.environ.get("CC", "cc")
-    if shutil.which(compiler) is None:
-        return None, f"no C compiler ({compiler} not found)"
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
-        with open(_SOURCE, "rb") as f:
-            source = f.read()
-        key = hashlib.sha256(source + version + " ".join(_FLAGS).encode()).hexdigest()[:16]
-        folder = os.path.join(cache_dir(), "native")
-        path = os.path.join(folder, f"compare-{key}.so")
-        if not os.path.exists(path):
-            os.makedirs(folder, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".compare-", suffix=".so", dir=folder)
-            os.close(fd)
-            try:
-                done = subprocess.run([compiler, *_FLAGS, "-o", tmp, _SOURCE], capture_output=True, text=True,
-                                      timeout=300)
-                if done.returncode:
-                    first = (done.stderr.strip().splitlines() or ["no message"])[0]
-                    return None, f"{compiler} could not compile {os.path.basename(_SOURCE)}: {first}"
-                os.replace(tmp, path)   # whole or absent, with other processes building the same
-                for stale in os.listdir(folder):   # earlier sources' builds (a loaded one stays mapped)
-                    if stale.startswith("compare-") and stale.endswith(".so") and stale != os.path.basename(path):
-                        os.unlink(os.path.join(folder, stale))
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        lib = ctypes.CDLL(path)
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"the C comparison did not build or load: {e}"
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    lib, why = native.load(_SOURCE)
+    if lib is None:
+        return None, why
     lib.requant_compare.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(_Side), ctypes.POINTER(_Side),
                                     ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_Sums)]
     lib.requant_compare.restype = ctypes.c_int
     lib.requant_compare_vectorised.argtypes = [ctypes.c_int]
     lib.requant_compare_vectorised.restype = ctypes.c_int
     return lib, "avx2" if lib.requant_compare_vectorised(1) else "portable"
-
-
-@functools.cache
-def _library() -> tuple[ctypes.CDLL | None, str]:
-    return _build()
 
 
 def available() -> bool:
