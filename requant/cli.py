@@ -327,8 +327,8 @@ def report(src, dst, out_dir, old_out_dir, layers, workers, device, no_forward, 
                          serve_modes=parse_modes(serve), device=device)
     comparison = result["timing"].get("comparison", "")
     if comparison.startswith("torch:") and not quiet:
-        click.echo(f"requant: note: experts compared with torch passes, 2-3x slower than the C pass "
-                   f"({comparison.removeprefix('torch: ')})", err=True)
+        click.echo(f"requant: note: experts compared with torch passes, which take 2-3x the CPU time of the C "
+                   f"pass ({comparison.removeprefix('torch: ')})", err=True)
     click.echo(json.dumps(result, indent=2) if as_json else terminal(result, out_dir, html.plots_missing()))
 
 

@@ -1,8 +1,9 @@
 """Compare the routed experts of two checkpoints, one expert at a time, into report.json's dict.
 
 Schema: docs/report-schema.md. Each expert's projections are read from both checkpoints; stored
-codes that show equal values settle a projection on the CPU, others are decoded to float32 and
-compared, on the GPU when there is one; only sums (weights.ErrorSums) outlive the expert, so
+codes that show equal values settle a projection on the CPU; others are compared on the GPU when
+there is one (decoded to float32), else in one C pass over the codes (native.py; torch passes where
+it does not build); only sums (weights.ErrorSums) outlive the expert, so
 memory stays at a few experts whatever the checkpoint size. Experts are spread over workers:
 forked processes on the CPU (a comparison is many short torch calls, and threads contending for the
 GIL ran 1.3x slower on 2 cores), one comparing per core while spares read the next experts;
