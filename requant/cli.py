@@ -302,7 +302,7 @@ def verify(path, deep, source, device, engine, gpu, as_json, quiet):
 @click.option("--layers", help="Subsample: layer numbers and ranges (0,5,10-12) or MTP layer names (mtp.0).")
 @click.option("--workers", type=click.IntRange(1, 256),
               help="Experts compared at once (default: one per core, at most 32): processes on the CPU, "
-                   "with about half as many more reading the next experts meanwhile; threads feeding a GPU.")
+                   "with twice as many more (at most 16) reading the next experts meanwhile; threads feeding a GPU.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]),
               help="Where experts are decoded and compared (default: cuda when available).")
 @click.option("--no-forward", is_flag=True, help="Skip the MoE-forward comparison (requant validate; every "

@@ -113,25 +113,23 @@ def io_spares(workers: int) -> int:
 
 
 def compute_slot():
-    """Held while a unit computes: in a pool forked with `spares`, one of its `workers` shared
+    """Held while a unit computes: in a pool forked with spares, one of its `workers` shared
     slots (a process waits here for one); elsewhere nothing."""
     return _COMPUTE_SLOTS if _COMPUTE_SLOTS is not None else contextlib.nullcontext()
 
 
-def forked_pool(workers: int, context: object, spares: bool = False) -> "_ForkedPool":
+def forked_pool(workers: int, context: object, spares: int = 0) -> "_ForkedPool":
     """`workers` processes forked from this one now, each set up by `worker_settings`, whose tasks
     find `context` through `inherited()`: what they need that does not pickle (a plan's encoders
     are closures) or should not be sent with every task (open checkpoints, their indexes). With
-    `spares`, `io_spares(workers)` more processes, and at most `workers` of them inside
-    `compute_slot` at once. The pool's `processes` says how many. Fork before starting threads of
-    your own."""
+    `spares`, that many more processes, and at most `workers` of them inside `compute_slot` at
+    once. The pool's `processes` says how many. Fork before starting threads of your own."""
     global _INHERITED, _COMPUTE_SLOTS
     workers = max(1, workers)
     _INHERITED = context
     fork = multiprocessing.get_context("fork")
     _COMPUTE_SLOTS = fork.BoundedSemaphore(workers) if spares else None
-    pool = _ForkedPool(workers + io_spares(workers) if spares else workers, mp_context=fork,
-                       initializer=_init_process)
+    pool = _ForkedPool(workers + spares, mp_context=fork, initializer=_init_process)
     pool.submit(int).result()   # a fork pool forks every worker on its first task: now
     return pool
 
@@ -194,7 +192,7 @@ class Encoders:
     def __init__(self, plan: Plan, workers: int, processes: bool, gpu: str | None = None):
         self.workers, self.processes = max(1, workers), processes
         if processes:
-            self.pool = forked_pool(self.workers, plan, spares=True)
+            self.pool = forked_pool(self.workers, plan, spares=io_spares(self.workers))
         elif gpu:
             self.pool = ThreadPoolExecutor(self.workers, initializer=_init_gpu_thread, initargs=(gpu,))
         else:

@@ -102,7 +102,7 @@ def test_a_forked_pool_computes_in_at_most_its_slots():
     a slot together, and two are (the slots are shared, not one per process)."""
     from requant import workers
 
-    with workers.forked_pool(2, None, spares=True) as pool:
+    with workers.forked_pool(2, None, spares=1) as pool:
         assert pool.processes == 3
         spans = list(pool.map(_inside_compute_slot, [0.2] * 8))
 
