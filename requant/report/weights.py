@@ -79,9 +79,9 @@ class ErrorSums:
 
 
 def _dot(x: torch.Tensor, y: torch.Tensor) -> float:
-    """sum(x * y) over a chunk: one BLAS dot (float32, its SIMD lanes summing apart; within ~2e-7
-    of the float64 sum on a full-size projection's 2^18-element chunks), 3.5x faster than a product
-    pass and a sum; chunks add up in float64."""
+    """sum(x * y) over a chunk: one BLAS dot (float32, its SIMD lanes summing apart), 3.5x faster
+    than a product pass and a sum; chunks add up in float64. On a full-size W4A16 projection's
+    2^18-element chunks, sum(a^2) came within 2e-8 of the float64 sum and sum(e^2) within 5e-5."""
     return float(torch.dot(x.reshape(-1), y.reshape(-1)))
 
 
