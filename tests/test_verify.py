@@ -259,6 +259,32 @@ def test_deep_against_source_counts_exact_blocks(tmp_path):
     assert set(result["deep"]) == {"layers.0", "layers.1", "mtp.0"}
 
 
+@pytest.mark.parametrize("native", ["1", "0"])   # compare.c's pass, and the torch passes
+def test_deep_names_the_file_and_tensor_of_an_invalid_source_scale(pair, tmp_path, monkeypatch, native):
+    import requant.native
+    from requant.report import native as report_native
+
+    src, dst = str(tmp_path / "src"), str(tmp_path / "w4a16")
+    shutil.copytree(pair[0], src)
+    convert(src, dst, "w4a16", Options(), progress=False)
+    with Checkpoint.open(src) as ck:
+        name = sorted(n for n in ck.names if ".ffn.experts.3.w2.scale" in n)[0]
+        file = ck.shard_path(ck.locations[name])
+    poke(src, name, torch.tensor([0xFF], dtype=torch.uint8))   # E8M0 NaN: no valid file holds it
+    monkeypatch.setenv("REQUANT_NATIVE", native)
+    requant.native.load.cache_clear()
+    report_native._library.cache_clear()
+    try:
+        run = run_cli(dst, "--deep", "--source", src)
+    finally:
+        monkeypatch.undo()
+        requant.native.load.cache_clear()
+        report_native._library.cache_clear()
+    assert run.exit_code == 1
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"file {file}, tensor {name}: E8M0 scale is NaN" in lines[0], lines
+
+
 @pytest.mark.skipif("w4a16" not in TARGETS, reason="the W4A16 target (requant/targets/w4a16.py) has not landed")
 def test_clean_on_w4a16_output(pair, tmp_path):
     out = str(tmp_path / "w4a16")

@@ -7,6 +7,7 @@ read on demand with pread.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from requant.errors import CheckpointError
+from requant.errors import CheckpointError, FormatError
 from requant.io import journal
 from requant.io.safetensors import Header, TensorInfo, open_direct, parse_header, read_header, read_tensor
 
@@ -161,6 +162,14 @@ class Checkpoint:
 
     def shard_path(self, shard: str) -> str:
         return os.path.join(self.path, shard)
+
+    @contextlib.contextmanager
+    def naming(self, name: str):
+        """FormatErrors raised inside (bytes no valid file holds) name tensor `name` and its file."""
+        try:
+            yield
+        except FormatError as e:
+            raise FormatError(str(e), file=self.shard_path(self.locations[name]), tensor=name) from None
 
     def relocate(self, shard: str, header: Header | None) -> None:
         """Read `shard`'s tensors from `header`'s file from now on (None: nowhere). Closes the old

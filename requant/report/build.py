@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from requant import __version__, formats, sources, workers as worker_pools
 from requant.compute import compute_device, default_workers, torch_threads
-from requant.errors import FormatError, UnsupportedError
+from requant.errors import UnsupportedError
 from requant.io.checkpoint import Checkpoint
 from requant.model import Expert, ModelSpec
 from requant.report import native, weights
@@ -55,12 +55,9 @@ def _codecs(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, proj: str, w
 
 
 def _named(codec: formats.Codec, ck: Checkpoint, parts: dict[str, str], work: Callable):
-    """work(), its FormatErrors (bytes no valid file holds: scales) naming the file and tensor."""
-    try:
+    """work(), its FormatErrors naming the projection's scale tensor and its file."""
+    with ck.naming(parts[codec.part(formats.SCALE).suffix]):
         return work()
-    except FormatError as e:
-        name = parts[codec.part(formats.SCALE).suffix]
-        raise FormatError(str(e), file=ck.shard_path(ck.locations[name]), tensor=name) from None
 
 
 def _decode(codec: formats.Codec, tensors: dict, ck: Checkpoint, parts: dict[str, str], out=None):

@@ -197,12 +197,8 @@ class Target:
                 found_dtypes = " and ".join(s.dtype for s in specs.values())
                 raise FormatError(f"expected {codec.name.upper()} ({expected}), found {found_dtypes}",
                                   tensor=parts[codec.weight.suffix])
-            try:
+            with self.source.naming(parts[codec.part(formats.SCALE).suffix]):
                 codec.check_shapes({suffix: self.reader.unit_shape(spec.shape) for suffix, spec in specs.items()})
-            except FormatError as e:
-                scale = parts[codec.part(formats.SCALE).suffix]
-                raise FormatError(str(e), file=self.source.shard_path(self.source.locations[scale]),
-                                  tensor=scale) from None
             found[proj] = specs
         return found
 
@@ -255,11 +251,8 @@ class Target:
         weight_name, scale_name = parts[codec.weight.suffix], parts[codec.part(formats.SCALE).suffix]
         weight, scale = (tensors[name].view(torch.uint8).reshape(self.reader.unit_shape(tensors[name].shape)).numpy()
                          for name in (weight_name, scale_name))
-        try:
+        with self.source.naming(scale_name):
             codec.check_scales(scale)
-        except FormatError as e:
-            raise FormatError(str(e), file=self.source.shard_path(self.source.locations[scale_name]),
-                              tensor=scale_name) from None
         return weight, scale
 
     # description ----------------------------------------------------------------------------

@@ -67,9 +67,11 @@ class DeepCompare:
         for proj, codec_name in readable.items():
             codec = formats.get(codec_name)
             tensors = self._tensors(self.ctx.ck, expert.parts[proj], codec)
+            scale_name = expert.parts[proj][codec.part(formats.SCALE).suffix]   # named by invalid bytes
             if self.source is None:
                 try:
-                    values = codec.decode(tensors)
+                    with self.ctx.ck.naming(scale_name):
+                        values = codec.decode(tensors)
                 except UnsupportedError as e:
                     return found + [("skipped", str(e))]
                 found.append(("ok", proj, 0, 0, int((~torch.isfinite(values)).sum())))
@@ -89,14 +91,27 @@ class DeepCompare:
                 blocks = src_tensors[src_codec.weight.suffix].numel() * src_codec.elements_per_word // block
                 found.append(("ok", proj, blocks, blocks, 0))   # the same values, seen on the stored bytes
                 continue
+            src_scale_name = src_parts[src_codec.part(formats.SCALE).suffix]   # named by invalid bytes
             if self.device == "cpu" and src_codec.nibbles and codec.nibbles and native.available():
-                sums = native.compare(src_codec.nibbles(src_tensors), codec.nibbles(tensors), block)
+                with self.source.naming(src_scale_name):
+                    a = src_codec.nibbles(src_tensors)
+                with self.ctx.ck.naming(scale_name):
+                    b = codec.nibbles(tensors)
+                sums = native.compare(a, b, block)
                 if sums is not None:
                     found.append(("ok", proj, sums.blocks, sums.exact_blocks, sums.nonfinite))
                     continue
+
+            def decode_source(t, out):
+                with self.source.naming(src_scale_name):
+                    return src_codec.decode(t, out)
+
+            def decode_own(t, out):
+                with self.ctx.ck.naming(scale_name):
+                    return codec.decode(t, out)
             try:
                 found.append(("ok", proj, *exactness(
-                    decoded_row_chunks(src_codec, src_tensors, codec, tensors, src_codec.decode, codec.decode), block)))
+                    decoded_row_chunks(src_codec, src_tensors, codec, tensors, decode_source, decode_own), block)))
             except UnsupportedError as e:
                 return found + [("skipped", str(e))]
         return found
