@@ -1,4 +1,4 @@
-"""requant's C helpers (report/compare.c): each compiled on first use with
+"""requant's C helpers (report/compare.c, formats/int4_encode.c): each compiled on first use with
 the machine's C compiler ($CC, else cc) into requant's cache directory ($REQUANT_CACHE_DIR, else
 $XDG_CACHE_HOME/requant, else ~/.cache/requant), one file per source and compiler, and loaded
 with ctypes, whose calls release the GIL. Where one does not compile, or with REQUANT_NATIVE=0,

@@ -192,6 +192,7 @@ class Encoders:
     def __init__(self, plan: Plan, workers: int, processes: bool, gpu: str | None = None):
         self.workers, self.processes = max(1, workers), processes
         if processes:
+            plan.target.ready_workers()
             self.pool = forked_pool(self.workers, plan, spares=io_spares(self.workers))
         elif gpu:
             self.pool = ThreadPoolExecutor(self.workers, initializer=_init_gpu_thread, initargs=(gpu,))

@@ -16,6 +16,7 @@ minimises the squared error against the MXFP4 source (see encode_mxfp4).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
@@ -25,7 +26,7 @@ import torch
 
 from requant import formats
 from requant.errors import FormatError
-from requant.formats import e2m1, mxfp4
+from requant.formats import e2m1, int4_native, mxfp4
 
 GROUP_SIZES = (32, 64, 128)   # what vLLM's Marlin WNA16 MoE runs (formats.md section 3)
 SCHEMES = ("sym", "asym")
@@ -231,6 +232,12 @@ class _Tables:
         pick = (self._best(counts, self.coarse) % _TIE).long()
         return self._best_each(counts, pick) if counts.is_cuda else self._best_by_centre(counts, pick)
 
+    @functools.cached_property
+    def native(self) -> int4_native.Prepared:
+        """These tables laid out for the C pass (CPU tables only)."""
+        return int4_native.Prepared(self, radius=_RADIUS[self.scheme], tie=_TIE, code_lanes=_CODE_LANES, d_max=_D_MAX,
+                                    empty=_EMPTY, e8m0_bias=mxfp4.E8M0_BIAS, r_offset=_R_OFFSET)
+
     def _neighbours(self, centres: torch.Tensor) -> torch.Tensor:
         """[n, options]: each centre's scale +- the radius (zero point +-1 for asym), clipped to the
         edges (a repeated candidate is harmless)."""
@@ -280,6 +287,13 @@ def _per_block(per_group: torch.Tensor, blocks_per_group: int) -> torch.Tensor:
 
 
 _TABLES: dict[tuple[str, torch.device], _Tables] = {}
+
+
+def ready_cpu(scheme: str) -> str:
+    """Build the CPU encoder's tables and C pass for `scheme` now; say which encoder runs
+    (int4_native.status)."""
+    _tables(scheme, torch.device("cpu")).native
+    return int4_native.status()
 
 
 def _tables(scheme: str, device: torch.device) -> _Tables:
@@ -390,11 +404,16 @@ def _search_in_pieces(sources: dict[str, tuple[torch.Tensor, torch.Tensor]], arg
     40 MiB), and a worker's peak memory stays small. Under malloc's defaults, 1.2-1.7x faster
     than one pass over a full-size projection. Codes, scales and zero points concatenate; energy
     bins (whole numbers) add up exactly."""
+    _, group_size, scheme, exhaustive = args
     parts, bins = [], []
     for (weight, scale), (rows, k) in zip(sources.values(), args[0]):
+        native = None if exhaustive else int4_native.encode(weight.reshape(-1), scale.reshape(-1),
+                                                            group_size // mxfp4.BLOCK,
+                                                            _tables(scheme, torch.device("cpu")).native, _R_BINS)
         step = max(1, _CPU_PIECE_BLOCKS * mxfp4.BLOCK // k)
-        pieces = [_search(weight[r0:r0 + step].reshape(-1), scale[r0:r0 + step].reshape(-1),
-                          ((min(step, rows - r0), k),), *args[1:]) for r0 in range(0, rows, step)]
+        pieces = [native] if native is not None else [
+            _search(weight[r0:r0 + step].reshape(-1), scale[r0:r0 + step].reshape(-1), ((min(step, rows - r0), k),),
+                    *args[1:]) for r0 in range(0, rows, step)]
         parts.append([torch.cat(field) for field in list(zip(*pieces))[:3]])
         bins.append([sum(field) for field in list(zip(*pieces))[3:]])
     return (*(torch.cat(field) for field in zip(*parts)), *(torch.cat(field) for field in zip(*bins)))

@@ -117,6 +117,9 @@ class Target:
         self._bounds: dict[str, dict[str, float]] = {}
         self._bounds_lock = threading.Lock()
 
+    def ready_workers(self) -> None:
+        """Before worker processes fork: build what every one of them would otherwise build."""
+
     # the engine the layout is made for -----------------------------------------------------
     def _engine_mtp(self) -> str:
         """MTP policy that gives the engine the experts in the format it loads them as."""
