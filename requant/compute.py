@@ -20,6 +20,17 @@ def compute_device(requested: str | None) -> str:
     return requested
 
 
+def kernel_device(requested: str | None) -> str:
+    """The device requant's Triton kernel and the MoE forward around it (validate, report) run
+    on: compute_device's choice, except under Triton's interpreter (TRITON_INTERPRET=1), which runs
+    kernels on host tensors only: then the CPU."""
+    interpreter = os.environ.get("TRITON_INTERPRET") == "1"
+    if requested == "cuda" and interpreter:
+        raise UnsupportedError("--device cuda: TRITON_INTERPRET=1 is set, and Triton's interpreter runs kernels "
+                               "on the CPU only; unset it to run on the GPU")
+    return "cpu" if requested is None and interpreter else compute_device(requested)
+
+
 MAX_DEFAULT_WORKERS = 32   # W4A16: 48 processes (workers.io_spares) of ~400 MiB peak, under ~19 GiB
 
 

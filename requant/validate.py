@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from requant import formats, serve, sources
-from requant.compute import compute_device, default_workers, torch_threads
+from requant.compute import default_workers, kernel_device, torch_threads
 from requant.errors import FormatError, RequantError, UnsupportedError
 from requant.extras import require
 from requant.formats import engine_numerics, fp8_block
@@ -353,7 +353,7 @@ def validate(src: str, dst: str, layers: str | None = None, tokens: int = 64, de
     kernel on a GPU and the torch reference on a CPU; True forces the kernel (Triton's interpreter
     on a CPU: small shapes only). `notice` gets one line when the CPU reference runs.
     serve_modes: serve.MODES to report; None picks them from each layer's format and the GPU."""
-    device = compute_device(device)
+    device = kernel_device(device)
     kernel_forced = kernel is True
     kernel = device == "cuda" if kernel is None else kernel
     fm = _kernel_module(device) if kernel else None

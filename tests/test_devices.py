@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from requant import synth
-from requant.formats import int4
+from requant.formats import int4, int4_native
 from tests.conftest import run_cli, tree
 
 
@@ -30,6 +30,7 @@ def test_gpu_refinement_picks_what_the_cpu_one_picks(scheme, monkeypatch):
     coarse winner), both run here on the CPU: exact arithmetic, so the same bytes."""
     seed = int(np.random.SeedSequence().generate_state(1)[0])
     w, s = _mxfp4(128, 1024, seed, synth.HardCases(out_of_window=2, zero_blocks=3, neg_zero_blocks=1))
+    monkeypatch.setattr(int4_native, "encode", lambda *a, **k: None)   # the torch passes (not the C one)
     by_centre = int4.encode_mxfp4(w, s, 32, scheme)
     monkeypatch.setattr(int4._Tables, "_best_by_centre", int4._Tables._best_each)
     assert _same_encoding(int4.encode_mxfp4(w, s, 32, scheme), by_centre), f"seed {seed}"
@@ -44,9 +45,10 @@ def _expert(rows, k, seed, pin=False):
 
 
 @pytest.mark.parametrize("scheme", int4.SCHEMES)
-def test_tensors_encoded_in_one_run_as_apart(scheme):
+def test_tensors_encoded_in_one_run_as_apart(scheme, monkeypatch):
     """The GPU's way (an expert's projections as one run of groups), run here on the CPU, against
     the CPU's (one tensor at a time): the same bytes and per-tensor energies."""
+    monkeypatch.setattr(int4_native, "encode", lambda *a, **k: None)   # the torch passes (not the C one)
     seed = int(np.random.SeedSequence().generate_state(1)[0])
     sources = _expert(64, 512, seed)
     together = int4._encode(sources, 32, scheme, "cpu", exhaustive=False)
@@ -111,3 +113,17 @@ def test_a_forked_pool_computes_in_at_most_its_slots():
     starts = [a for a, _ in spans]
     assert max(inside(t) for t in starts) == 2
     assert workers.compute_slot().__class__.__name__ == "nullcontext"   # the pool's slots went with it
+
+
+def test_the_kernel_runs_where_triton_can_run_it(monkeypatch):
+    """Under Triton's interpreter the kernel runs on host tensors only: the CPU by default, and a
+    clear refusal of --device cuda (an interpreted kernel fed CUDA tensors fails deep in Triton)."""
+    from requant.compute import kernel_device
+    from requant.errors import UnsupportedError
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernel_device(None) == "cpu" and kernel_device("cpu") == "cpu"
+    with pytest.raises(UnsupportedError, match="TRITON_INTERPRET=1"):
+        kernel_device("cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert kernel_device(None) == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -25,7 +25,9 @@ def forward_section(src: str, dst: str, blocks: list[str], tokens: int = 64,
         from requant.validate import validate
     except ImportError:
         return {"status": "not run", "reason": "validate unavailable: requant.validate is not in this install"}
-    gpu = torch.cuda.is_available()
+    from requant.compute import kernel_device
+
+    gpu = kernel_device(None) == "cuda"
     chosen = blocks if gpu else blocks[:1]
     tokens = tokens if gpu else min(tokens, 16)
     try:
@@ -38,7 +40,7 @@ def forward_section(src: str, dst: str, blocks: list[str], tokens: int = 64,
         "status": "run", "device": device,
         "what": f"requant validate: {tokens} tokens through each MoE layer (router, routed experts in requant's "
                 f"fused-MoE kernel, shared expert), {len(chosen)} of {len(blocks)} selected layers"
-                + ("" if gpu else "; CPU subsample, no GPU present"),
+                + ("" if gpu else "; CPU subsample, no GPU used"),
         "passed": all(r.passed for r in result.layers),
         "by_layer": [{"block": r.layer, "rel_error": r.rel_err, "max_abs_error": r.max_abs_err, "cosine": r.cosine,
                       "routing_agreement": r.routing_agreement, "passed": r.passed,
