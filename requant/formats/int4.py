@@ -153,7 +153,7 @@ _RADIUS = {"sym": 4, "asym": 8}
 # cache, on a GPU many, for few launches (a chunk's gathered tables stay around 100 MiB per scheme
 # option).
 _CHUNK_GROUPS = {"cpu": 1 << 13, "cuda": 1 << 16}
-_CPU_PIECE_BLOCKS = 1 << 16        # MXFP4 blocks per _search call on a CPU (_search_in_pieces)
+_CPU_PIECE_BLOCKS = 1 << 16        # MXFP4 blocks per _search call on a CPU (_search_on_cpu, torch passes)
 # Group exponents R lie in [-128, 129] (E8M0 exponents -127 .. 127, tops up to 6 * 2^e): per-R
 # bins, offset to start at 0.
 _R_OFFSET, _R_BINS = 128, 258
@@ -374,7 +374,7 @@ def _encode(sources: dict[str, tuple[torch.Tensor, torch.Tensor]], group_size: i
     if device.type == "cuda":
         results = _on_gpu(sources, device, args)
     else:
-        results = _search_in_pieces(sources, args)
+        results = _search_on_cpu(sources, args)
     # To the host in one go (pinned memory from a GPU), then one wait.
     codes, scale_out, zero, signal_bins, excess_bins = (t.to("cpu", non_blocking=True) for t in results)
     if device.type == "cuda":
@@ -397,16 +397,16 @@ def _spans(shapes: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
     return list(zip([0] + ends[:-1], ends))
 
 
-def _search_in_pieces(sources: dict[str, tuple[torch.Tensor, torch.Tensor]], args: tuple) -> tuple[torch.Tensor, ...]:
-    """_search's results on the CPU, each tensor searched in pieces of whole rows, about
-    _CPU_PIECE_BLOCKS blocks each: a piece's intermediates (a few MiB) stay below the sizes that
-    malloc hands back to the kernel (workers.worker_settings; a full-size projection's would reach
-    40 MiB), and a worker's peak memory stays small. Under malloc's defaults, 1.2-1.7x faster
-    than one pass over a full-size projection. Codes, scales and zero points concatenate; energy
-    bins (whole numbers) add up exactly."""
-    _, group_size, scheme, exhaustive = args
+def _search_on_cpu(sources: dict[str, tuple[torch.Tensor, torch.Tensor]], args: tuple) -> tuple[torch.Tensor, ...]:
+    """_search's results on the CPU, tensor by tensor: in one C pass each (int4_native, the same
+    bytes) where it is there and the search is coarse to fine; else the torch passes, in pieces of
+    whole rows, about _CPU_PIECE_BLOCKS blocks each: a piece's intermediates (a few MiB) stay below
+    the sizes that malloc hands back to the kernel (workers.worker_settings; a full-size
+    projection's would reach 40 MiB), and a worker's peak memory stays small. Codes, scales and
+    zero points concatenate; energy bins (whole numbers) add up exactly."""
+    shapes, group_size, scheme, exhaustive = args
     parts, bins = [], []
-    for (weight, scale), (rows, k) in zip(sources.values(), args[0]):
+    for (weight, scale), (rows, k) in zip(sources.values(), shapes):
         native = None if exhaustive else int4_native.encode(weight.reshape(-1), scale.reshape(-1),
                                                             group_size // mxfp4.BLOCK,
                                                             _tables(scheme, torch.device("cpu")).native, _R_BINS)
