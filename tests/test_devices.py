@@ -48,11 +48,15 @@ def _expert(rows, k, seed, pin=False):
 def test_tensors_encoded_in_one_run_as_apart(scheme, monkeypatch):
     """The GPU's way (an expert's projections as one run of groups), run here on the CPU, against
     the CPU's (one tensor at a time): the same bytes and per-tensor energies."""
-    monkeypatch.setattr(int4_native, "encode", lambda *a, **k: None)   # the torch passes (not the C one)
     seed = int(np.random.SeedSequence().generate_state(1)[0])
     sources = _expert(64, 512, seed)
-    together = int4._encode(sources, 32, scheme, "cpu", exhaustive=False)
     apart = int4.encode_many(sources, 32, scheme, "cpu")
+    # _on_gpu's one run of groups, here on the CPU (the CPU's own path goes tensor by tensor)
+    monkeypatch.setattr(int4, "_search_on_cpu", lambda srcs, args: int4._search(
+        torch.cat([w.reshape(-1) for w, _ in srcs.values()]), torch.cat([s.reshape(-1) for _, s in srcs.values()]),
+        *args))
+    together = int4._encode({name: (w.view(torch.uint8), s.view(torch.uint8)) for name, (w, s) in sources.items()},
+                            32, scheme, "cpu", exhaustive=False)
     assert all(_same_encoding(together[name], apart[name]) for name in sources), f"seed {seed}"
 
 
