@@ -85,3 +85,19 @@ def test_every_package_is_in_the_wheel():
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(root).parts) for p in (root / "requant").rglob("__init__.py")}
     assert found - listed == set()
+
+
+def test_every_c_source_is_in_the_wheel():
+    """The C helpers are compiled on the user's machine from the installed sources: each one's
+    package must ship its *.c files (package-data), or a wheel install silently runs the torch
+    passes."""
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    sources = list((root / "requant").rglob("*.c"))
+    assert sources
+    for source in sources:
+        package = ".".join(source.parent.relative_to(root).parts)
+        assert "*.c" in data.get(package, []), f"{source.name}: add \"{package}\" = [\"*.c\"] to package-data"
