@@ -304,7 +304,8 @@ def verify(path, deep, source, device, engine, gpu, as_json, quiet):
               help="Experts compared at once (default: one per core, at most 32): processes on the CPU, "
                    "with twice as many more (at most 16) reading the next experts meanwhile; threads feeding a GPU.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]),
-              help="Where experts are decoded and compared (default: cuda when available).")
+              help="Where experts are decoded and compared (default: the CPU's one-pass C comparison where it "
+                   "builds, faster than a GPU here; else cuda when available).")
 @click.option("--no-forward", is_flag=True, help="Skip the MoE-forward comparison (requant validate; every "
               "selected layer on a GPU, the first one only on a CPU).")
 @click.option("--serve", help=SERVE_HELP)
