@@ -62,3 +62,21 @@ def load(source: str) -> tuple[ctypes.CDLL | None, str]:
         return ctypes.CDLL(path), ""
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{os.path.basename(source)} did not build or load: {e}"
+
+
+def bind(source: str, signatures: dict[str, tuple[list, type]], vectorised: str) -> tuple[ctypes.CDLL | None, str]:
+    """`load`, each function named in `signatures` given its ctypes (argtypes, restype): (the
+    library, "avx2" or "portable" as its int `vectorised`(1) answers) or (None, why not)."""
+    lib, why = load(source)
+    if lib is None:
+        return None, why
+    for name, (argtypes, restype) in {**signatures, vectorised: ([ctypes.c_int], ctypes.c_int)}.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
+    return lib, "avx2" if getattr(lib, vectorised)(1) else "portable"
+
+
+def describe(bound: tuple[ctypes.CDLL | None, str]) -> str:
+    """What `bind` gave, for users: 'c (avx2)' or 'c (portable)', else 'torch: <why not>'."""
+    lib, what = bound
+    return f"c ({what})" if lib is not None else f"torch: {what}"

@@ -37,21 +37,15 @@ class _Tables(ctypes.Structure):
 
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = native.load(_SOURCE)
-    if lib is None:
-        return None, why
-    lib.requant_int4_encode.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                        ctypes.POINTER(_Tables), ctypes.c_int, *[ctypes.c_void_p] * 5]
-    lib.requant_int4_encode.restype = ctypes.c_int
-    lib.requant_int4_vectorised.argtypes = [ctypes.c_int]
-    lib.requant_int4_vectorised.restype = ctypes.c_int
-    return lib, "avx2" if lib.requant_int4_vectorised(1) else "portable"
+    return native.bind(_SOURCE, {"requant_int4_encode": ([ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                                          ctypes.c_void_p, ctypes.POINTER(_Tables), ctypes.c_int,
+                                                          *[ctypes.c_void_p] * 5], ctypes.c_int)},
+                       "requant_int4_vectorised")
 
 
 def status() -> str:
     """'c (avx2)' or 'c (portable)' when the library is there; else 'torch: <why not>'. Builds it."""
-    lib, what = _library()
-    return f"c ({what})" if lib is not None else f"torch: {what}"
+    return native.describe(_library())
 
 
 class Prepared:

@@ -40,15 +40,10 @@ class _Sums(ctypes.Structure):
 
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = native.load(_SOURCE)
-    if lib is None:
-        return None, why
-    lib.requant_compare.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(_Side), ctypes.POINTER(_Side),
-                                    ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_Sums)]
-    lib.requant_compare.restype = ctypes.c_int
-    lib.requant_compare_vectorised.argtypes = [ctypes.c_int]
-    lib.requant_compare_vectorised.restype = ctypes.c_int
-    return lib, "avx2" if lib.requant_compare_vectorised(1) else "portable"
+    return native.bind(_SOURCE, {"requant_compare": ([ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(_Side),
+                                                      ctypes.POINTER(_Side), ctypes.c_int64, ctypes.c_int,
+                                                      ctypes.POINTER(_Sums)], ctypes.c_int)},
+                       "requant_compare_vectorised")
 
 
 def available() -> bool:
@@ -58,8 +53,7 @@ def available() -> bool:
 
 def status() -> str:
     """'c (avx2)' or 'c (portable)' when the library is there; else 'torch: <why not>'. Builds it."""
-    lib, what = _library()
-    return f"c ({what})" if lib is not None else f"torch: {what}"
+    return native.describe(_library())
 
 
 def _side(n: Nibbles, rows: int, k: int, keep: list) -> _Side | None:
