@@ -149,6 +149,7 @@ _TIE = 1 << 12                     # above any candidate index
 # exhaustive search they lose about 0.001 dB (sym) and 0.03 dB (asym); scripts/bench_w4a16.py.
 _COARSE = {"sym": 8, "asym": 16}
 _RADIUS = {"sym": 4, "asym": 8}
+_Z_RADIUS = 1                      # asym: the winner's zero point and its neighbours
 # Groups per matrix product: on a CPU few enough that a chunk's [groups, candidates] errors stay in
 # cache, on a GPU many, for few launches (a chunk's gathered tables stay around 100 MiB per scheme
 # option).
@@ -235,16 +236,17 @@ class _Tables:
     @functools.cached_property
     def native(self) -> int4_native.Prepared:
         """These tables laid out for the C pass (CPU tables only)."""
-        return int4_native.Prepared(self, radius=_RADIUS[self.scheme], tie=_TIE, code_lanes=_CODE_LANES, d_max=_D_MAX,
-                                    empty=_EMPTY, e8m0_bias=mxfp4.E8M0_BIAS, r_offset=_R_OFFSET)
+        return int4_native.Prepared(self, radius=_RADIUS[self.scheme], z_radius=_Z_RADIUS, tie=_TIE,
+                                    code_lanes=_CODE_LANES, d_max=_D_MAX, empty=_EMPTY, e8m0_bias=mxfp4.E8M0_BIAS,
+                                    r_offset=_R_OFFSET)
 
     def _neighbours(self, centres: torch.Tensor) -> torch.Tensor:
         """[n, options]: each centre's scale +- the radius (zero point +-1 for asym), clipped to the
         edges (a repeated candidate is harmless)."""
         radius = _RADIUS[self.scheme]
         ds = torch.arange(-radius, radius + 1, device=self.device)
-        dz = torch.arange(-1, 2, device=self.device) if self.n_z > 1 else torch.zeros(1, dtype=torch.long,
-                                                                                      device=self.device)
+        dz = (torch.arange(-_Z_RADIUS, _Z_RADIUS + 1, device=self.device) if self.n_z > 1
+              else torch.zeros(1, dtype=torch.long, device=self.device))
         s = (centres % self.n_s)[:, None, None] + ds[None, None, :]
         z = (centres // self.n_s)[:, None, None] + dz[None, :, None]
         return (z.clamp(0, self.n_z - 1) * self.n_s + s.clamp(0, self.n_s - 1)).flatten(1)

@@ -53,7 +53,7 @@ class Prepared:
     whole tiles by repeating the last) and every column, each row padded; the tensors the
     struct points at are kept here."""
 
-    def __init__(self, tables, *, radius: int, tie: int, code_lanes: torch.Tensor, **constants: int):
+    def __init__(self, tables, *, radius: int, z_radius: int, tie: int, code_lanes: torch.Tensor, **constants: int):
         error = tables.error
         rows, n = error.shape
         columns = torch.cat([tables.coarse, tables.coarse[-1:].expand((-len(tables.coarse)) % _TILE)])
@@ -67,7 +67,7 @@ class Prepared:
         self.lane_squared = tables.lane_squared.to(torch.int64).contiguous()
         self.struct = _Tables(
             coarse=self.coarse.data_ptr(), n_coarse=len(columns), table=self.table.data_ptr(), stride=n + _VECTOR,
-            n_s=tables.n_s, n_z=tables.n_z, radius=radius, z_radius=1 if tables.n_z > 1 else 0, tie=tie,
+            n_s=tables.n_s, n_z=tables.n_z, radius=radius, z_radius=z_radius, tie=tie,
             rows=rows, n_bins=tables.n_bins, split=tables.split, byte_lanes=self.byte_lanes.data_ptr(),
             bytes=self.bytes.data_ptr(), s=self.s.data_ptr(), z=self.z.data_ptr(),
             lane_squared=self.lane_squared.data_ptr(), zero_index=tables.zero_index, **constants)
