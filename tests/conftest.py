@@ -13,6 +13,7 @@ import sys
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from requant import synth  # noqa: E402
 
@@ -88,3 +89,10 @@ def direct_writes_supported(directory: str) -> bool:
         return fd is not None
     finally:
         os.remove(probe)
+
+
+def same_encoding(a, b) -> bool:
+    """Two int4.Encoded alike: packed codes, scale bits, zero points and both energies."""
+    zero_points = (a.zero_point is None and b.zero_point is None) or torch.equal(a.zero_point, b.zero_point)
+    return (torch.equal(a.packed, b.packed) and torch.equal(a.scale.view(torch.int16), b.scale.view(torch.int16))
+            and zero_points and (a.signal_energy, a.error_energy) == (b.signal_energy, b.error_energy))

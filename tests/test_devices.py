@@ -10,18 +10,12 @@ import torch
 
 from requant import synth
 from requant.formats import int4, int4_native
-from tests.conftest import run_cli, tree
+from tests.conftest import run_cli, same_encoding, tree
 
 
 def _mxfp4(rows, k, seed, hard=synth.HardCases()):
     w, s = synth._Values(seed, hard).expert(rows, k, pooled=False)
     return w.view(torch.uint8), s.view(torch.uint8)
-
-
-def _same_encoding(a: int4.Encoded, b: int4.Encoded) -> bool:
-    zero_points = (a.zero_point is None and b.zero_point is None) or torch.equal(a.zero_point, b.zero_point)
-    return (torch.equal(a.packed, b.packed) and torch.equal(a.scale.view(torch.int16), b.scale.view(torch.int16))
-            and zero_points and (a.signal_energy, a.error_energy) == (b.signal_energy, b.error_energy))
 
 
 @pytest.mark.parametrize("scheme", int4.SCHEMES)
@@ -33,7 +27,7 @@ def test_gpu_refinement_picks_what_the_cpu_one_picks(scheme, monkeypatch):
     monkeypatch.setattr(int4_native, "encode", lambda *a, **k: None)   # the torch passes (not the C one)
     by_centre = int4.encode_mxfp4(w, s, 32, scheme)
     monkeypatch.setattr(int4._Tables, "_best_by_centre", int4._Tables._best_each)
-    assert _same_encoding(int4.encode_mxfp4(w, s, 32, scheme), by_centre), f"seed {seed}"
+    assert same_encoding(int4.encode_mxfp4(w, s, 32, scheme), by_centre), f"seed {seed}"
 
 
 def _expert(rows, k, seed, pin=False):
@@ -57,7 +51,7 @@ def test_tensors_encoded_in_one_run_as_apart(scheme, monkeypatch):
         *args))
     together = int4._encode({name: (w.view(torch.uint8), s.view(torch.uint8)) for name, (w, s) in sources.items()},
                             32, scheme, "cpu", exhaustive=False)
-    assert all(_same_encoding(together[name], apart[name]) for name in sources), f"seed {seed}"
+    assert all(same_encoding(together[name], apart[name]) for name in sources), f"seed {seed}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: runs on the GPU machine")
@@ -71,9 +65,9 @@ def test_cuda_encodes_the_bytes_the_cpu_encodes(group, scheme):
         sources = _expert(2048, 4096, seed, pin=True)
         on_cpu = int4.encode_many(sources, group, scheme, "cpu")
         on_gpu = int4.encode_many(sources, group, scheme, "cuda")
-        assert all(_same_encoding(on_gpu[name], on_cpu[name]) for name in sources), seed
+        assert all(same_encoding(on_gpu[name], on_cpu[name]) for name in sources), seed
     w, s = sources["down"]
-    assert _same_encoding(int4.encode_mxfp4(w.cuda(), s.cuda(), group, scheme), on_cpu["down"])
+    assert same_encoding(int4.encode_mxfp4(w.cuda(), s.cuda(), group, scheme), on_cpu["down"])
 
 
 def test_worker_counts_and_devices_write_the_same_bytes(small_source, tmp_path):

@@ -13,6 +13,7 @@ import torch
 import requant.native
 from requant.formats import int4, int4_native
 from requant.synth import HardCases, _Values
+from tests.conftest import same_encoding
 
 pytestmark = pytest.mark.skipif(int4_native.status().startswith("torch"),
                                 reason=f"the C encoder is unavailable here: {int4_native.status()}")
@@ -42,15 +43,6 @@ def _encoded(monkeypatch, w, s, group, scheme, encode=None):
         return int4.encode_mxfp4(w, s, group, scheme)
 
 
-def _assert_same(a: int4.Encoded, b: int4.Encoded):
-    assert torch.equal(a.packed, b.packed)
-    assert torch.equal(a.scale.view(torch.int16), b.scale.view(torch.int16))
-    assert (a.zero_point is None) == (b.zero_point is None)
-    if a.zero_point is not None:
-        assert torch.equal(a.zero_point, b.zero_point)
-    assert (a.signal_energy, a.error_energy) == (b.signal_energy, b.error_energy)
-
-
 @pytest.mark.parametrize("source", [_realistic, _extreme])
 @pytest.mark.parametrize("group", int4.GROUP_SIZES)
 @pytest.mark.parametrize("scheme", int4.SCHEMES)
@@ -66,7 +58,7 @@ def test_the_c_encoder_writes_the_torch_passes_bytes(monkeypatch, source, group,
     c = _encoded(monkeypatch, w, s, group, scheme, counted)
     assert calls, "the C pass did not run"
     t = _encoded(monkeypatch, w, s, group, scheme, lambda *a, **k: None)
-    _assert_same(c, t)
+    assert same_encoding(c, t)
     assert c.error_energy > 0 and torch.isfinite(int4.decode(c.packed, c.scale, c.zero_point)).any()
 
 
@@ -76,7 +68,7 @@ def test_the_avx2_and_portable_paths_agree(monkeypatch, scheme):
     w, s = _realistic()
     vector = _encoded(monkeypatch, w, s, 32, scheme)
     portable = _encoded(monkeypatch, w, s, 32, scheme, functools.partial(int4_native.encode, vectorised=False))
-    _assert_same(vector, portable)
+    assert same_encoding(vector, portable)
 
 
 def test_the_exhaustive_oracle_stays_in_torch(monkeypatch):
@@ -94,7 +86,7 @@ def test_without_the_library_the_torch_passes_encode_and_say_why(monkeypatch):
     try:
         assert int4_native.status() == "torch: REQUANT_NATIVE=0"
         assert int4.ready_cpu("sym") == "torch: REQUANT_NATIVE=0"
-        _assert_same(int4.encode_mxfp4(w, s, 32, "sym"), before)
+        assert same_encoding(int4.encode_mxfp4(w, s, 32, "sym"), before)
     finally:
         monkeypatch.delenv("REQUANT_NATIVE")
         requant.native.load.cache_clear()

@@ -75,14 +75,20 @@ def test_core_commands_work_without_the_extras_and_validate_names_it(tmp_path):
                                    "needs triton, which is not installed: pip install 'requant[gpu]'")
 
 
-def test_every_package_is_in_the_wheel():
-    """pyproject lists its packages by hand: a new subpackage left out would be missing from a
-    wheel install while an editable one still imports it."""
+def _setuptools():
+    """(the repository root, pyproject.toml's [tool.setuptools] table)."""
     import pathlib
     import tomllib
 
     root = pathlib.Path(__file__).resolve().parent.parent
-    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    return root, tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject lists its packages by hand: a new subpackage left out would be missing from a
+    wheel install while an editable one still imports it."""
+    root, setuptools = _setuptools()
+    listed = set(setuptools["packages"])
     found = {".".join(p.parent.relative_to(root).parts) for p in (root / "requant").rglob("__init__.py")}
     assert found - listed == set()
 
@@ -91,11 +97,8 @@ def test_every_c_source_is_in_the_wheel():
     """The C helpers are compiled on the user's machine from the installed sources: each one's
     package must ship its *.c files (package-data), or a wheel install silently runs the torch
     passes."""
-    import pathlib
-    import tomllib
-
-    root = pathlib.Path(__file__).resolve().parent.parent
-    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    root, setuptools = _setuptools()
+    data = setuptools["package-data"]
     sources = list((root / "requant").rglob("*.c"))
     assert sources
     for source in sources:
