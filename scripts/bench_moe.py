@@ -9,7 +9,7 @@ counts and prints a table. Full results go to $OUT (or --out) as JSON.
     python3 scripts/bench_moe.py [--tokens 1,4,...] [--formats nvfp4,int4,mxfp4] [--sweep F1,F2]
                                  [--compare-with OLD/fused_moe.py] [--hidden H --intermediate I ...]
 
-Formats: nvfp4, int4, mxfp4 (and int4-asym in the checks).
+Formats: nvfp4, int4 (groups of 128), int4-g32, mxfp4 (and int4-asym in the checks).
 
 --compare-with times another version of the kernel module (say, the previous commit's) on the same
 inputs in the same run, with its own default configs, so that a change is judged against noise
@@ -53,7 +53,11 @@ def sweep_configs(tokens: int) -> list[fm.KernelConfig]:
             fm.KernelConfig(16, 64, 128, 4, 4, split_k=s, gate_up_apart=True, max_registers=r)
             for s in (1, 2) for r in (None, 80)] + [
             fm.KernelConfig(16, 64, 128, 4, 6, split_k=1, gate_up_apart=True, max_registers=80),
-            fm.KernelConfig(16, 64, 128, 4, 4, split_k=2, max_registers=80)]
+            fm.KernelConfig(16, 64, 128, 4, 4, split_k=2, max_registers=80)] + [
+            # 128 weight rows for one warpgroup: two M tiles share each K step's descriptors,
+            # addresses and scale loads (w1/w3 apart, else four tiles would not fit the registers)
+            fm.KernelConfig(16, 128, 128, 4, st, split_k=s, gate_up_apart=True, max_registers=r)
+            for s in (1, 2, 4) for st, r in ((4, None), (4, 128))]
     if tokens <= 1024:
         return [fm.KernelConfig(16, 64, 128, 4, 4), fm.KernelConfig(32, 64, 128, 4, 4),
                 fm.KernelConfig(64, 128, 128, 8, 4)]
@@ -64,8 +68,9 @@ def sweep_configs(tokens: int) -> list[fm.KernelConfig]:
 def random_weights(fmt: str, n: int, k: int, gen: torch.Generator) -> fm.ExpertWeights:
     """Random codes with scales that keep gate/up values around the SwiGLU limit."""
     dev = "cuda"
-    group = 128 if k % 128 == 0 else 32  # INT4's group; 32 for K off whole 128s (gpt-oss's 2880)
-    if fmt == "int4":
+    # INT4's group: 128, or 32 for K off whole 128s (gpt-oss's 2880) and "int4-g32" (requant's W4A16 default)
+    group = 128 if k % 128 == 0 and fmt != "int4-g32" else 32
+    if fmt in ("int4", "int4-g32"):
         packed = torch.randint(-2**31, 2**31 - 1, (E, n, k // 8), generator=gen, device=dev, dtype=torch.int32)
         scale = (torch.rand(E, n, k // group, generator=gen, device=dev) * 0.004 + 0.002).bfloat16()
         return fm.ExpertWeights("w4a16", packed, scale)
@@ -199,7 +204,8 @@ def main():
     prepared = {f: [fm.kernel_weights(w) for w in ws] for f, ws in weights.items()}
     cases = [(1, None, None), (64, None, None), (4096, None, None),
              (300, fm.KernelConfig(64, 128, 128, 4, 4), None), (1, fm.KernelConfig(16, 64, 128, 4, 4, split_k=8), None),
-             (5, fm.KernelConfig(16, 128, 128, 8, 4, 2), None)]
+             (5, fm.KernelConfig(16, 128, 128, 8, 4, 2), None),
+             (16, fm.KernelConfig(16, 128, 128, 4, 4, 2, gate_up_apart=True), None)]
     for f, ws in weights.items():
         extra = [(64, None, (0.002, 0.004)), (1, None, (1.0, 1.0))] if f == "nvfp4" else []
         for tokens, cfg, scales, oai in [(t, c, s, False) for t, c, s in cases + extra] + [(1, None, None, True),
