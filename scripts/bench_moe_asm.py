@@ -60,7 +60,8 @@ def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig, even_k: bool = Tru
                      ACTIVATION=0, LIMIT=10.0, ALPHA=1.0, COMPUTE=tl.bfloat16, ASM=True, DOT_PRECISION="tf32",
                      PERM_OUT=gated and not partials,
                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-                     EVEN_K=even_k, WORDS_16B=True, APART=apart, PDL=True)
+                     EVEN_K=even_k, WORDS_16B=True, APART=apart, PDL=True,
+                     PIPELINED_SCALES=cfg.pipelined_scales and (128 // group) * (2 if fmt == "int4" else 1) >= 8)
     signature.update({name: "constexpr" for name in constants})
     divisible = DIVISIBLE if even_k else DIVISIBLE - {"stride_wn", "stride_sn"}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in kernel.arg_names
@@ -92,7 +93,8 @@ def main():
     ap.add_argument("--only", help="compile only the variants whose tag contains this (e.g. w13_decode)")
     args = ap.parse_args()
     print(f"Triton {triton.__version__}, target sm_90")
-    decode, prefill = fm.KernelConfig(16, 64, 128, 4, 4), fm.KernelConfig(128, 128, 128, 8, 3)
+    decode = fm.KernelConfig(16, 64, 128, 4, 4)
+    prefill = fm.KernelConfig(128, 128, 128, 8, 3)  # as default_config's, except pipelined_scales (per format)
     shapes = [(gated, name, cfg) for gated in (True, False) for name, cfg in (("decode", decode), ("prefill", prefill))]
     shapes.insert(1, (True, "decode_apart", dataclasses.replace(decode, gate_up_apart=True)))
     shapes.insert(2, (True, "decode_apart_r80", dataclasses.replace(decode, gate_up_apart=True, max_registers=80)))
@@ -100,6 +102,8 @@ def main():
     variants = [(fmt, *shape, True) for fmt in SCALE_TYPES for shape in shapes]
     variants += [("mxfp4", *shape, False) for shape in shapes]
     for fmt, gated, name, cfg, even_k in variants:
+        if name == "prefill":
+            cfg = fm.default_config(6 * 16384, 256, FORMAT_CODES[fmt].value)
         tag = f"{fmt}_{'w13' if gated else 'w2'}_{name}{'' if even_k else '_2880'}"
         if args.only and args.only not in tag:
             continue

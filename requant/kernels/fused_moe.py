@@ -97,6 +97,9 @@ class KernelConfig:
     # a program holding both, so more programs fit an SM
     gate_up_apart: bool = False
     max_registers: int | None = None  # per thread (ptxas's maxnreg): fewer let more programs share an SM
+    # Block scales fetched stages ahead with the words, where a row's scales per K tile are 8 bytes
+    # or more (`_launch`); off, they are loaded one tile ahead by hand
+    pipelined_scales: bool = True
 
 
 @dataclass(frozen=True)
@@ -135,11 +138,14 @@ def default_config(pairs: int, experts: int, kernel_code: int | None = None) -> 
         # 96 pairs (16 tokens of top-6).
         apart = kernel_code != int4.CODEC.kernel_code or pairs <= 96
         return KernelConfig(16, 64, 128, num_warps=4, num_stages=4, gate_up_apart=apart)
+    # NVFP4's scales in the pipeline were 3% slower at 4096-16384 tokens (run 14; not measured at
+    # 256-1024), INT4's with groups of 32 faster at every size.
+    pipelined = kernel_code is not None and kernel_code != nvfp4.CODEC.kernel_code
     if per_expert <= 32:
-        return KernelConfig(32, 64, 128, num_warps=4, num_stages=4)
+        return KernelConfig(32, 64, 128, num_warps=4, num_stages=4, pipelined_scales=pipelined)
     if per_expert <= 64:
-        return KernelConfig(64, 128, 128, num_warps=8, num_stages=4)
-    return KernelConfig(128, 128, 128, num_warps=8, num_stages=3)
+        return KernelConfig(64, 128, 128, num_warps=8, num_stages=4, pipelined_scales=pipelined)
+    return KernelConfig(128, 128, 128, num_warps=8, num_stages=3, pipelined_scales=pipelined)
 
 
 ALIGN_PAIRS = 2048  # pairs up to which one program aligns them (`_align`); beyond, torch's sort
@@ -555,17 +561,21 @@ def _mma_rows(BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOCK_N: tl.constexpr,
-                 KW: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr):
+                 KW: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr,
+                 PIPELINED: tl.constexpr):
     """Scales (raw) and zero points [BLOCK_N, G] of the groups of the tile starting at word column
     kw (G = 1 when a group spans more than the tile); zero for groups at or beyond K (the last tile
     when not EVEN_K), whatever the memory there holds.
 
     One load per group, broadcast to its words by `_dequant`: the tile's layout then follows the
     weight words (vector stores of the dequantized planes) instead of a per-word gather of
-    repeated bytes. These loads are too narrow for cp.async, so the caller issues them one K tile
-    ahead. NVFP4's are loaded in the layout the words' groups have in registers (2 bytes per row
-    and thread), so they need no trip through shared memory (STS, LDS and barriers in every K
-    tile: scripts/bench_moe_results.md, run 9).
+    repeated bytes.
+    PIPELINED (the caller's PIPELINED_SCALES: 8 bytes or more a row): a plain load of the tile's
+    row, which Triton's pipeliner fetches stages ahead with the words, through shared memory.
+    Otherwise the caller issues the load one K tile ahead, the loop waiting for it; NVFP4's are then
+    loaded in the layout the words' groups have in registers (2 bytes per row and thread), so they
+    need no trip through shared memory (scripts/bench_moe_results.md, run 9). Under Nsight
+    Compute that wait was the largest stall of the decode GEMMs (run 14).
     """
     WPG: tl.constexpr = GROUP // 8
     G: tl.constexpr = KW // WPG if KW >= WPG else 1
@@ -574,7 +584,7 @@ def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOC
     if not EVEN_K:
         mask = mask & (groups < K // GROUP)[None, :]
     offs = offs_n[:, None] * stride_sn + groups[None, :]
-    if GROUP < 32:   # NVFP4: 2 groups per thread's 4 words, so contiguous 2 at most (the layout above)
+    if GROUP < 32 and not PIPELINED:  # NVFP4: 2 groups per thread's 4 words, so contiguous 2 at most (the layout above)
         offs = tl.max_contiguous(offs, [1, 32 // GROUP])
     scale = tl.load(s_ptr + offs, mask=mask, other=0)
     zero = 8
@@ -600,7 +610,7 @@ def _moe_gemm_kernel(
     COMPUTE: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PERM_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, WORDS_16B: tl.constexpr, APART: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PIPELINED_SCALES: tl.constexpr,
 ):
     """out[pair, n] for the pairs of one M block (one expert) and one N tile.
 
@@ -664,14 +674,16 @@ def _moe_gemm_kernel(
     k_end = k_begin + slice_k
     if pid_n * BLOCK_N >= N:  # a tile of PERM_OUT's padding only: no weights, its zeros are stored
         k_end = k_begin
-    s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW, GROUP,
-                          HAS_ZP, EVEN_K)
+    if not PIPELINED_SCALES:  # the first tile's; the loop loads each next one
+        s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW,
+                              GROUP, HAS_ZP, EVEN_K, False)
     if GATED:
         w3_ptr += e * stride_we
         s3_ptr += e * stride_se
         z3_ptr += e * stride_ze
-        s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW,
-                              GROUP, HAS_ZP, EVEN_K)
+        if not PIPELINED_SCALES:
+            s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW,
+                                  GROUP, HAS_ZP, EVEN_K, False)
         acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
@@ -680,15 +692,23 @@ def _moe_gemm_kernel(
         w_mask = n_mask[:, None]
         if not EVEN_K:  # the zero scales beyond K zero the weights; this keeps the loads inside the tensor
             w_mask = w_mask & (kw + offs_w < words_k)[None, :]
+        if PIPELINED_SCALES:  # this tile's, fetched stages ahead with its words by the pipeliner
+            s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOCK_N, KW, GROUP,
+                                  HAS_ZP, EVEN_K, True)
         words = tl.load(w_ptr + w_offs + kw, mask=w_mask, other=0)
         w_tile = _mma_tile(_dequant(words, s1, z1, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
-        s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW, GROUP,
-                              HAS_ZP, EVEN_K)
+        if not PIPELINED_SCALES:
+            s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW, GROUP,
+                                  HAS_ZP, EVEN_K, False)
         if GATED:
+            if PIPELINED_SCALES:
+                s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOCK_N, KW, GROUP,
+                                      HAS_ZP, EVEN_K, True)
             words3 = tl.load(w3_ptr + w_offs + kw, mask=w_mask, other=0)
             w3_tile = _mma_tile(_dequant(words3, s3, z3, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
-            s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW,
-                                  GROUP, HAS_ZP, EVEN_K)
+            if not PIPELINED_SCALES:
+                s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW,
+                                      GROUP, HAS_ZP, EVEN_K, False)
         a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
         acc = tl.dot(w_tile, a, acc, input_precision=DOT_PRECISION)
         if GATED:
@@ -882,6 +902,11 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
     apart = gated and cfg.gate_up_apart
     partials = split > 1 or apart   # FP32 partials [S, pairs, N] ([S, 2, pairs, N] for w1/w3)
     n_tiles = triton.cdiv(padded_k(w.n) if perm_out else w.n, cfg.block_n)  # PERM_OUT pads the next GEMM's K
+    # With 8 bytes of scales a row per K tile (NVFP4; INT4 with groups of 32), Triton's pipeliner
+    # fetches them stages ahead with the words (cp.async). Narrower rows it left as a load in the
+    # loop that was waited for (MXFP4 and INT4 g64 also through shared memory), so those are loaded
+    # by hand one tile ahead (sm_90 SASS: scripts/bench_moe_asm.py; run 14).
+    pipelined_scales = cfg.pipelined_scales and (cfg.block_k // w.group) * w.scale.element_size() >= 8
     # 16-byte weight loads need rows of words on 16 bytes, and K in whole 16-byte vectors.
     words_16b = w.k % 32 == 0 and all(t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0 and t.data_ptr() % 16 == 0
                                       for t in (words, words3))
@@ -902,7 +927,8 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         ALPHA=float(act.alpha), COMPUTE=_TL_DTYPES[compute], ASM=compute != torch.float32,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", PERM_OUT=perm_out,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
-        EVEN_K=w.k % cfg.block_k == 0, WORDS_16B=words_16b, APART=apart, num_warps=cfg.num_warps,
+        EVEN_K=w.k % cfg.block_k == 0, WORDS_16B=words_16b, APART=apart, PIPELINED_SCALES=pipelined_scales,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **_chained(a), **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )
 
