@@ -610,7 +610,7 @@ def _moe_gemm_kernel(
     COMPUTE: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PERM_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, WORDS_16B: tl.constexpr, APART: tl.constexpr,
-    PDL: tl.constexpr, PIPELINED_SCALES: tl.constexpr,
+    PDL: tl.constexpr, PIPELINED_SCALES: tl.constexpr, ROUTING_READY: tl.constexpr,
 ):
     """out[pair, n] for the pairs of one M block (one expert) and one N tile.
 
@@ -637,6 +637,8 @@ def _moe_gemm_kernel(
     tiles, are stored as zeros for the next GEMM). WORDS_16B: the host checked that rows of words
     start on 16 bytes and K is a multiple of 32 (whole 4-word vectors); saying so keeps the weight
     loads 16 bytes wide when the stride is not a multiple of 16 words (2880 / 8 = 360).
+    ROUTING_READY (`_launch`'s routing_ready): the programs wait for the previous launch (PDL) only
+    after reading the routing, the global scales and the routing weights, which it did not write.
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -646,7 +648,8 @@ def _moe_gemm_kernel(
             w_ptr, s_ptr, gs_ptr, z_ptr, b_ptr = w3_ptr, s3_ptr, gs3_ptr, z3_ptr, b3_ptr
             out_ptr += stride_og
         pid_k = pid_k // 2
-    _wait_for_inputs(PDL, True)
+    if not ROUTING_READY:
+        _wait_for_inputs(PDL, True)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -686,6 +689,18 @@ def _moe_gemm_kernel(
                                   GROUP, HAS_ZP, EVEN_K, False)
         acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # The epilogue's scalars now, not after the loop: a program's last load was a wait of its own.
+    # On the GPU NVFP4's weights come 2^-7 times the true ones ("e2m1_folded"); the global scale,
+    # which NVFP4 always has, takes it back.
+    gs_factor: tl.constexpr = _FOLDED_WEIGHT_FACTOR if ASM and FMT == NVFP4 else 1.0
+    if HAS_GLOBAL:
+        gs = tl.load(gs_ptr + e) * gs_factor
+        if GATED:
+            gs3 = tl.load(gs3_ptr + e) * gs_factor  # w3's own global scale, never w1's
+    if ROUTE_WEIGHT:
+        route = tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)
+    if ROUTING_READY:  # the routing and weights were read while the launch before this one ran
+        _wait_for_inputs(PDL, True)
     for k0 in range(k_begin, k_end, BLOCK_K):
         kw = k0 // 8
         kw_next = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K) // 8  # the last tile reloads itself
@@ -717,18 +732,15 @@ def _moe_gemm_kernel(
     offs_n = pid_n * BLOCK_N + _mma_rows(BLOCK_N)  # the accumulator's rows
     n_mask = offs_n < N
     n_store = tl.cdiv(N, BLOCK_K) * BLOCK_K if PERM_OUT else N  # the zeros of a padded last tile too
-    # On the GPU NVFP4's weights come 2^-7 times the true ones ("e2m1_folded"); the global scale,
-    # which NVFP4 always has, takes it back.
-    gs_factor: tl.constexpr = _FOLDED_WEIGHT_FACTOR if ASM and FMT == NVFP4 else 1.0
     if HAS_GLOBAL:
-        acc *= tl.load(gs_ptr + e) * gs_factor
+        acc *= gs
     if HAS_BIAS:
         acc += _bias(b_ptr, e, stride_be, stride_bn, offs_n, n_mask, pid_k, SPLIT_K)
     out_ptr += pid_k * stride_os
     out_mask = row_mask[None, :] & (offs_n < n_store)[:, None]
     if GATED:
         if HAS_GLOBAL:
-            acc3 *= tl.load(gs3_ptr + e) * gs_factor  # w3's own global scale, never w1's
+            acc3 *= gs3
         if HAS_BIAS:
             acc3 += _bias(b3_ptr, e, stride_be, stride_bn, offs_n, n_mask, pid_k, SPLIT_K)
         if SPLIT_K > 1:
@@ -737,7 +749,7 @@ def _moe_gemm_kernel(
         else:
             acc = _swiglu(acc, acc3, ACTIVATION, LIMIT, ALPHA)
     if ROUTE_WEIGHT:
-        acc *= tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)[None, :]
+        acc *= route[None, :]
     cols = _out_columns(offs_n, PERM_OUT and SPLIT_K == 1, BLOCK_K)
     out_ptrs = out_ptr + pairs.to(tl.int64)[None, :] * stride_om + cols[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -875,10 +887,12 @@ def fits(hidden_size: int, intermediate_size: int) -> bool:
 
 
 def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pairs, compute, cfg, act,
-            bias=None, bias3=None, perm_out=False):
+            bias=None, bias3=None, perm_out=False, routing_ready=False):
     """One GEMM launch; `out` is [pairs, N], or when split (`_split`) or w1/w3 apart FP32 partials
     [S, pairs, N] ([S, 2, pairs, N] for w1/w3). `act` (a SwiGLU) is fused after w1/w3 unless
-    split or apart."""
+    split or apart. routing_ready: sorted_ids, block_expert and route_w were written before the
+    launch that precedes this one, so under programmatic dependent launch its programs read them
+    (and the global scales) before they wait for that launch: w2's, after w1/w3."""
     if w.k % K_STEP or cfg.block_k != K_TILE or w.group % 8:
         raise ValueError(f"K={w.k}, group {w.group} do not fit block_k={cfg.block_k} (the kernel takes K tiles of "
                          f"128, the 16 words that `_mma_tile` lays out, K a multiple of {K_STEP} and groups of whole "
@@ -928,7 +942,7 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", PERM_OUT=perm_out,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
         EVEN_K=w.k % cfg.block_k == 0, WORDS_16B=words_16b, APART=apart, PIPELINED_SCALES=pipelined_scales,
-        num_warps=cfg.num_warps,
+        ROUTING_READY=routing_ready, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **_chained(a), **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )
 
@@ -972,7 +986,7 @@ def down(h, w2, sorted_ids, block_expert, route_w, pairs, compute, cfg, b2=None)
     dtype = torch.float32 if split > 1 else compute
     y = torch.empty(split, pairs, w2.n, dtype=dtype, device=h.device)
     _launch(h, 1, w2, None, y if split > 1 else y[0], sorted_ids, block_expert, route_w, pairs, compute, cfg, None,
-            b2)
+            b2, routing_ready=True)
     return y
 
 
