@@ -63,6 +63,21 @@ def test_formats_match_reference(fmt, group):
     assert_matches(y, ref)
 
 
+@pytest.mark.parametrize("fmt,group,hidden", [("nvfp4", 16, HIDDEN), ("int4-asym", 32, HIDDEN),
+                                              ("nvfp4-any", 16, 176), ("int4-asym", 32, 160)])
+def test_scales_by_hand_or_pipelined_agree(fmt, group, hidden):
+    """A tile's scales (and zero points) loaded with its words (`pipelined_scales`, the default
+    where a row's are 8 bytes a tile) or by hand one tile ahead: the same bytes out, K whole tiles
+    or not (176, 160: the last tile partial)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"pipelined/{fmt}/{hidden}".encode()))
+    (w1, _), (w3, _), (w2, _) = make_layer(fmt, EXPERTS, hidden, INTER, gen, group=group)
+    ids, weights = random_routing(7, 3, gen)
+    x = (torch.randn(7, hidden, generator=gen) * 0.05).bfloat16()
+    cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1)
+    outs = [fused_moe(x, ids, weights, w1, w3, w2, config=replace(cfg, pipelined_scales=p)) for p in (True, False)]
+    assert torch.equal(outs[0], outs[1])
+
+
 # Scale bytes that decode to NaN, by format.
 NAN_SCALE = {"mxfp4": lambda n: torch.full(n, 0xFF, dtype=torch.uint8),
              "nvfp4": lambda n: torch.full(n, 0x7F, dtype=torch.uint8),
