@@ -139,7 +139,7 @@ def default_config(pairs: int, experts: int, kernel_code: int | None = None) -> 
         apart = kernel_code != int4.CODEC.kernel_code or pairs <= 96
         return KernelConfig(16, 64, 128, num_warps=4, num_stages=4, gate_up_apart=apart)
     # NVFP4's scales in the pipeline were 3% slower at 4096-16384 tokens (run 14; not measured at
-    # 256-1024), INT4's with groups of 32 faster at every size.
+    # 256-1024), INT4's with groups of 32 faster at every size; no format named: by hand, as before.
     pipelined = kernel_code is not None and kernel_code != nvfp4.CODEC.kernel_code
     if per_expert <= 32:
         return KernelConfig(32, 64, 128, num_warps=4, num_stages=4, pipelined_scales=pipelined)
