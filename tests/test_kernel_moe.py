@@ -220,6 +220,23 @@ def test_moe_align_invariants(align):
                    (real[(ids.flatten()[real.long()] == e)] for e in range(EXPERTS)))
 
 
+@pytest.mark.parametrize("align", [moe_align, _moe_align_torch])
+@pytest.mark.parametrize("counts,block,full", [([1] * 6, 16, True), ([1] * 7 + [9], 4, True),
+                                               ([2] * 8, 4, False), ([5], 4, False)])
+def test_moe_align_allots_the_blocks_a_routing_can_fill(align, counts, block, full):
+    """The blocks allotted for P pairs are the most P pairs can fill (n + (P - n) // block, n =
+    min(experts, P)), all of them filled when every expert but one has one pair: one token of top-6
+    fills its 6 (no block for nobody), 16 pairs over 8 experts, 7 with one, fill 7 + 3 = 10. Other
+    routings leave the spare blocks marked unused."""
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)]).view(-1, 1)
+    sorted_ids, block_expert = align(ids, EXPERTS, block)
+    n = min(EXPERTS, ids.numel())
+    filled = sum(-(-c // block) for c in counts)
+    assert block_expert.numel() == n + (ids.numel() - n) // block
+    assert (block_expert >= 0).sum() == filled and sorted_ids.numel() == block_expert.numel() * block
+    assert (filled == block_expert.numel()) == full
+
+
 @pytest.mark.parametrize("align_pairs", [2048, 4])
 def test_prepared_activations_are_permuted_and_padded(align_pairs, monkeypatch):
     """The one-launch prologue's A equals `permute_k` of x in the compute dtype, zeros padding
