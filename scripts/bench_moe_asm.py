@@ -61,7 +61,7 @@ def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig, even_k: bool = Tru
                      PERM_OUT=gated and not partials,
                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
                      EVEN_K=even_k, WORDS_16B=True, APART=apart, PDL=True,
-                     PIPELINED_SCALES=cfg.pipelined_scales and (128 // group) * (2 if fmt == "int4" else 1) >= 8,
+                     PIPELINED_SCALES=fm.scales_pipelined(cfg, group, 2 if fmt == "int4" else 1),
                      ROUTING_READY=not gated)
     signature.update({name: "constexpr" for name in constants})
     divisible = DIVISIBLE if even_k else DIVISIBLE - {"stride_wn", "stride_sn"}

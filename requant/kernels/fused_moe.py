@@ -921,11 +921,7 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
     apart = gated and cfg.gate_up_apart
     partials = split > 1 or apart   # FP32 partials [S, pairs, N] ([S, 2, pairs, N] for w1/w3)
     n_tiles = triton.cdiv(padded_k(w.n) if perm_out else w.n, cfg.block_n)  # PERM_OUT pads the next GEMM's K
-    # With 8 bytes of scales a row per K tile (NVFP4; INT4 with groups of 32), Triton's pipeliner
-    # fetches them stages ahead with the words (cp.async). Narrower rows it left as a load in the
-    # loop that was waited for (MXFP4 and INT4 g64 also through shared memory), so those are loaded
-    # by hand one tile ahead (sm_90 SASS: scripts/bench_moe_asm.py; run 14).
-    pipelined_scales = cfg.pipelined_scales and (cfg.block_k // w.group) * w.scale.element_size() >= 8
+    pipelined_scales = scales_pipelined(cfg, w.group, w.scale.element_size())
     # 16-byte weight loads need rows of words on 16 bytes, and K in whole 16-byte vectors.
     words_16b = w.k % 32 == 0 and all(t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0 and t.data_ptr() % 16 == 0
                                       for t in (words, words3))
@@ -950,6 +946,15 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         ROUTING_READY=routing_ready, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **_chained(a), **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )
+
+
+def scales_pipelined(cfg: KernelConfig, group: int, scale_bytes: int) -> bool:
+    """Whether a launch's block scales are fetched stages ahead with the words: where cfg asks and
+    a row's scales per K tile are 8 bytes or more (NVFP4; INT4 with groups of 32), which Triton's
+    pipeliner copies with cp.async. Narrower rows it left as a load in the loop that was waited for
+    (MXFP4 and INT4 g64 also through shared memory), so those are loaded by hand one tile ahead
+    (sm_90 SASS: scripts/bench_moe_asm.py; run 14)."""
+    return cfg.pipelined_scales and cfg.block_k // group * scale_bytes >= 8
 
 
 def _chained(t: torch.Tensor) -> dict:
