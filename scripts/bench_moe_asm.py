@@ -34,16 +34,17 @@ from requant.kernels import fused_moe as fm  # noqa: E402
 SCALE_TYPES = {"nvfp4": ("*u8", 16), "mxfp4": ("*u8", 32), "int4": ("*bf16", 128)}
 FORMAT_CODES = {"nvfp4": fm.NVFP4, "mxfp4": fm.MXFP4, "int4": fm.INT4}
 # Arguments that are multiples of 16 at run time for this model's shapes (Triton specializes on it).
-DIVISIBLE = {"stride_am", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_om", "stride_os", "stride_og",
+DIVISIBLE = {"stride_am", "stride_we", "stride_wt", "stride_se", "stride_sn", "stride_om", "stride_os", "stride_og",
              "N", "K"}
 COUNTED = ("HGMMA", "WARPGROUP", "LDSM", "STS", "LDS", "BAR", "LDGSTS", "PRMT", "LOP3", "SHF", "HMUL2", "HFMA2", "IMAD",
            "LDL", "STL")
 
 
 def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig, even_k: bool = True):
-    """even_k False: a K off whole tiles, as gpt-oss's 2880 (rows of 360 words: 16-byte aligned, not
-    a multiple of 16 words, so Triton does not specialize the row strides). cfg.gate_up_apart: w1/w3
-    by separate programs (the gated launch's APART)."""
+    """even_k False: a K off whole tiles, as gpt-oss's 2880 (rows of 90 MXFP4 scale bytes, no
+    multiple of 16, so Triton does not specialize the scales' row stride; the words' blocks are
+    whole tiles whatever K is). cfg.gate_up_apart: w1/w3 by separate programs (the gated launch's
+    APART)."""
     kernel = fm._moe_gemm_kernel
     scale_type, group = SCALE_TYPES[fmt]
     signature = {name: "i32" for name in kernel.arg_names}
@@ -60,11 +61,11 @@ def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig, even_k: bool = Tru
                      ACTIVATION=0, LIMIT=10.0, ALPHA=1.0, COMPUTE=tl.bfloat16, ASM=True, DOT_PRECISION="tf32",
                      PERM_OUT=gated and not partials,
                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-                     EVEN_K=even_k, WORDS_16B=True, APART=apart, PDL=True,
+                     EVEN_K=even_k, APART=apart, PDL=True,
                      PIPELINED_SCALES=fm.scales_pipelined(cfg, group, 2 if fmt == "int4" else 1),
                      ROUTING_READY=not gated)
     signature.update({name: "constexpr" for name in constants})
-    divisible = DIVISIBLE if even_k else DIVISIBLE - {"stride_wn", "stride_sn"}
+    divisible = DIVISIBLE if even_k else DIVISIBLE - {"stride_sn"}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in kernel.arg_names
              if signature[name].startswith("*") or name in divisible}
     target = GPUTarget("cuda", 90, 32)

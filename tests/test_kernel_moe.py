@@ -123,10 +123,9 @@ def test_k_off_whole_tiles(fmt, group, hidden, inter, split, extra, apart, monke
     """K not a multiple of the 128-wide K tile (gpt-oss: 2880 = 22.5 tiles): the last tile is read
     up to K only, whatever lies beyond it in the weights' rows, and the intermediate's padding
     columns are zeros, not whatever memory held (split 2: w1/w3's 2 tiles in two slices, the last
-    one partial). Rows `extra` longer than K: 64 gives row strides of whole 16-byte vectors with K
-    a multiple of 32 (the kernel's 16-byte route, WORDS_16B), 80 such strides with K = 16 mod 32
-    (which must not take it: its word count is no multiple of 4). apart: w1 and w3 by separate
-    programs, with zero points."""
+    one partial). The weights are views of rows `extra` longer than K, garbage there, and N is
+    not whole 64-row blocks (80, 96, 160, 176): the kernel's block layout (`tile_words`) must take
+    K and N only, padded with zeros. apart: w1 and w3 by separate programs, with zero points."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{fmt}/{hidden}/{inter}/{split}".encode()))
     poison_float_buffers(monkeypatch)
     ids, weights = random_routing(7, 3, gen)
@@ -251,6 +250,18 @@ def test_prepared_activations_are_permuted_and_padded(align_pairs, monkeypatch):
     a, sorted_ids, block_expert = prepare(x, ids, EXPERTS, 16, torch.float32)
     assert a.dtype == torch.float32 and torch.equal(a, permute_k(x.float(), 128))
     assert all(torch.equal(p, q) for p, q in zip((sorted_ids, block_expert), _moe_align_torch(ids, EXPERTS, 16)))
+
+
+def test_tile_words_blocks_of_64_rows_by_one_k_tile():
+    """Word (e, n, w) lands in block (n // 64, w // 16) at row n % 64, word w % 16, each block 1024
+    contiguous words; N pads to whole 128 rows and K to whole 16-word tiles, with zeros."""
+    gen = torch.Generator().manual_seed(15)
+    words = torch.randint(1, 2**31 - 1, (3, 200, 40), generator=gen, dtype=torch.int32)
+    tiled = fused_moe_module.tile_words(words)
+    assert tiled.shape == (3, 4, 3, 64, 16) and tiled.is_contiguous()
+    e, n, w = torch.meshgrid(torch.arange(3), torch.arange(200), torch.arange(40), indexing="ij")
+    assert torch.equal(tiled[e, n // 64, w // 16, n % 64, w % 16], words)
+    assert int((tiled != 0).sum()) == words.numel()  # everything else is padding, zero
 
 
 def test_rejects_mismatched_scales():

@@ -1,10 +1,11 @@
 """Fused-MoE grouped GEMM over 4-bit expert weights as requant reads and writes them.
 
 Weights stay packed in device memory as int32 words of 8 nibbles, their bits moved once into the
-kernel's layout (`kernel_weights`); each program dequantizes its weight tile in registers (on the
-GPU with packed bf16x2 PTX, about 2 instructions per weight) and feeds it to the tensor cores
-(`tl.dot`, wgmma) against BF16 activations, accumulating in FP32. K is padded to whole 128-wide
-tiles, the last one masked (`padded_k`).
+kernel's layout and stored in 4 KB blocks of 64 rows by one K tile (`kernel_weights`); each
+program dequantizes its weight tile in registers (on the GPU with packed bf16x2 PTX, about 2
+instructions per weight) and feeds it to the tensor cores (`tl.dot`, wgmma) against BF16
+activations, accumulating in FP32. K is padded to whole 128-wide tiles, the last one masked
+(`padded_k`).
 The tile is built in the order of wgmma's register operand (`_mma_tile`), so the dequantized
 weights never pass through shared memory.
 
@@ -53,6 +54,11 @@ INT4 = tl.constexpr(int4.CODEC.kernel_code)
 _SCALE_FOLD = 119
 _SCALE_FOLD_BITS = tl.constexpr(_SCALE_FOLD << 7)              # added to a BF16 exponent field
 _FOLDED_WEIGHT_FACTOR = tl.constexpr(2.0 ** (126 - _SCALE_FOLD))
+
+# The words' block layout (`tile_words`): 64 rows (one wgmma M tile) by one K tile, 4 KB each.
+TILE_ROWS = 64
+ROW_PAD = 128  # rows padded to whole blocks of the widest N tile a config takes
+W_TILE_ROWS = tl.constexpr(TILE_ROWS)
 
 SWIGLU_CLAMP = tl.constexpr(0)
 SWIGLU_OAI = tl.constexpr(1)
@@ -397,6 +403,20 @@ def kernel_words(words: torch.Tensor, kernel_code: int) -> torch.Tensor:
     return out
 
 
+def tile_words(words: torch.Tensor) -> torch.Tensor:
+    """int32 words [E, N, K/8] as [E, N', K'/128, 64, 16]: blocks of 64 rows by one K tile (16
+    words), each 4 KB contiguous, a row block's K tiles one after another; N padded to N' (whole
+    ROW_PAD rows) and K to whole K tiles, with zeros. A program then streams whole 4 KB blocks
+    instead of 64-byte pieces of rows 2 KB apart (rows of 4096 FP4 weights): 8-10% faster at 16
+    and 64 tokens on the H200, where the rows had held it near 60% of copy bandwidth
+    (scripts/bench_moe_results.md, run 15)."""
+    experts, n, kw = words.shape
+    rows, cols = triton.cdiv(n, ROW_PAD) * ROW_PAD, triton.cdiv(kw, K_TILE // 8) * (K_TILE // 8)
+    padded = words.new_zeros(experts, rows, cols)
+    padded[:, :n, :kw] = words
+    return padded.view(experts, rows // TILE_ROWS, TILE_ROWS, cols // 16, 16).transpose(2, 3).contiguous()
+
+
 def _pair_asm(kind: str, m: int) -> str:
     """PTX turning byte pair m of a kernel word ($2) into its two weights, nibble 2m ($0) and
     2m + 1 ($1), as one bf16x2 (the pair of adjacent K columns that a thread holds of the wgmma
@@ -604,7 +624,7 @@ def _moe_gemm_kernel(
     a_ptr, stride_am,
     w_ptr, s_ptr, gs_ptr, z_ptr,
     w3_ptr, s3_ptr, gs3_ptr, z3_ptr,
-    stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn,
+    stride_we, stride_wt, stride_se, stride_sn, stride_ze, stride_zn,
     b_ptr, b3_ptr, stride_be, stride_bn,
     out_ptr, stride_om, stride_os, stride_og,
     sorted_ids_ptr, block_expert_ptr, route_w_ptr,
@@ -614,7 +634,7 @@ def _moe_gemm_kernel(
     ROUTE_WEIGHT: tl.constexpr, ACTIVATION: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
     COMPUTE: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PERM_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, WORDS_16B: tl.constexpr, APART: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, APART: tl.constexpr,
     PDL: tl.constexpr, PIPELINED_SCALES: tl.constexpr, ROUTING_READY: tl.constexpr,
 ):
     """out[pair, n] for the pairs of one M block (one expert) and one N tile.
@@ -624,9 +644,11 @@ def _moe_gemm_kernel(
     Biases (HAS_BIAS) are per expert and output row, at b + e * stride_be + n * stride_bn.
 
     Weights are int32 words of 8 nibbles (FP4 bytes viewed as int32 have the INT4 nibble order:
-    element 8w + j in bits 4j). The 8 nibble planes of each K tile are arranged into one MMA operand
-    in the order the tensor cores take it from registers (`_mma_tile`); A's columns come permuted to
-    match (`permute_k`), and with PERM_OUT the output is stored in that order for the next GEMM.
+    element 8w + j in bits 4j), in `tile_words`' blocks of 64 rows x one K tile: the block of rows
+    64b.. and K tile t at w_ptr + b * stride_wt + t * 1024. The 8 nibble planes of each K tile are
+    arranged into one MMA operand in the order the tensor cores take it from registers
+    (`_mma_tile`); A's columns come permuted to match (`permute_k`), and with PERM_OUT the output
+    is stored in that order for the next GEMM.
 
     SPLIT_K > 1: program (n, m, s) sums the s-th K slice only and stores FP32 partials at
     out + s * stride_os (w1's at +0, w3's at + stride_og when GATED, before the SwiGLU, which
@@ -636,12 +658,10 @@ def _moe_gemm_kernel(
     (n, m, 2s + j) stores the FP32 partial of slice s of w1 (j = 0) or w3 (j = 1) where GATED
     would store it.
 
-    K need not be whole tiles (not EVEN_K: gpt-oss's 2880 is 22.5): the last tile's scales (and
-    words) beyond K load as zero, so its weights there are exactly zero, and A's columns beyond
-    K are zero too (`permute_k` pads x; with PERM_OUT the output's padding columns, up to whole
-    tiles, are stored as zeros for the next GEMM). WORDS_16B: the host checked that rows of words
-    start on 16 bytes and K is a multiple of 32 (whole 4-word vectors); saying so keeps the weight
-    loads 16 bytes wide when the stride is not a multiple of 16 words (2880 / 8 = 360).
+    K need not be whole tiles (not EVEN_K: gpt-oss's 2880 is 22.5): the last tile's words beyond K
+    are the layout's zero padding and its scales there load as zero, and A's columns beyond K are
+    zero too (`permute_k` pads x; with PERM_OUT the output's padding columns, up to whole tiles,
+    are stored as zeros for the next GEMM).
     ROUTING_READY (`_launch`'s routing_ready): the programs wait for the previous launch (PDL) only
     after reading the routing, the global scales and the routing weights, which it did not write.
     """
@@ -665,11 +685,8 @@ def _moe_gemm_kernel(
     KW: tl.constexpr = BLOCK_K // 8
     offs_w = tl.arange(0, KW)
     a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[None, :] * stride_am + tl.arange(0, BLOCK_K)[:, None]
-    words_k = K // 8  # words per row that hold weights
-    if WORDS_16B:  # as products of 4 (tl.multiple_of on an argument is lost), both are known multiples of 4
-        stride_wn = stride_wn // 4 * 4
-        words_k = K // 32 * 4
-    w_offs = offs_n[:, None] * stride_wn + offs_w[None, :]
+    # A row's words within its 64-row block; K tile kw // KW is 64 * KW words further per tile.
+    w_offs = ((offs_n // W_TILE_ROWS) * stride_wt + (offs_n % W_TILE_ROWS) * KW)[:, None] + offs_w[None, :]
 
     e = expert.to(tl.int64)
     w_ptr += e * stride_we
@@ -709,13 +726,10 @@ def _moe_gemm_kernel(
     for k0 in range(k_begin, k_end, BLOCK_K):
         kw = k0 // 8
         kw_next = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K) // 8  # the last tile reloads itself
-        w_mask = n_mask[:, None]
-        if not EVEN_K:  # the zero scales beyond K zero the weights; this keeps the loads inside the tensor
-            w_mask = w_mask & (kw + offs_w < words_k)[None, :]
         if PIPELINED_SCALES:  # this tile's, fetched stages ahead with its words by the pipeliner
             s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOCK_N, KW, GROUP,
                                   HAS_ZP, EVEN_K, True)
-        words = tl.load(w_ptr + w_offs + kw, mask=w_mask, other=0)
+        words = tl.load(w_ptr + w_offs + kw * W_TILE_ROWS)  # no mask: the layout pads N and K with zeros
         w_tile = _mma_tile(_dequant(words, s1, z1, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
         if not PIPELINED_SCALES:
             s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW, GROUP,
@@ -724,7 +738,7 @@ def _moe_gemm_kernel(
             if PIPELINED_SCALES:
                 s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOCK_N, KW, GROUP,
                                       HAS_ZP, EVEN_K, True)
-            words3 = tl.load(w3_ptr + w_offs + kw, mask=w_mask, other=0)
+            words3 = tl.load(w3_ptr + w_offs + kw * W_TILE_ROWS)
             w3_tile = _mma_tile(_dequant(words3, s3, z3, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
             if not PIPELINED_SCALES:
                 s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW,
@@ -840,16 +854,18 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class KernelWeights:
     """One projection of every expert as the kernel reads it: the weights as int32 words in the
-    kernel's bit layout (`kernel_words`), the other parts as stored. `kernel_weights` makes it
-    once, as engines repack weights when they load them; `fused_moe` makes it on every call when
-    given ExpertWeights (one pass over the weights)."""
+    kernel's bit layout (`kernel_words`) and block layout (`tile_words`), the other parts as
+    stored. `kernel_weights` makes it once, as engines repack weights when they load them;
+    `fused_moe` makes it on every call when given ExpertWeights (one pass over the weights)."""
 
     format: str
-    words: torch.Tensor                # int32 [E, N, K/8], contiguous
+    words: torch.Tensor                # int32 [E, N', K'/128, 64, 16] (`tile_words`), contiguous
     scale: torch.Tensor
     global_scale: torch.Tensor | None
     zero_point: torch.Tensor | None
     group: int
+    n: int
+    k: int
 
     @property
     def kernel_code(self) -> int:
@@ -859,22 +875,15 @@ class KernelWeights:
     def experts(self) -> int:
         return self.words.shape[0]
 
-    @property
-    def n(self) -> int:
-        return self.words.shape[1]
-
-    @property
-    def k(self) -> int:
-        return self.words.shape[2] * 8
-
 
 def kernel_weights(w: "ExpertWeights | KernelWeights") -> KernelWeights:
     """w with its weights in the kernel's layout (a copy; row views such as gpt-oss's interleaved
     gate/up rows come out contiguous). KernelWeights pass through."""
     if isinstance(w, KernelWeights):
         return w
-    words = kernel_words(_words(w.packed), w.codec.kernel_code).contiguous()
-    return KernelWeights(w.format, words, w.scale, w.global_scale, w.zero_point, w.group)
+    words = kernel_words(_words(w.packed), w.codec.kernel_code)
+    return KernelWeights(w.format, tile_words(words), w.scale, w.global_scale, w.zero_point, w.group,
+                         words.shape[1], words.shape[2] * 8)
 
 
 K_TILE = 128   # the kernel's K step: the 16 words `_mma_tile` lays out
@@ -902,10 +911,12 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         raise ValueError(f"K={w.k}, group {w.group} do not fit block_k={cfg.block_k} (the kernel takes K tiles of "
                          f"128, the 16 words that `_mma_tile` lays out, K a multiple of {K_STEP} and groups of whole "
                          "words)")
+    if w.words.shape[1] * TILE_ROWS % cfg.block_n:
+        raise ValueError(f"block_n={cfg.block_n} does not divide the weights' {ROW_PAD}-row blocks")
     if a.shape[1] != padded_k(w.k):
         raise ValueError(f"A has {a.shape[1]} columns, not K={w.k} padded to whole tiles (`permute_k`)")
     gated = w3 is not None
-    if gated and (w3.format != w.format or w3.words.shape != w.words.shape or w3.scale.shape != w.scale.shape
+    if gated and (w3.format != w.format or (w3.n, w3.k) != (w.n, w.k) or w3.scale.shape != w.scale.shape
                   or (w3.zero_point is None) != (w.zero_point is None)):
         raise FormatError("w1 and w3 must share format and shapes")
     w3 = w3 if gated else w
@@ -922,9 +933,6 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
     partials = split > 1 or apart   # FP32 partials [S, pairs, N] ([S, 2, pairs, N] for w1/w3)
     n_tiles = triton.cdiv(padded_k(w.n) if perm_out else w.n, cfg.block_n)  # PERM_OUT pads the next GEMM's K
     pipelined_scales = scales_pipelined(cfg, w.group, w.scale.element_size())
-    # 16-byte weight loads need rows of words on 16 bytes, and K in whole 16-byte vectors.
-    words_16b = w.k % 32 == 0 and all(t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0 and t.data_ptr() % 16 == 0
-                                      for t in (words, words3))
     grid = (n_tiles, block_expert.numel(), split * (2 if apart else 1))
     return _moe_gemm_kernel[grid](
         a, a.stride(0),
@@ -942,7 +950,7 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         ALPHA=float(act.alpha), COMPUTE=_TL_DTYPES[compute], ASM=compute != torch.float32,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", PERM_OUT=perm_out,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
-        EVEN_K=w.k % cfg.block_k == 0, WORDS_16B=words_16b, APART=apart, PIPELINED_SCALES=pipelined_scales,
+        EVEN_K=w.k % cfg.block_k == 0, APART=apart, PIPELINED_SCALES=pipelined_scales,
         ROUTING_READY=routing_ready, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **_chained(a), **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )
@@ -1043,7 +1051,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     top_k = topk_ids.shape[1]
     pairs = tokens * top_k
     if (w1.k, w2.n, w2.k) != (hidden, hidden, w1.n) or w1.experts != w2.experts:
-        raise FormatError(f"expert shapes w1 {list(w1.words.shape)} w2 {list(w2.words.shape)} "
+        raise FormatError(f"expert shapes w1 [{w1.experts}, {w1.n}, {w1.k}] w2 [{w2.experts}, {w2.n}, {w2.k}] "
                           f"do not fit hidden size {hidden}")
     _check_biases(b1, b3, b2, w1, w2)
     if (activation == "swiglu_oai") != (swiglu_alpha is not None):
