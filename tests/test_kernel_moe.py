@@ -252,16 +252,25 @@ def test_prepared_activations_are_permuted_and_padded(align_pairs, monkeypatch):
     assert all(torch.equal(p, q) for p, q in zip((sorted_ids, block_expert), _moe_align_torch(ids, EXPERTS, 16)))
 
 
-def test_tile_words_blocks_of_64_rows_by_one_k_tile():
-    """Word (e, n, w) lands in block (n // 64, w // 16) at row n % 64, word w % 16, each block 1024
-    contiguous words; N pads to whole 128 rows and K to whole 16-word tiles, with zeros."""
+def test_tile_blocks_of_64_rows_by_one_k_tile():
+    """Column c of row n (`group` elements of K each) lands in K tile t = c * group // 128 at block
+    n // 64, row n % 64: words (group 8) and scales of groups of 16-128 at their place in the tile,
+    a group wider than a tile once in each of its tiles; every block contiguous, N padded to whole
+    128 rows and K to whole K tiles with zeros."""
     gen = torch.Generator().manual_seed(15)
-    words = torch.randint(1, 2**31 - 1, (3, 200, 40), generator=gen, dtype=torch.int32)
-    tiled = fused_moe_module.tile_words(words)
-    assert tiled.shape == (3, 4, 3, 64, 16) and tiled.is_contiguous()
-    e, n, w = torch.meshgrid(torch.arange(3), torch.arange(200), torch.arange(40), indexing="ij")
-    assert torch.equal(tiled[e, n // 64, w // 16, n % 64, w % 16], words)
-    assert int((tiled != 0).sum()) == words.numel()  # everything else is padding, zero
+    for group, c, shape in ((8, 40, (3, 4, 3, 64, 16)), (16, 20, (3, 4, 3, 64, 8)), (128, 3, (3, 4, 3, 64, 1)),
+                            (256, 2, (3, 4, 4, 64, 1))):
+        x = torch.randint(1, 2**31 - 1, (3, 200, c), generator=gen, dtype=torch.int32)
+        tiled = fused_moe_module.tile_blocks(x, group)
+        assert tiled.shape == shape and tiled.is_contiguous()
+        per_tile = shape[-1]
+        k = torch.arange(shape[2] * 128)  # every element of K, padding included
+        col, tile = k // group, k // 128
+        kept = col < c
+        n = torch.arange(200)[:, None]
+        got = tiled[:, n // 64, tile[kept], n % 64, col[kept] % per_tile]
+        assert torch.equal(got, x[:, n, col[kept]]), group
+        assert int((tiled != 0).sum()) == x.numel() * max(1, group // 128), group  # the rest is zero padding
 
 
 def test_rejects_mismatched_scales():

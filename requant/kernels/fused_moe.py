@@ -55,7 +55,7 @@ _SCALE_FOLD = 119
 _SCALE_FOLD_BITS = tl.constexpr(_SCALE_FOLD << 7)              # added to a BF16 exponent field
 _FOLDED_WEIGHT_FACTOR = tl.constexpr(2.0 ** (126 - _SCALE_FOLD))
 
-# The words' block layout (`tile_words`): 64 rows (one wgmma M tile) by one K tile, 4 KB each.
+# The weights' and scales' block layout (`tile_blocks`): 64 rows (one wgmma M tile) by one K tile.
 TILE_ROWS = 64
 ROW_PAD = 128  # rows padded to whole blocks of the widest N tile a config takes
 W_TILE_ROWS = tl.constexpr(TILE_ROWS)
@@ -403,18 +403,22 @@ def kernel_words(words: torch.Tensor, kernel_code: int) -> torch.Tensor:
     return out
 
 
-def tile_words(words: torch.Tensor) -> torch.Tensor:
-    """int32 words [E, N, K/8] as [E, N', K'/128, 64, 16]: blocks of 64 rows by one K tile (16
-    words), each 4 KB contiguous, a row block's K tiles one after another; N padded to N' (whole
-    ROW_PAD rows) and K to whole K tiles, with zeros. A program then streams whole 4 KB blocks
-    instead of 64-byte pieces of rows 2 KB apart (rows of 4096 FP4 weights): 8-10% faster at 16
-    and 64 tokens on the H200, where the rows had held it near 60% of copy bandwidth
-    (scripts/bench_moe_results.md, run 15)."""
-    experts, n, kw = words.shape
-    rows, cols = triton.cdiv(n, ROW_PAD) * ROW_PAD, triton.cdiv(kw, K_TILE // 8) * (K_TILE // 8)
-    padded = words.new_zeros(experts, rows, cols)
-    padded[:, :n, :kw] = words
-    return padded.view(experts, rows // TILE_ROWS, TILE_ROWS, cols // 16, 16).transpose(2, 3).contiguous()
+def tile_blocks(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[E, N, C], each column `group` elements of K (int32 words: 8; block scales: their group),
+    as [E, N', K'/128, 64, P]: blocks of 64 rows by one K tile, each contiguous (4 KB of words), a
+    row block's K tiles one after another. A block holds its tile's P = 128 / group columns (one,
+    repeated per tile, where a group spans tiles). N is padded to N' (whole ROW_PAD rows) and K to
+    whole K tiles, with zeros. A program then streams whole blocks instead of 64-byte pieces of
+    rows 2 KB apart (rows of 4096 FP4 weights): 8-10% faster at 16 and 64 tokens on the H200,
+    where the rows had held it near 60% of copy bandwidth (scripts/bench_moe_results.md, run 15)."""
+    experts, n, c = x.shape
+    per_tile, tiles = max(1, K_TILE // group), triton.cdiv(c * group, K_TILE)
+    cols = (torch.arange(tiles)[:, None] * K_TILE // group + torch.arange(per_tile)[None, :]).flatten()
+    rows = triton.cdiv(n, ROW_PAD) * ROW_PAD
+    out = x.new_zeros(experts, rows, tiles * per_tile)
+    kept = torch.nonzero(cols < c).flatten()
+    out[:, :n, kept.to(x.device)] = x[:, :, cols[kept].to(x.device)]
+    return out.view(experts, rows // TILE_ROWS, TILE_ROWS, tiles, per_tile).transpose(2, 3).contiguous()
 
 
 def _pair_asm(kind: str, m: int) -> str:
@@ -585,12 +589,13 @@ def _mma_rows(BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOCK_N: tl.constexpr,
+def _load_scales(s_ptr, z_ptr, stride_st, stride_zn, offs_n, n_mask, kw, K, BLOCK_N: tl.constexpr,
                  KW: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr,
                  PIPELINED: tl.constexpr):
     """Scales (raw) and zero points [BLOCK_N, G] of the groups of the tile starting at word column
     kw (G = 1 when a group spans more than the tile); zero for groups at or beyond K (the last tile
-    when not EVEN_K), whatever the memory there holds.
+    when not EVEN_K): the scales' padding in their block layout (`tile_blocks`), the zero points
+    (as stored) by a mask.
 
     One load per group, broadcast to its words by `_dequant`: the tile's layout then follows the
     weight words (vector stores of the dequantized planes) instead of a per-word gather of
@@ -604,16 +609,22 @@ def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOC
     """
     WPG: tl.constexpr = GROUP // 8
     G: tl.constexpr = KW // WPG if KW >= WPG else 1
-    groups = kw // WPG + tl.arange(0, G)
-    mask = n_mask[:, None]
-    if not EVEN_K:
-        mask = mask & (groups < K // GROUP)[None, :]
-    offs = offs_n[:, None] * stride_sn + groups[None, :]
+    offs = (((offs_n // W_TILE_ROWS) * stride_st + (offs_n % W_TILE_ROWS) * G)[:, None]
+            + (kw // KW * (W_TILE_ROWS * G) + tl.arange(0, G))[None, :])
+    if G * s_ptr.dtype.element_ty.primitive_bitwidth >= 64:
+        # Rows of 8 bytes or more (NVFP4, INT4 g32): without saying that a row starts on G, Triton
+        # loaded them a byte or element per thread, not pipelined, converted through shared memory
+        # (sm_90 SASS); MXFP4's 4 bytes took the words' layout as they are.
+        offs = tl.multiple_of(offs, [1, G])
     if GROUP < 32 and not PIPELINED:  # NVFP4: 2 groups per thread's 4 words, so contiguous 2 at most (the layout above)
         offs = tl.max_contiguous(offs, [1, 32 // GROUP])
-    scale = tl.load(s_ptr + offs, mask=mask, other=0)
+    scale = tl.load(s_ptr + offs)  # no mask: the layout pads N and K with zeros
     zero = 8
     if HAS_ZP:
+        groups = kw // WPG + tl.arange(0, G)
+        mask = n_mask[:, None]
+        if not EVEN_K:
+            mask = mask & (groups < K // GROUP)[None, :]
         zw = tl.load(z_ptr + (offs_n // 8)[:, None] * stride_zn + groups[None, :], mask=mask, other=0)
         zero = (zw >> ((offs_n % 8) * 4)[:, None]) & 15
     return scale, zero
@@ -624,7 +635,7 @@ def _moe_gemm_kernel(
     a_ptr, stride_am,
     w_ptr, s_ptr, gs_ptr, z_ptr,
     w3_ptr, s3_ptr, gs3_ptr, z3_ptr,
-    stride_we, stride_wt, stride_se, stride_sn, stride_ze, stride_zn,
+    stride_we, stride_wt, stride_se, stride_st, stride_ze, stride_zn,
     b_ptr, b3_ptr, stride_be, stride_bn,
     out_ptr, stride_om, stride_os, stride_og,
     sorted_ids_ptr, block_expert_ptr, route_w_ptr,
@@ -644,8 +655,9 @@ def _moe_gemm_kernel(
     Biases (HAS_BIAS) are per expert and output row, at b + e * stride_be + n * stride_bn.
 
     Weights are int32 words of 8 nibbles (FP4 bytes viewed as int32 have the INT4 nibble order:
-    element 8w + j in bits 4j), in `tile_words`' blocks of 64 rows x one K tile: the block of rows
-    64b.. and K tile t at w_ptr + b * stride_wt + t * 1024. The 8 nibble planes of each K tile are
+    element 8w + j in bits 4j), in `tile_blocks`' blocks of 64 rows x one K tile: the block of rows
+    64b.. and K tile t at w_ptr + b * stride_wt + t * 1024; the block scales likewise, G a tile
+    (`_load_scales`). The 8 nibble planes of each K tile are
     arranged into one MMA operand in the order the tensor cores take it from registers
     (`_mma_tile`); A's columns come permuted to match (`permute_k`), and with PERM_OUT the output
     is stored in that order for the next GEMM.
@@ -700,14 +712,14 @@ def _moe_gemm_kernel(
     if pid_n * BLOCK_N >= N:  # a tile of PERM_OUT's padding only: no weights, its zeros are stored
         k_end = k_begin
     if not PIPELINED_SCALES:  # the first tile's; the loop loads each next one
-        s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW,
+        s1, z1 = _load_scales(s_ptr, z_ptr, stride_st, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW,
                               GROUP, HAS_ZP, EVEN_K, False)
     if GATED:
         w3_ptr += e * stride_we
         s3_ptr += e * stride_se
         z3_ptr += e * stride_ze
         if not PIPELINED_SCALES:
-            s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW,
+            s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_st, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW,
                                   GROUP, HAS_ZP, EVEN_K, False)
         acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -727,21 +739,21 @@ def _moe_gemm_kernel(
         kw = k0 // 8
         kw_next = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K) // 8  # the last tile reloads itself
         if PIPELINED_SCALES:  # this tile's, fetched stages ahead with its words by the pipeliner
-            s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOCK_N, KW, GROUP,
+            s1, z1 = _load_scales(s_ptr, z_ptr, stride_st, stride_zn, offs_n, n_mask, kw, K, BLOCK_N, KW, GROUP,
                                   HAS_ZP, EVEN_K, True)
         words = tl.load(w_ptr + w_offs + kw * W_TILE_ROWS)  # no mask: the layout pads N and K with zeros
         w_tile = _mma_tile(_dequant(words, s1, z1, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
         if not PIPELINED_SCALES:
-            s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW, GROUP,
+            s1, z1 = _load_scales(s_ptr, z_ptr, stride_st, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW, GROUP,
                                   HAS_ZP, EVEN_K, False)
         if GATED:
             if PIPELINED_SCALES:
-                s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOCK_N, KW, GROUP,
+                s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_st, stride_zn, offs_n, n_mask, kw, K, BLOCK_N, KW, GROUP,
                                       HAS_ZP, EVEN_K, True)
             words3 = tl.load(w3_ptr + w_offs + kw * W_TILE_ROWS)
             w3_tile = _mma_tile(_dequant(words3, s3, z3, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
             if not PIPELINED_SCALES:
-                s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW,
+                s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_st, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW,
                                       GROUP, HAS_ZP, EVEN_K, False)
         a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
         acc = tl.dot(w_tile, a, acc, input_precision=DOT_PRECISION)
@@ -854,13 +866,14 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class KernelWeights:
     """One projection of every expert as the kernel reads it: the weights as int32 words in the
-    kernel's bit layout (`kernel_words`) and block layout (`tile_words`), the other parts as
-    stored. `kernel_weights` makes it once, as engines repack weights when they load them;
-    `fused_moe` makes it on every call when given ExpertWeights (one pass over the weights)."""
+    kernel's bit layout (`kernel_words`), they and their block scales in the block layout
+    (`tile_blocks`), the other parts as stored. `kernel_weights` makes it once, as engines repack
+    weights when they load them; `fused_moe` makes it on every call when given ExpertWeights (one
+    pass over the weights)."""
 
     format: str
-    words: torch.Tensor                # int32 [E, N', K'/128, 64, 16] (`tile_words`), contiguous
-    scale: torch.Tensor
+    words: torch.Tensor                # int32 [E, N', K'/128, 64, 16] (`tile_blocks`), contiguous
+    scale: torch.Tensor                # [E, N', K'/128, 64, 128 / group] (`tile_blocks`)
     global_scale: torch.Tensor | None
     zero_point: torch.Tensor | None
     group: int
@@ -882,8 +895,8 @@ def kernel_weights(w: "ExpertWeights | KernelWeights") -> KernelWeights:
     if isinstance(w, KernelWeights):
         return w
     words = kernel_words(_words(w.packed), w.codec.kernel_code)
-    return KernelWeights(w.format, tile_words(words), w.scale, w.global_scale, w.zero_point, w.group,
-                         words.shape[1], words.shape[2] * 8)
+    return KernelWeights(w.format, tile_blocks(words, 8), tile_blocks(w.scale, w.group), w.global_scale,
+                         w.zero_point, w.group, words.shape[1], words.shape[2] * 8)
 
 
 K_TILE = 128   # the kernel's K step: the 16 words `_mma_tile` lays out
