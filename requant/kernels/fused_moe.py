@@ -134,11 +134,10 @@ def default_config(pairs: int, experts: int, kernel_code: int | None = None) -> 
     # From the H200 sweep (scripts/bench_moe_results.md): BLOCK_K 128 beat 256 at decode sizes.
     if per_expert <= 16:
         if pairs <= 8:
-            # One token touches top_k experts only. Two K slices, w1 and w3 by separate programs and
-            # 80 registers: 768 programs per GEMM, 6 to an SM, all resident on the H200's 132 SMs
-            # (scripts/bench_moe_results.md, runs 4b and 12).
-            return KernelConfig(16, 64, 128, num_warps=4, num_stages=4, split_k=2, gate_up_apart=True,
-                                max_registers=80)
+            # One token touches top_k experts only: two K slices give every SM weights to stream.
+            # With the weights in blocks w1 and w3 in one program beat them apart (and apart with
+            # 80 registers, the default of runs 12-14) by 2-5% (scripts/bench_moe_results.md, run 15).
+            return KernelConfig(16, 64, 128, num_warps=4, num_stages=4, split_k=2)
         # From 4 tokens on no split is best (run 4b). w1 and w3 apart were 1-4% faster at 16 and 64
         # tokens, but 0.4-1.4% slower for INT4 at 64 (run 12): INT4 keeps them together beyond
         # 96 pairs (16 tokens of top-6).
@@ -589,13 +588,14 @@ def _mma_rows(BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _load_scales(s_ptr, z_ptr, stride_st, stride_zn, offs_n, n_mask, kw, K, BLOCK_N: tl.constexpr,
+def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOCK_N: tl.constexpr,
                  KW: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr,
-                 PIPELINED: tl.constexpr):
+                 PIPELINED: tl.constexpr, BLOCKS: tl.constexpr):
     """Scales (raw) and zero points [BLOCK_N, G] of the groups of the tile starting at word column
     kw (G = 1 when a group spans more than the tile); zero for groups at or beyond K (the last tile
-    when not EVEN_K): the scales' padding in their block layout (`tile_blocks`), the zero points
-    (as stored) by a mask.
+    when not EVEN_K): with BLOCKS the scales' padding in their block layout (`tile_blocks`, blocks
+    stride_sn apart), otherwise (scales as stored, rows stride_sn apart) and for the zero points
+    by a mask.
 
     One load per group, broadcast to its words by `_dequant`: the tile's layout then follows the
     weight words (vector stores of the dequantized planes) instead of a per-word gather of
@@ -609,22 +609,26 @@ def _load_scales(s_ptr, z_ptr, stride_st, stride_zn, offs_n, n_mask, kw, K, BLOC
     """
     WPG: tl.constexpr = GROUP // 8
     G: tl.constexpr = KW // WPG if KW >= WPG else 1
-    offs = (((offs_n // W_TILE_ROWS) * stride_st + (offs_n % W_TILE_ROWS) * G)[:, None]
-            + (kw // KW * (W_TILE_ROWS * G) + tl.arange(0, G))[None, :])
-    if G * s_ptr.dtype.element_ty.primitive_bitwidth >= 64:
-        # Rows of 8 bytes or more (NVFP4, INT4 g32): without saying that a row starts on G, Triton
-        # loaded them a byte or element per thread, not pipelined, converted through shared memory
-        # (sm_90 SASS); MXFP4's 4 bytes took the words' layout as they are.
+    groups = kw // WPG + tl.arange(0, G)
+    mask = n_mask[:, None]
+    if not EVEN_K:
+        mask = mask & (groups < K // GROUP)[None, :]
+    if BLOCKS:
+        offs = (((offs_n // W_TILE_ROWS) * stride_sn + (offs_n % W_TILE_ROWS) * G)[:, None]
+                + (kw // KW * (W_TILE_ROWS * G) + tl.arange(0, G))[None, :])
+        # Without saying that a row starts on G, Triton loaded these a byte or element per thread,
+        # not pipelined, converted through shared memory (sm_90 SASS).
         offs = tl.multiple_of(offs, [1, G])
+    else:
+        offs = offs_n[:, None] * stride_sn + groups[None, :]
     if GROUP < 32 and not PIPELINED:  # NVFP4: 2 groups per thread's 4 words, so contiguous 2 at most (the layout above)
         offs = tl.max_contiguous(offs, [1, 32 // GROUP])
-    scale = tl.load(s_ptr + offs)  # no mask: the layout pads N and K with zeros
+    if BLOCKS:
+        scale = tl.load(s_ptr + offs)  # no mask: the layout pads N and K with zeros
+    else:
+        scale = tl.load(s_ptr + offs, mask=mask, other=0)
     zero = 8
     if HAS_ZP:
-        groups = kw // WPG + tl.arange(0, G)
-        mask = n_mask[:, None]
-        if not EVEN_K:
-            mask = mask & (groups < K // GROUP)[None, :]
         zw = tl.load(z_ptr + (offs_n // 8)[:, None] * stride_zn + groups[None, :], mask=mask, other=0)
         zero = (zw >> ((offs_n % 8) * 4)[:, None]) & 15
     return scale, zero
@@ -635,7 +639,7 @@ def _moe_gemm_kernel(
     a_ptr, stride_am,
     w_ptr, s_ptr, gs_ptr, z_ptr,
     w3_ptr, s3_ptr, gs3_ptr, z3_ptr,
-    stride_we, stride_wt, stride_se, stride_st, stride_ze, stride_zn,
+    stride_we, stride_wt, stride_se, stride_sn, stride_ze, stride_zn,
     b_ptr, b3_ptr, stride_be, stride_bn,
     out_ptr, stride_om, stride_os, stride_og,
     sorted_ids_ptr, block_expert_ptr, route_w_ptr,
@@ -646,7 +650,7 @@ def _moe_gemm_kernel(
     COMPUTE: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PERM_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, APART: tl.constexpr,
-    PDL: tl.constexpr, PIPELINED_SCALES: tl.constexpr, ROUTING_READY: tl.constexpr,
+    PDL: tl.constexpr, PIPELINED_SCALES: tl.constexpr, ROUTING_READY: tl.constexpr, SCALE_BLOCKS: tl.constexpr,
 ):
     """out[pair, n] for the pairs of one M block (one expert) and one N tile.
 
@@ -656,9 +660,9 @@ def _moe_gemm_kernel(
 
     Weights are int32 words of 8 nibbles (FP4 bytes viewed as int32 have the INT4 nibble order:
     element 8w + j in bits 4j), in `tile_blocks`' blocks of 64 rows x one K tile: the block of rows
-    64b.. and K tile t at w_ptr + b * stride_wt + t * 1024; the block scales likewise, G a tile
-    (`_load_scales`). The 8 nibble planes of each K tile are
-    arranged into one MMA operand in the order the tensor cores take it from registers
+    64b.. and K tile t at w_ptr + b * stride_wt + t * 1024; the block scales likewise where
+    `scales_in_blocks` (SCALE_BLOCKS), G a tile (`_load_scales`). The 8 nibble planes of each K tile
+    are arranged into one MMA operand in the order the tensor cores take it from registers
     (`_mma_tile`); A's columns come permuted to match (`permute_k`), and with PERM_OUT the output
     is stored in that order for the next GEMM.
 
@@ -712,15 +716,15 @@ def _moe_gemm_kernel(
     if pid_n * BLOCK_N >= N:  # a tile of PERM_OUT's padding only: no weights, its zeros are stored
         k_end = k_begin
     if not PIPELINED_SCALES:  # the first tile's; the loop loads each next one
-        s1, z1 = _load_scales(s_ptr, z_ptr, stride_st, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW,
-                              GROUP, HAS_ZP, EVEN_K, False)
+        s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW,
+                              GROUP, HAS_ZP, EVEN_K, False, SCALE_BLOCKS)
     if GATED:
         w3_ptr += e * stride_we
         s3_ptr += e * stride_se
         z3_ptr += e * stride_ze
         if not PIPELINED_SCALES:
-            s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_st, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW,
-                                  GROUP, HAS_ZP, EVEN_K, False)
+            s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW,
+                                  GROUP, HAS_ZP, EVEN_K, False, SCALE_BLOCKS)
         acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # The epilogue's scalars now, not after the loop: a program's last load was a wait of its own.
@@ -739,22 +743,22 @@ def _moe_gemm_kernel(
         kw = k0 // 8
         kw_next = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K) // 8  # the last tile reloads itself
         if PIPELINED_SCALES:  # this tile's, fetched stages ahead with its words by the pipeliner
-            s1, z1 = _load_scales(s_ptr, z_ptr, stride_st, stride_zn, offs_n, n_mask, kw, K, BLOCK_N, KW, GROUP,
-                                  HAS_ZP, EVEN_K, True)
+            s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOCK_N, KW, GROUP,
+                                  HAS_ZP, EVEN_K, True, SCALE_BLOCKS)
         words = tl.load(w_ptr + w_offs + kw * W_TILE_ROWS)  # no mask: the layout pads N and K with zeros
         w_tile = _mma_tile(_dequant(words, s1, z1, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
         if not PIPELINED_SCALES:
-            s1, z1 = _load_scales(s_ptr, z_ptr, stride_st, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW, GROUP,
-                                  HAS_ZP, EVEN_K, False)
+            s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW, GROUP,
+                                  HAS_ZP, EVEN_K, False, SCALE_BLOCKS)
         if GATED:
             if PIPELINED_SCALES:
-                s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_st, stride_zn, offs_n, n_mask, kw, K, BLOCK_N, KW, GROUP,
-                                      HAS_ZP, EVEN_K, True)
+                s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOCK_N, KW, GROUP,
+                                      HAS_ZP, EVEN_K, True, SCALE_BLOCKS)
             words3 = tl.load(w3_ptr + w_offs + kw * W_TILE_ROWS)
             w3_tile = _mma_tile(_dequant(words3, s3, z3, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
             if not PIPELINED_SCALES:
-                s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_st, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW,
-                                      GROUP, HAS_ZP, EVEN_K, False)
+                s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW,
+                                      GROUP, HAS_ZP, EVEN_K, False, SCALE_BLOCKS)
         a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
         acc = tl.dot(w_tile, a, acc, input_precision=DOT_PRECISION)
         if GATED:
@@ -867,13 +871,13 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
 class KernelWeights:
     """One projection of every expert as the kernel reads it: the weights as int32 words in the
     kernel's bit layout (`kernel_words`), they and their block scales in the block layout
-    (`tile_blocks`), the other parts as stored. `kernel_weights` makes it once, as engines repack
+    (`tile_blocks`; the scales where `scales_in_blocks`), the other parts as stored. `kernel_weights` makes it once, as engines repack
     weights when they load them; `fused_moe` makes it on every call when given ExpertWeights (one
     pass over the weights)."""
 
     format: str
     words: torch.Tensor                # int32 [E, N', K'/128, 64, 16] (`tile_blocks`), contiguous
-    scale: torch.Tensor                # [E, N', K'/128, 64, 128 / group] (`tile_blocks`)
+    scale: torch.Tensor                # [E, N', K'/128, 64, 128 / group] (`tile_blocks`) or as stored (`scales_in_blocks`)
     global_scale: torch.Tensor | None
     zero_point: torch.Tensor | None
     group: int
@@ -895,8 +899,18 @@ def kernel_weights(w: "ExpertWeights | KernelWeights") -> KernelWeights:
     if isinstance(w, KernelWeights):
         return w
     words = kernel_words(_words(w.packed), w.codec.kernel_code)
-    return KernelWeights(w.format, tile_blocks(words, 8), tile_blocks(w.scale, w.group), w.global_scale,
-                         w.zero_point, w.group, words.shape[1], words.shape[2] * 8)
+    scale = tile_blocks(w.scale, w.group) if scales_in_blocks(w.group, w.scale.element_size()) else w.scale
+    return KernelWeights(w.format, tile_blocks(words, 8), scale, w.global_scale, w.zero_point, w.group,
+                         words.shape[1], words.shape[2] * 8)
+
+
+def scales_in_blocks(group: int, scale_bytes: int) -> bool:
+    """Whether block scales are stored in `tile_blocks`' layout: where a row's scales per K tile are
+    8 bytes or more (NVFP4, INT4 g32), 4-8% faster at 1-64 tokens on the H200. Narrower rows, loaded
+    one K tile ahead by hand (`scales_pipelined`), stay as stored: in a row one 32-byte sector
+    serves many tiles, so most of those loads hit L2, where in blocks each went to DRAM (INT4 g128:
+    5% slower at one token; scripts/bench_moe_results.md, run 15)."""
+    return max(1, K_TILE // group) * scale_bytes >= 8
 
 
 K_TILE = 128   # the kernel's K step: the 16 words `_mma_tile` lays out
@@ -951,7 +965,7 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         a, a.stride(0),
         words, w.scale, gs, zp,
         words3, w3.scale, gs3, zp3,
-        words.stride(0), words.stride(1), w.scale.stride(0), w.scale.stride(1),
+        words.stride(0), words.stride(1), w.scale.stride(0), w.scale.stride(1),  # with blocks: 64-row blocks
         zp.stride(0), zp.stride(1),
         b, b3, b.stride(0), b.stride(1),
         out, out.stride(-2), out.stride(0) if partials else 0, out.stride(1) if gated and partials else 0,
@@ -964,7 +978,7 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", PERM_OUT=perm_out,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
         EVEN_K=w.k % cfg.block_k == 0, APART=apart, PIPELINED_SCALES=pipelined_scales,
-        ROUTING_READY=routing_ready, num_warps=cfg.num_warps,
+        ROUTING_READY=routing_ready, SCALE_BLOCKS=w.scale.dim() == 5, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **_chained(a), **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )
 
