@@ -124,7 +124,7 @@ def test_k_off_whole_tiles(fmt, group, hidden, inter, split, extra, apart, monke
     up to K only, whatever lies beyond it in the weights' rows, and the intermediate's padding
     columns are zeros, not whatever memory held (split 2: w1/w3's 2 tiles in two slices, the last
     one partial). The weights are views of rows `extra` longer than K, garbage there, and N is
-    not whole 64-row blocks (80, 96, 160, 176): the kernel's block layout (`tile_words`) must take
+    not whole 64-row blocks (80, 96, 160, 176): the kernel's block layout (`tile_blocks`) must take
     K and N only, padded with zeros. apart: w1 and w3 by separate programs, with zero points."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{fmt}/{hidden}/{inter}/{split}".encode()))
     poison_float_buffers(monkeypatch)

@@ -870,14 +870,14 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class KernelWeights:
     """One projection of every expert as the kernel reads it: the weights as int32 words in the
-    kernel's bit layout (`kernel_words`), they and their block scales in the block layout
-    (`tile_blocks`; the scales where `scales_in_blocks`), the other parts as stored. `kernel_weights` makes it once, as engines repack
-    weights when they load them; `fused_moe` makes it on every call when given ExpertWeights (one
-    pass over the weights)."""
+    kernel's bit layout (`kernel_words`) and block layout (`tile_blocks`), the block scales so too
+    where `scales_in_blocks`, the other parts as stored. `kernel_weights` makes it once, as
+    engines repack weights when they load them; `fused_moe` makes it on every call when given
+    ExpertWeights (one pass over the weights)."""
 
     format: str
     words: torch.Tensor                # int32 [E, N', K'/128, 64, 16] (`tile_blocks`), contiguous
-    scale: torch.Tensor                # [E, N', K'/128, 64, 128 / group] (`tile_blocks`) or as stored (`scales_in_blocks`)
+    scale: torch.Tensor                # [E, N', K'/128, 64, 128 / group] or as stored (`scales_in_blocks`)
     global_scale: torch.Tensor | None
     zero_point: torch.Tensor | None
     group: int
