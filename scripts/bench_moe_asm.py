@@ -47,6 +47,7 @@ def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig, even_k: bool = Tru
     APART)."""
     kernel = fm._moe_gemm_kernel
     scale_type, group = SCALE_TYPES[fmt]
+    scale_bytes = 2 if fmt == "int4" else 1
     signature = {name: "i32" for name in kernel.arg_names}
     for name in kernel.arg_names:
         if name.endswith("_ptr"):
@@ -62,8 +63,8 @@ def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig, even_k: bool = Tru
                      PERM_OUT=gated and not partials,
                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
                      EVEN_K=even_k, APART=apart, PDL=True,
-                     PIPELINED_SCALES=fm.scales_pipelined(cfg, group, 2 if fmt == "int4" else 1),
-                     ROUTING_READY=not gated, SCALE_BLOCKS=fm.scales_in_blocks(group, 2 if fmt == "int4" else 1))
+                     PIPELINED_SCALES=fm.scales_pipelined(cfg, group, scale_bytes),
+                     ROUTING_READY=not gated, SCALE_BLOCKS=fm.scales_in_blocks(group, scale_bytes))
     signature.update({name: "constexpr" for name in constants})
     divisible = DIVISIBLE if even_k else DIVISIBLE - {"stride_sn"}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in kernel.arg_names

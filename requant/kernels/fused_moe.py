@@ -412,11 +412,12 @@ def tile_blocks(x: torch.Tensor, group: int) -> torch.Tensor:
     where the rows had held it near 60% of copy bandwidth (scripts/bench_moe_results.md, run 15)."""
     experts, n, c = x.shape
     per_tile, tiles = max(1, K_TILE // group), triton.cdiv(c * group, K_TILE)
-    cols = (torch.arange(tiles)[:, None] * K_TILE // group + torch.arange(per_tile)[None, :]).flatten()
     rows = triton.cdiv(n, ROW_PAD) * ROW_PAD
     out = x.new_zeros(experts, rows, tiles * per_tile)
-    kept = torch.nonzero(cols < c).flatten()
-    out[:, :n, kept.to(x.device)] = x[:, :, cols[kept].to(x.device)]
+    if group <= K_TILE:  # whole groups to a tile: the columns in order, zeros after them
+        out[:, :n, :c] = x
+    else:  # tile t takes group t * 128 // group
+        out[:, :n] = x[:, :, torch.arange(tiles, device=x.device) * K_TILE // group]
     return out.view(experts, rows // TILE_ROWS, TILE_ROWS, tiles, per_tile).transpose(2, 3).contiguous()
 
 
@@ -985,11 +986,11 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
 
 def scales_pipelined(cfg: KernelConfig, group: int, scale_bytes: int) -> bool:
     """Whether a launch's block scales are fetched stages ahead with the words: where cfg asks and
-    a row's scales per K tile are 8 bytes or more (NVFP4; INT4 with groups of 32), which Triton's
-    pipeliner copies with cp.async. Narrower rows it left as a load in the loop that was waited for
-    (MXFP4 and INT4 g64 also through shared memory), so those are loaded by hand one tile ahead
-    (sm_90 SASS: scripts/bench_moe_asm.py; run 14)."""
-    return cfg.pipelined_scales and cfg.block_k // group * scale_bytes >= 8
+    a row's scales per K tile are 8 bytes or more (NVFP4; INT4 with groups of 32: the scales in
+    blocks, `scales_in_blocks`), which Triton's pipeliner copies with cp.async. Narrower rows it
+    left as a load in the loop that was waited for (MXFP4 and INT4 g64 also through shared memory),
+    so those are loaded by hand one tile ahead (sm_90 SASS: scripts/bench_moe_asm.py; run 14)."""
+    return cfg.pipelined_scales and scales_in_blocks(group, scale_bytes)
 
 
 def _chained(t: torch.Tensor) -> dict:
