@@ -52,6 +52,9 @@ def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig, even_k: bool = Tru
     for name in kernel.arg_names:
         if name.endswith("_ptr"):
             signature[name] = "*fp32"
+    layout = fm.scale_layout(cfg, group, scale_bytes, 4096 if even_k else 2880)
+    if layout == fm.SCALES_WORDS.value:
+        scale_type = "*i32"
     apart = gated and cfg.gate_up_apart
     partials = cfg.split_k > 1 or apart
     signature.update({"a_ptr": "*bf16", "out_ptr": "*fp32" if partials else "*bf16", "w_ptr": "*i32",
@@ -63,8 +66,8 @@ def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig, even_k: bool = Tru
                      PERM_OUT=gated and not partials,
                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
                      EVEN_K=even_k, APART=apart, PDL=True,
-                     PIPELINED_SCALES=fm.scales_pipelined(cfg, group, scale_bytes),
-                     ROUTING_READY=not gated, SCALE_BLOCKS=fm.scales_in_blocks(group, scale_bytes))
+                     PIPELINED_SCALES=cfg.pipelined_scales and layout != fm.SCALES_ROWS.value,
+                     ROUTING_READY=not gated, SCALE_LAYOUT=layout)
     signature.update({name: "constexpr" for name in constants})
     divisible = DIVISIBLE if even_k else DIVISIBLE - {"stride_sn"}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in kernel.arg_names

@@ -63,17 +63,25 @@ def test_formats_match_reference(fmt, group):
     assert_matches(y, ref)
 
 
-@pytest.mark.parametrize("fmt,group,hidden", [("nvfp4", 16, HIDDEN), ("int4-asym", 32, HIDDEN),
-                                              ("nvfp4-any", 16, 176), ("int4-asym", 32, 160)])
-def test_scales_by_hand_or_pipelined_agree(fmt, group, hidden):
-    """A tile's scales (and zero points) loaded with its words (`pipelined_scales`, the default
-    where a row's are 8 bytes a tile) or by hand one tile ahead: the same bytes out, K whole tiles
-    or not (176, 160: the last tile partial)."""
-    gen = torch.Generator().manual_seed(zlib.crc32(f"pipelined/{fmt}/{hidden}".encode()))
+@pytest.mark.parametrize("fmt,group,hidden,layout", [
+    ("nvfp4", 16, HIDDEN, "SCALES_BLOCKS"), ("int4-asym", 32, HIDDEN, "SCALES_BLOCKS"),
+    ("nvfp4-any", 16, 176, "SCALES_BLOCKS"), ("int4-asym", 32, 160, "SCALES_BLOCKS"),
+    ("int4-asym", 64, HIDDEN, "SCALES_WORDS"), ("mxfp4", 32, HIDDEN, "SCALES_WORDS"),
+    ("mxfp4", 32, 160, "SCALES_ROWS"), ("int4-sym", 128, HIDDEN, "SCALES_ROWS"),
+])
+def test_scales_by_hand_or_pipelined_agree(fmt, group, hidden, layout):
+    """A tile's scales (and zero points) loaded with its words (`pipelined_scales`, the default)
+    or by hand one tile ahead: the same bytes out, K whole tiles or not (176, 160: the last tile
+    partial). Pipelined, w1/w3's scales are read in the layout named (`scale_layout`): in blocks
+    (8 bytes a tile or more), as one int32 word a row and tile (4 bytes: INT4 g64, MXFP4), or by
+    hand after all (MXFP4 with K off whole tiles, INT4 g128's 2 bytes)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"pipelined/{fmt}/{group}/{hidden}".encode()))
     (w1, _), (w3, _), (w2, _) = make_layer(fmt, EXPERTS, hidden, INTER, gen, group=group)
     ids, weights = random_routing(7, 3, gen)
     x = (torch.randn(7, hidden, generator=gen) * 0.05).bfloat16()
     cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1)
+    kw1, kw3 = (fused_moe_module.kernel_weights(w) for w in (w1, w3))
+    assert fused_moe_module._launch_scales(cfg, kw1, kw3)[0] == getattr(fused_moe_module, layout).value
     outs = [fused_moe(x, ids, weights, w1, w3, w2, config=replace(cfg, pipelined_scales=p)) for p in (True, False)]
     assert torch.equal(outs[0], outs[1])
 

@@ -59,6 +59,11 @@ _FOLDED_WEIGHT_FACTOR = tl.constexpr(2.0 ** (126 - _SCALE_FOLD))
 TILE_ROWS = 64
 ROW_PAD = 128  # rows padded to whole blocks of the widest N tile a config takes
 W_TILE_ROWS = tl.constexpr(TILE_ROWS)
+# How a launch reads the block scales (`_scale_layout`): as stored, in `tile_blocks`' blocks, or
+# as stored through an int32 view
+SCALES_ROWS = tl.constexpr(0)
+SCALES_BLOCKS = tl.constexpr(1)
+SCALES_WORDS = tl.constexpr(2)
 
 SWIGLU_CLAMP = tl.constexpr(0)
 SWIGLU_OAI = tl.constexpr(1)
@@ -590,19 +595,21 @@ def _mma_rows(BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOCK_N: tl.constexpr,
-                 KW: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr,
-                 PIPELINED: tl.constexpr, BLOCKS: tl.constexpr):
+                 KW: tl.constexpr, GROUP: tl.constexpr, FMT: tl.constexpr, HAS_ZP: tl.constexpr,
+                 EVEN_K: tl.constexpr, PIPELINED: tl.constexpr, LAYOUT: tl.constexpr):
     """Scales (raw) and zero points [BLOCK_N, G] of the groups of the tile starting at word column
     kw (G = 1 when a group spans more than the tile); zero for groups at or beyond K (the last tile
-    when not EVEN_K): with BLOCKS the scales' padding in their block layout (`tile_blocks`, blocks
-    stride_sn apart), otherwise (scales as stored, rows stride_sn apart) and for the zero points
-    by a mask.
+    when not EVEN_K): in SCALES_BLOCKS the scales' padding in their block layout (`tile_blocks`,
+    blocks stride_sn apart), otherwise (scales as stored, rows stride_sn apart) and for the zero
+    points by a mask. SCALES_WORDS: the rows as stored, read through an int32 view (`scale_layout`:
+    K whole tiles, a tile's scales 4 bytes a row).
 
     One load per group, broadcast to its words by `_dequant`: the tile's layout then follows the
     weight words (vector stores of the dequantized planes) instead of a per-word gather of
     repeated bytes.
-    PIPELINED (the caller's PIPELINED_SCALES: 8 bytes or more a row): a plain load of the tile's
-    row, which Triton's pipeliner fetches stages ahead with the words, through shared memory.
+    PIPELINED (the caller's PIPELINED_SCALES): a plain load of the tile's row, which Triton's
+    pipeliner fetches stages ahead with the words, through shared memory: it copies 4 bytes or more
+    a thread with cp.async, so 4-byte rows come as int32 words (SCALES_WORDS).
     Otherwise the caller issues the load one K tile ahead, the loop waiting for it; NVFP4's are then
     loaded in the layout the words' groups have in registers (2 bytes per row and thread), so they
     need no trip through shared memory (scripts/bench_moe_results.md, run 9). Under Nsight
@@ -614,20 +621,29 @@ def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOC
     mask = n_mask[:, None]
     if not EVEN_K:
         mask = mask & (groups < K // GROUP)[None, :]
-    if BLOCKS:
-        offs = (((offs_n // W_TILE_ROWS) * stride_sn + (offs_n % W_TILE_ROWS) * G)[:, None]
-                + (kw // KW * (W_TILE_ROWS * G) + tl.arange(0, G))[None, :])
-        # Without saying that a row starts on G, Triton loaded these a byte or element per thread,
-        # not pipelined, converted through shared memory (sm_90 SASS).
-        offs = tl.multiple_of(offs, [1, G])
+    if LAYOUT == SCALES_WORDS:  # one int32 word per row and tile, its G scales split here
+        RAW_BITS: tl.constexpr = 32 // G
+        word = tl.load(s_ptr + (offs_n * stride_sn + kw // KW)[:, None], mask=n_mask[:, None], other=0)
+        bits = (word >> (tl.arange(0, G) * RAW_BITS)[None, :]) & ((1 << RAW_BITS) - 1)
+        if FMT == INT4:
+            scale = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            scale = bits.to(tl.uint8)
     else:
-        offs = offs_n[:, None] * stride_sn + groups[None, :]
-    if GROUP < 32 and not PIPELINED:  # NVFP4: 2 groups per thread's 4 words, so contiguous 2 at most (the layout above)
-        offs = tl.max_contiguous(offs, [1, 32 // GROUP])
-    if BLOCKS:
-        scale = tl.load(s_ptr + offs)  # no mask: the layout pads N and K with zeros
-    else:
-        scale = tl.load(s_ptr + offs, mask=mask, other=0)
+        if LAYOUT == SCALES_BLOCKS:
+            offs = (((offs_n // W_TILE_ROWS) * stride_sn + (offs_n % W_TILE_ROWS) * G)[:, None]
+                    + (kw // KW * (W_TILE_ROWS * G) + tl.arange(0, G))[None, :])
+            # Without saying that a row starts on G, Triton loaded these a byte or element per thread,
+            # not pipelined, converted through shared memory (sm_90 SASS).
+            offs = tl.multiple_of(offs, [1, G])
+        else:
+            offs = offs_n[:, None] * stride_sn + groups[None, :]
+        if GROUP < 32 and not PIPELINED:  # NVFP4: 2 groups per thread's 4 words, so contiguous 2 at most (the layout above)
+            offs = tl.max_contiguous(offs, [1, 32 // GROUP])
+        if LAYOUT == SCALES_BLOCKS:
+            scale = tl.load(s_ptr + offs)  # no mask: the layout pads N and K with zeros
+        else:
+            scale = tl.load(s_ptr + offs, mask=mask, other=0)
     zero = 8
     if HAS_ZP:
         zw = tl.load(z_ptr + (offs_n // 8)[:, None] * stride_zn + groups[None, :], mask=mask, other=0)
@@ -651,7 +667,7 @@ def _moe_gemm_kernel(
     COMPUTE: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PERM_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, APART: tl.constexpr,
-    PDL: tl.constexpr, PIPELINED_SCALES: tl.constexpr, ROUTING_READY: tl.constexpr, SCALE_BLOCKS: tl.constexpr,
+    PDL: tl.constexpr, PIPELINED_SCALES: tl.constexpr, ROUTING_READY: tl.constexpr, SCALE_LAYOUT: tl.constexpr,
 ):
     """out[pair, n] for the pairs of one M block (one expert) and one N tile.
 
@@ -662,7 +678,7 @@ def _moe_gemm_kernel(
     Weights are int32 words of 8 nibbles (FP4 bytes viewed as int32 have the INT4 nibble order:
     element 8w + j in bits 4j), in `tile_blocks`' blocks of 64 rows x one K tile: the block of rows
     64b.. and K tile t at w_ptr + b * stride_wt + t * 1024; the block scales likewise where
-    `scales_in_blocks` (SCALE_BLOCKS), G a tile (`_load_scales`). The 8 nibble planes of each K tile
+    `scales_in_blocks`, G a tile, otherwise as stored (SCALE_LAYOUT: `_scale_layout`). The 8 nibble planes of each K tile
     are arranged into one MMA operand in the order the tensor cores take it from registers
     (`_mma_tile`); A's columns come permuted to match (`permute_k`), and with PERM_OUT the output
     is stored in that order for the next GEMM.
@@ -718,14 +734,14 @@ def _moe_gemm_kernel(
         k_end = k_begin
     if not PIPELINED_SCALES:  # the first tile's; the loop loads each next one
         s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW,
-                              GROUP, HAS_ZP, EVEN_K, False, SCALE_BLOCKS)
+                              GROUP, FMT, HAS_ZP, EVEN_K, False, SCALE_LAYOUT)
     if GATED:
         w3_ptr += e * stride_we
         s3_ptr += e * stride_se
         z3_ptr += e * stride_ze
         if not PIPELINED_SCALES:
             s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW,
-                                  GROUP, HAS_ZP, EVEN_K, False, SCALE_BLOCKS)
+                                  GROUP, FMT, HAS_ZP, EVEN_K, False, SCALE_LAYOUT)
         acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # The epilogue's scalars now, not after the loop: a program's last load was a wait of its own.
@@ -745,21 +761,21 @@ def _moe_gemm_kernel(
         kw_next = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K) // 8  # the last tile reloads itself
         if PIPELINED_SCALES:  # this tile's, fetched stages ahead with its words by the pipeliner
             s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOCK_N, KW, GROUP,
-                                  HAS_ZP, EVEN_K, True, SCALE_BLOCKS)
+                                  FMT, HAS_ZP, EVEN_K, True, SCALE_LAYOUT)
         words = tl.load(w_ptr + w_offs + kw * W_TILE_ROWS)  # no mask: the layout pads N and K with zeros
         w_tile = _mma_tile(_dequant(words, s1, z1, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
         if not PIPELINED_SCALES:
             s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW, GROUP,
-                                  HAS_ZP, EVEN_K, False, SCALE_BLOCKS)
+                                  FMT, HAS_ZP, EVEN_K, False, SCALE_LAYOUT)
         if GATED:
             if PIPELINED_SCALES:
                 s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOCK_N, KW, GROUP,
-                                      HAS_ZP, EVEN_K, True, SCALE_BLOCKS)
+                                      FMT, HAS_ZP, EVEN_K, True, SCALE_LAYOUT)
             words3 = tl.load(w3_ptr + w_offs + kw * W_TILE_ROWS)
             w3_tile = _mma_tile(_dequant(words3, s3, z3, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
             if not PIPELINED_SCALES:
                 s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW,
-                                      GROUP, HAS_ZP, EVEN_K, False, SCALE_BLOCKS)
+                                      GROUP, FMT, HAS_ZP, EVEN_K, False, SCALE_LAYOUT)
         a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
         acc = tl.dot(w_tile, a, acc, input_precision=DOT_PRECISION)
         if GATED:
@@ -908,7 +924,7 @@ def kernel_weights(w: "ExpertWeights | KernelWeights") -> KernelWeights:
 def scales_in_blocks(group: int, scale_bytes: int) -> bool:
     """Whether block scales are stored in `tile_blocks`' layout: where a row's scales per K tile are
     8 bytes or more (NVFP4, INT4 g32), 4-8% faster at 1-64 tokens on the H200. Narrower rows, loaded
-    one K tile ahead by hand (`scales_pipelined`), stay as stored: in a row one 32-byte sector
+    one K tile ahead by hand or as int32 words (`scale_layout`), stay as stored: in a row one 32-byte sector
     serves many tiles, so most of those loads hit L2, where in blocks each went to DRAM (INT4 g128:
     5% slower at one token; scripts/bench_moe_results.md, run 15)."""
     return max(1, K_TILE // group) * scale_bytes >= 8
@@ -960,13 +976,13 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
     apart = gated and cfg.gate_up_apart
     partials = split > 1 or apart   # FP32 partials [S, pairs, N] ([S, 2, pairs, N] for w1/w3)
     n_tiles = triton.cdiv(padded_k(w.n) if perm_out else w.n, cfg.block_n)  # PERM_OUT pads the next GEMM's K
-    pipelined_scales = scales_pipelined(cfg, w.group, w.scale.element_size())
+    layout, scale, scale3 = _launch_scales(cfg, w, w3)
     grid = (n_tiles, block_expert.numel(), split * (2 if apart else 1))
     return _moe_gemm_kernel[grid](
         a, a.stride(0),
-        words, w.scale, gs, zp,
-        words3, w3.scale, gs3, zp3,
-        words.stride(0), words.stride(1), w.scale.stride(0), w.scale.stride(1),  # with blocks: 64-row blocks
+        words, scale, gs, zp,
+        words3, scale3, gs3, zp3,
+        words.stride(0), words.stride(1), scale.stride(0), scale.stride(1),  # with blocks: 64-row blocks
         zp.stride(0), zp.stride(1),
         b, b3, b.stride(0), b.stride(1),
         out, out.stride(-2), out.stride(0) if partials else 0, out.stride(1) if gated and partials else 0,
@@ -978,19 +994,54 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         ALPHA=float(act.alpha), COMPUTE=_TL_DTYPES[compute], ASM=compute != torch.float32,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", PERM_OUT=perm_out,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
-        EVEN_K=w.k % cfg.block_k == 0, APART=apart, PIPELINED_SCALES=pipelined_scales,
-        ROUTING_READY=routing_ready, SCALE_BLOCKS=w.scale.dim() == 5, num_warps=cfg.num_warps,
+        EVEN_K=w.k % cfg.block_k == 0, APART=apart,
+        PIPELINED_SCALES=cfg.pipelined_scales and layout != SCALES_ROWS.value, ROUTING_READY=routing_ready,
+        SCALE_LAYOUT=layout, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **_chained(a), **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )
 
 
-def scales_pipelined(cfg: KernelConfig, group: int, scale_bytes: int) -> bool:
-    """Whether a launch's block scales are fetched stages ahead with the words: where cfg asks and
-    a row's scales per K tile are 8 bytes or more (NVFP4; INT4 with groups of 32: the scales in
-    blocks, `scales_in_blocks`), which Triton's pipeliner copies with cp.async. Narrower rows it
-    left as a load in the loop that was waited for (MXFP4 and INT4 g64 also through shared memory),
-    so those are loaded by hand one tile ahead (sm_90 SASS: scripts/bench_moe_asm.py; run 14)."""
-    return cfg.pipelined_scales and scales_in_blocks(group, scale_bytes)
+def scale_layout(cfg: KernelConfig, group: int, scale_bytes: int, k: int) -> int:
+    """How a launch reads the block scales (SCALE_LAYOUT), and so whether they are fetched stages
+    ahead with the words (anything but SCALES_ROWS, where cfg asks): Triton's pipeliner copies
+    them with cp.async where a thread reads 4 bytes or more.
+    - SCALES_BLOCKS: rows of 8 bytes or more a K tile (NVFP4; INT4 with groups of 32), which
+      `kernel_weights` put in blocks (`scales_in_blocks`).
+    - SCALES_WORDS: rows of 4 bytes a K tile (MXFP4, INT4 g64), K whole tiles, read as one int32
+      word per row and tile where cfg pipelines the scales: MXFP4 4% faster at 4096 tokens, the
+      same at 1-64 (scripts/bench_moe_results.md, run 16).
+    - SCALES_ROWS: the others, loaded one tile ahead by hand: K off whole tiles (gpt-oss's 2880),
+      which the pipeliner left as a load in the loop that was waited for (sm_90 SASS:
+      scripts/bench_moe_asm.py; run 14), and INT4 g128's 2 bytes, 5-11% slower as words holding
+      two tiles (run 16)."""
+    if scales_in_blocks(group, scale_bytes):
+        return SCALES_BLOCKS.value
+    row_bytes = (K_TILE // group) * scale_bytes if group <= K_TILE else 0
+    if cfg.pipelined_scales and row_bytes == 4 and k % K_TILE == 0:
+        return SCALES_WORDS.value
+    return SCALES_ROWS.value
+
+
+def _as_words(scale: torch.Tensor) -> torch.Tensor | None:
+    """scale's bytes as int32 (a view), or None where its rows or strides are not whole words."""
+    b = scale.element_size()
+    if scale.stride(-1) != 1 or any(x * b % 4 for x in (*scale.stride()[:-1], scale.shape[-1], scale.storage_offset())):
+        return None
+    return scale.view(torch.int32)
+
+
+def _launch_scales(cfg: KernelConfig, w: KernelWeights, w3: KernelWeights):
+    """(SCALE_LAYOUT, w's scales, w3's) as the launch passes them (`scale_layout`); as stored
+    where the int32 views do not exist."""
+    if w.scale.dim() == 5:
+        return SCALES_BLOCKS.value, w.scale, w3.scale
+    layout = scale_layout(cfg, w.group, w.scale.element_size(), w.k)
+    if layout == SCALES_WORDS.value:
+        words, words3 = _as_words(w.scale), _as_words(w3.scale)
+        if words is not None and words3 is not None and words.stride() == words3.stride():
+            return layout, words, words3
+        layout = SCALES_ROWS.value
+    return layout, w.scale, w3.scale
 
 
 def _chained(t: torch.Tensor) -> dict:
