@@ -325,6 +325,31 @@ def test_split_k_matches_reference():
     assert_matches(y, routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), SWIGLU))
 
 
+def test_down_config_of_its_own(monkeypatch):
+    """A config's `down` (one token's default: 128 rows a program, split 2) applies to the down GEMM
+    alone: the same result as the reference with w1/w3 split 4 and w2 in 128-row programs, and a
+    down config that would need another alignment of the pairs is refused."""
+    gen = torch.Generator().manual_seed(9)
+    hidden, inter, experts = 512, 256, 3
+    (w1, d1), (w3, d3), (w2, d2) = make_layer("int4-sym", experts, hidden, inter, gen, group=32)
+    ids, weights = torch.tensor([[0, 2], [2, 1]]), torch.rand(2, 2, generator=gen)
+    x = (torch.randn(2, hidden, generator=gen) * 0.05).bfloat16()
+    down = KernelConfig(16, 128, 128, num_warps=4, num_stages=1, split_k=2)
+    cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=4, down=down)
+    seen = []
+    launch = fused_moe_module._launch
+
+    def spy(*args, **kwargs):
+        seen.append((args[3] is None, args[10]))  # (the down GEMM: no w3, its config)
+        return launch(*args, **kwargs)
+    monkeypatch.setattr(fused_moe_module, "_launch", spy)
+    y = fused_moe(x, ids, weights, w1, w3, w2, config=cfg)
+    assert seen == [(False, cfg), (True, down)]
+    assert_matches(y, routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), SWIGLU))
+    with pytest.raises(ValueError, match="block_m=16"):
+        KernelConfig(16, 64, 128, down=KernelConfig(32, 64, 128))
+
+
 def gated_experts(x, ids, weights, d13, b13, d2, b2, limit, *, kind="swiglu_oai", alpha=1.702, gate_rows=0,
                   interleaved=True, plus_one=True, b13_after_clamp=False, b2_after_weight=False):
     """sum_k w_k * expert(x) written out in FP32 for fused gate/up weights d13 [E, 2I, H] and biases

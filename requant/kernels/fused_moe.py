@@ -111,6 +111,13 @@ class KernelConfig:
     # Block scales fetched stages ahead with the words, where a row's scales per K tile are 8 bytes
     # or more (`_launch`); off, they are loaded one tile ahead by hand
     pipelined_scales: bool = True
+    # The down GEMM's own config, where it differs (`down`); the same block_m, since both GEMMs
+    # take one alignment of the pairs
+    down: KernelConfig | None = None
+
+    def __post_init__(self):
+        if self.down is not None and (self.down.block_m != self.block_m or self.down.down is not None):
+            raise ValueError(f"the down GEMM's config must have block_m={self.block_m} and no down config of its own")
 
 
 @dataclass(frozen=True)
@@ -142,12 +149,15 @@ def default_config(pairs: int, experts: int, kernel_code: int | None = None) -> 
             # One token touches top_k experts only: two K slices give every SM weights to stream.
             # With the weights in blocks w1 and w3 in one program beat them apart (and apart with
             # 80 registers, the default of runs 12-14) by 2-5% (scripts/bench_moe_results.md, run 15).
-            return KernelConfig(16, 64, 128, num_warps=4, num_stages=4, split_k=2)
-        # From 4 tokens on no split is best (run 4b). w1 and w3 apart were 1-4% faster at 16 and 64
-        # tokens, but 0.4-1.4% slower for INT4 at 64 (run 12): INT4 keeps them together beyond
-        # 96 pairs (16 tokens of top-6).
-        apart = kernel_code != int4.CODEC.kernel_code or pairs <= 96
-        return KernelConfig(16, 64, 128, num_warps=4, num_stages=4, gate_up_apart=apart)
+            # Three stages, and 128 rows a program for the down GEMM (its 384 programs one wave, at
+            # 3 an SM): INT4 4% faster than four stages and 64 rows, NVFP4 the same (run 16).
+            return KernelConfig(16, 64, 128, num_warps=4, num_stages=3, split_k=2,
+                                down=KernelConfig(16, 128, 128, num_warps=4, num_stages=3, split_k=2))
+        # From 4 tokens on no split is best (run 4b). With the weights in blocks, w1 and w3 in one
+        # program and the down GEMM in 128-row programs were 2-7% faster at 16 and 64 tokens
+        # than w1 and w3 apart (run 12's choice) and 64 rows (scripts/bench_moe_results.md, run 16).
+        return KernelConfig(16, 64, 128, num_warps=4, num_stages=4,
+                            down=KernelConfig(16, 128, 128, num_warps=4, num_stages=4))
     # NVFP4's scales in the pipeline were 3% slower at 4096-16384 tokens (run 14; not measured at
     # 256-1024), INT4's with groups of 32 faster at every size; no format named: by hand, as before.
     pipelined = kernel_code is not None and kernel_code != nvfp4.CODEC.kernel_code
@@ -1078,7 +1088,8 @@ def gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act
 def down(h, w2, sorted_ids, block_expert, route_w, pairs, compute, cfg, b2=None) -> torch.Tensor:
     """Per-pair outputs (h W2.T + b2) * routing weight (route_w: [pairs], any float dtype): [S, pairs,
     H], FP32 partials when split (S slices), else the compute dtype (BF16 on the GPU halves this
-    buffer's traffic)."""
+    buffer's traffic). cfg: the layer's config, whose `down` applies where it has one."""
+    cfg = cfg.down or cfg
     split = _split(cfg, w2.k)
     dtype = torch.float32 if split > 1 else compute
     y = torch.empty(split, pairs, w2.n, dtype=dtype, device=h.device)
