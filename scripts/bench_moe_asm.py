@@ -105,6 +105,8 @@ def main():
     shapes.insert(1, (True, "decode_apart", dataclasses.replace(decode, gate_up_apart=True)))
     shapes.insert(2, (True, "decode_apart_r80", dataclasses.replace(decode, gate_up_apart=True, max_registers=80)))
     shapes.insert(-1, (False, "decode_r80", dataclasses.replace(decode, max_registers=80)))
+    token1 = fm.default_config(6, 256)  # one token of top-6: both GEMMs' own configs
+    shapes += [(True, "token1", token1), (False, "token1", token1.down or token1)]
     variants = [(fmt, *shape, True) for fmt in SCALE_TYPES for shape in shapes]
     variants += [("mxfp4", *shape, False) for shape in shapes]
     for fmt, gated, name, cfg, even_k in variants:
