@@ -59,7 +59,7 @@ _FOLDED_WEIGHT_FACTOR = tl.constexpr(2.0 ** (126 - _SCALE_FOLD))
 TILE_ROWS = 64
 ROW_PAD = 128  # rows padded to whole blocks of the widest N tile a config takes
 W_TILE_ROWS = tl.constexpr(TILE_ROWS)
-# How a launch reads the block scales (`_scale_layout`): as stored, in `tile_blocks`' blocks, or
+# How a launch reads the block scales (`scale_layout`): as stored, in `tile_blocks`' blocks, or
 # as stored through an int32 view
 SCALES_ROWS = tl.constexpr(0)
 SCALES_BLOCKS = tl.constexpr(1)
@@ -108,8 +108,8 @@ class KernelConfig:
     # a program holding both, so more programs fit an SM
     gate_up_apart: bool = False
     max_registers: int | None = None  # per thread (ptxas's maxnreg): fewer let more programs share an SM
-    # Block scales fetched stages ahead with the words, where a row's scales per K tile are 8 bytes
-    # or more (`_launch`); off, they are loaded one tile ahead by hand
+    # Block scales fetched stages ahead with the words, where a row's scales per K tile are 4 bytes
+    # or more (`scale_layout`); off, they are loaded one tile ahead by hand
     pipelined_scales: bool = True
     # The down GEMM's own config, where it differs (`down`); the same block_m, since both GEMMs
     # take one alignment of the pairs
@@ -648,7 +648,7 @@ def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOC
             offs = tl.multiple_of(offs, [1, G])
         else:
             offs = offs_n[:, None] * stride_sn + groups[None, :]
-        if GROUP < 32 and not PIPELINED:  # NVFP4: 2 groups per thread's 4 words, so contiguous 2 at most (the layout above)
+        if GROUP < 32 and not PIPELINED:  # NVFP4: 2 groups per thread's 4 words, so 2 contiguous at most
             offs = tl.max_contiguous(offs, [1, 32 // GROUP])
         if LAYOUT == SCALES_BLOCKS:
             scale = tl.load(s_ptr + offs)  # no mask: the layout pads N and K with zeros
@@ -688,8 +688,8 @@ def _moe_gemm_kernel(
     Weights are int32 words of 8 nibbles (FP4 bytes viewed as int32 have the INT4 nibble order:
     element 8w + j in bits 4j), in `tile_blocks`' blocks of 64 rows x one K tile: the block of rows
     64b.. and K tile t at w_ptr + b * stride_wt + t * 1024; the block scales likewise where
-    `scales_in_blocks`, G a tile, otherwise as stored (SCALE_LAYOUT: `_scale_layout`). The 8 nibble planes of each K tile
-    are arranged into one MMA operand in the order the tensor cores take it from registers
+    `scales_in_blocks`, G a tile, otherwise as stored (SCALE_LAYOUT: `scale_layout`). The 8 nibble
+    planes of each K tile are arranged into one MMA operand in the order the tensor cores take it from registers
     (`_mma_tile`); A's columns come permuted to match (`permute_k`), and with PERM_OUT the output
     is stored in that order for the next GEMM.
 
@@ -933,10 +933,10 @@ def kernel_weights(w: "ExpertWeights | KernelWeights") -> KernelWeights:
 
 def scales_in_blocks(group: int, scale_bytes: int) -> bool:
     """Whether block scales are stored in `tile_blocks`' layout: where a row's scales per K tile are
-    8 bytes or more (NVFP4, INT4 g32), 4-8% faster at 1-64 tokens on the H200. Narrower rows, loaded
-    one K tile ahead by hand or as int32 words (`scale_layout`), stay as stored: in a row one 32-byte sector
-    serves many tiles, so most of those loads hit L2, where in blocks each went to DRAM (INT4 g128:
-    5% slower at one token; scripts/bench_moe_results.md, run 15)."""
+    8 bytes or more (NVFP4, INT4 g32), 4-8% faster at 1-64 tokens on the H200. Narrower rows,
+    loaded one K tile ahead by hand or as int32 words (`scale_layout`), stay as stored: in a row
+    one 32-byte sector serves many tiles, so most of those loads hit L2, where in blocks each went
+    to DRAM (INT4 g128: 5% slower at one token; scripts/bench_moe_results.md, run 15)."""
     return max(1, K_TILE // group) * scale_bytes >= 8
 
 
@@ -1043,15 +1043,13 @@ def _as_words(scale: torch.Tensor) -> torch.Tensor | None:
 def _launch_scales(cfg: KernelConfig, w: KernelWeights, w3: KernelWeights):
     """(SCALE_LAYOUT, w's scales, w3's) as the launch passes them (`scale_layout`); as stored
     where the int32 views do not exist."""
-    if w.scale.dim() == 5:
+    if w.scale.dim() == 5:  # `kernel_weights` put them in blocks
         return SCALES_BLOCKS.value, w.scale, w3.scale
-    layout = scale_layout(cfg, w.group, w.scale.element_size(), w.k)
-    if layout == SCALES_WORDS.value:
+    if scale_layout(cfg, w.group, w.scale.element_size(), w.k) == SCALES_WORDS.value:
         words, words3 = _as_words(w.scale), _as_words(w3.scale)
         if words is not None and words3 is not None and words.stride() == words3.stride():
-            return layout, words, words3
-        layout = SCALES_ROWS.value
-    return layout, w.scale, w3.scale
+            return SCALES_WORDS.value, words, words3
+    return SCALES_ROWS.value, w.scale, w3.scale
 
 
 def _chained(t: torch.Tensor) -> dict:
