@@ -436,13 +436,24 @@ def tile_blocks(x: torch.Tensor, group: int) -> torch.Tensor:
     return out.view(experts, rows // TILE_ROWS, TILE_ROWS, tiles, per_tile).transpose(2, 3).contiguous()
 
 
+def _rotation_asm(dst: str, r: int, mask: int) -> str:
+    """PTX for a term's rotation of the word ($2) into dst: a funnel shift where the term keeps
+    bits that the rotation wraps around, else a plain left shift, which ptxas issues as IMAD.SHL on
+    the FMA pipe instead of SHF on the integer pipe. E2M1's loop had 9 integer-pipe instructions
+    per word against 4 on the FMA pipe; with two of its four shifts moved, NVFP4's decode GEMMs
+    were 2.5-5% faster on the H200 (scripts/bench_moe_results.md, run 16)."""
+    if mask & ((1 << r) - 1):
+        return f"shf.l.wrap.b32 {dst}, $2, $2, {r};"
+    return f"shl.b32 {dst}, $2, {r};"
+
+
 def _pair_asm(kind: str, m: int) -> str:
     """PTX turning byte pair m of a kernel word ($2) into its two weights, nibble 2m ($0) and
     2m + 1 ($1), as one bf16x2 (the pair of adjacent K columns that a thread holds of the wgmma
     register operand).
 
     Inputs: the word, its block scale's BF16 bits ($3), -(128 + zero) as BF16 bits ($4) for
-    "integer_zero_point". The pair's `PAIR_TERMS`: a rotation (one funnel shift) and a mask each,
+    "integer_zero_point". The pair's `PAIR_TERMS`: a rotation (`_rotation_asm`) and a mask each,
     the second OR-ed in by one lop3; the mask of INT4's term and the OR with 128.0's bits are one
     lop3 too.
     E2M1 ("e2m1", "e2m1_folded"): the pair's register is then two BF16s worth code x 2^-126; "e2m1"
@@ -459,7 +470,7 @@ def _pair_asm(kind: str, m: int) -> str:
     lines = ["{", ".reg .b32 s, k, z, t, u;", "mov.b32 z, 0x80008000;", "mov.b32 s, {$3, $3};"]
     src = "$2"
     if r:
-        lines.append(f"shf.l.wrap.b32 t, $2, $2, {r};")
+        lines.append(_rotation_asm("t", r, mask))
         src = "t"
     if integer:
         lines += [f"lop3.b32 t, {src}, {mask:#x}, 0x43004300, 0xEA;",  # (src & mask) | 0x43004300
@@ -469,7 +480,7 @@ def _pair_asm(kind: str, m: int) -> str:
     else:
         lines.append(f"and.b32 t, {src}, {mask:#x};")
         for r2, mask2 in more:
-            lines += [f"shf.l.wrap.b32 u, $2, $2, {r2};", f"lop3.b32 t, t, u, {mask2:#x}, 0xF8;"]  # t | (u & mask2)
+            lines += [_rotation_asm("u", r2, mask2), f"lop3.b32 t, t, u, {mask2:#x}, 0xF8;"]  # t | (u & mask2)
         if kind == "e2m1":
             lines += ["mov.b32 k, 0x7E807E80;", "fma.rn.bf16x2 t, t, k, z;"]  # x 2^126
     return "\n".join(lines + ["fma.rn.bf16x2 t, t, s, z;", "mov.b32 {$0, $1}, t;", "}"])
