@@ -31,8 +31,8 @@ from triton.compiler import ASTSource, make_backend
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from requant.kernels import fused_moe as fm  # noqa: E402
 
-SCALE_TYPES = {"nvfp4": ("*u8", 16), "mxfp4": ("*u8", 32), "int4": ("*bf16", 128)}
-FORMAT_CODES = {"nvfp4": fm.NVFP4, "mxfp4": fm.MXFP4, "int4": fm.INT4}
+SCALE_TYPES = {"nvfp4": ("*u8", 16), "mxfp4": ("*u8", 32), "int4": ("*bf16", 128), "int4g32": ("*bf16", 32)}
+FORMAT_CODES = {"nvfp4": fm.NVFP4, "mxfp4": fm.MXFP4, "int4": fm.INT4, "int4g32": fm.INT4}
 # Arguments that are multiples of 16 at run time for this model's shapes (Triton specializes on it).
 DIVISIBLE = {"stride_am", "stride_we", "stride_wt", "stride_se", "stride_sn", "stride_om", "stride_os", "stride_og",
              "N", "K"}
@@ -47,7 +47,7 @@ def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig, even_k: bool = Tru
     APART)."""
     kernel = fm._moe_gemm_kernel
     scale_type, group = SCALE_TYPES[fmt]
-    scale_bytes = 2 if fmt == "int4" else 1
+    scale_bytes = 2 if fmt.startswith("int4") else 1
     signature = {name: "i32" for name in kernel.arg_names}
     for name in kernel.arg_names:
         if name.endswith("_ptr"):
