@@ -17,9 +17,10 @@ Pairs (token, k) are sorted by expert and padded per expert to the M tile (`moe_
 serving engines do. Four launches: one prepares the GEMMs' inputs (`prepare`: the align and the
 activations' cast and column order), then w1/w3 with their biases and the gated activation fused
 (`SwiGLU`: DeepSeek's clamped SwiGLU or gpt-oss's), w2 with its bias and the routing weight, and
-the top-k sum (`topk_sum`). At decode sizes w1 and w3 are computed by separate programs, or K is
-split, and a fifth launch gates their FP32 partials. On Hopper and later the launches are chained
-by programmatic dependent launch (`_pdl`), so each starts while the one before ends.
+the top-k sum (`topk_sum`). Where K is split (one token's default) or w1 and w3 are computed by
+separate programs (`KernelConfig.gate_up_apart`), a fifth launch gates their FP32 partials. On
+Hopper and later the launches are chained by programmatic dependent launch (`_pdl`), so each
+starts while the one before ends.
 
 Under TRITON_INTERPRET=1 (CPU) bf16 dots and arithmetic are wrong, so everything takes a compute
 dtype: float32 there, bfloat16 on the GPU.
