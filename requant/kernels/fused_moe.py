@@ -701,9 +701,9 @@ def _moe_gemm_kernel(
     element 8w + j in bits 4j), in `tile_blocks`' blocks of 64 rows x one K tile: the block of rows
     64b.. and K tile t at w_ptr + b * stride_wt + t * 1024; the block scales likewise where
     `scales_in_blocks`, G a tile, otherwise as stored (SCALE_LAYOUT: `scale_layout`). The 8 nibble
-    planes of each K tile are arranged into one MMA operand in the order the tensor cores take it from registers
-    (`_mma_tile`); A's columns come permuted to match (`permute_k`), and with PERM_OUT the output
-    is stored in that order for the next GEMM.
+    planes of each K tile are arranged into one MMA operand in the order the tensor cores take it
+    from registers (`_mma_tile`); A's columns come permuted to match (`permute_k`), and with
+    PERM_OUT the output is stored in that order for the next GEMM.
 
     SPLIT_K > 1: program (n, m, s) sums the s-th K slice only and stores FP32 partials at
     out + s * stride_os (w1's at +0, w3's at + stride_og when GATED, before the SwiGLU, which
@@ -949,7 +949,12 @@ def scales_in_blocks(group: int, scale_bytes: int) -> bool:
     loaded one K tile ahead by hand or as int32 words (`scale_layout`), stay as stored: in a row
     one 32-byte sector serves many tiles, so most of those loads hit L2, where in blocks each went
     to DRAM (INT4 g128: 5% slower at one token; scripts/bench_moe_results.md, run 15)."""
-    return max(1, K_TILE // group) * scale_bytes >= 8
+    return _tile_scale_bytes(group, scale_bytes) >= 8
+
+
+def _tile_scale_bytes(group: int, scale_bytes: int) -> int:
+    """Bytes of one row's block scales per K tile (one scale where a group spans tiles)."""
+    return max(1, K_TILE // group) * scale_bytes
 
 
 K_TILE = 128   # the kernel's K step: the 16 words `_mma_tile` lays out
@@ -1038,8 +1043,7 @@ def scale_layout(cfg: KernelConfig, group: int, scale_bytes: int, k: int) -> int
       two tiles (run 16)."""
     if scales_in_blocks(group, scale_bytes):
         return SCALES_BLOCKS.value
-    row_bytes = (K_TILE // group) * scale_bytes if group <= K_TILE else 0
-    if cfg.pipelined_scales and row_bytes == 4 and k % K_TILE == 0:
+    if cfg.pipelined_scales and group <= K_TILE and _tile_scale_bytes(group, scale_bytes) == 4 and k % K_TILE == 0:
         return SCALES_WORDS.value
     return SCALES_ROWS.value
 
