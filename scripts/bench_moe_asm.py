@@ -67,7 +67,8 @@ def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig, even_k: bool = Tru
                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
                      EVEN_K=even_k, APART=apart, PDL=True,
                      PIPELINED_SCALES=cfg.pipelined_scales and layout != fm.SCALES_ROWS.value,
-                     ROUTING_READY=not gated, SCALE_LAYOUT=layout)
+                     ROUTING_READY=not gated, SCALE_LAYOUT=layout,
+                     ROW_SCALES=fm.row_scaled(cfg, FORMAT_CODES[fmt].value, group, 4096 if even_k else 2880))
     signature.update({name: "constexpr" for name in constants})
     divisible = DIVISIBLE if even_k else DIVISIBLE - {"stride_sn"}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in kernel.arg_names
@@ -107,6 +108,8 @@ def main():
     shapes.insert(-1, (False, "decode_r80", dataclasses.replace(decode, max_registers=80)))
     token1 = fm.default_config(6, 256)  # one token of top-6: both GEMMs' own configs
     shapes += [(True, "token1", token1), (False, "token1", token1.down or token1)]
+    shapes += [(True, "token1_rs", dataclasses.replace(token1, scale_after_dot=True, down=None)),
+               (False, "token1_rs", dataclasses.replace(token1.down, scale_after_dot=True))]
     variants = [(fmt, *shape, True) for fmt in SCALE_TYPES for shape in shapes]
     variants += [("mxfp4", *shape, False) for shape in shapes]
     for fmt, gated, name, cfg, even_k in variants:

@@ -350,6 +350,40 @@ def test_down_config_of_its_own(monkeypatch):
         KernelConfig(16, 64, 128, down=KernelConfig(32, 64, 128))
 
 
+@pytest.mark.parametrize("fmt,group,split,apart", [
+    ("int4-sym", 128, 1, False), ("int4-asym", 128, 2, False), ("int4-sym", 256, 2, True),
+])
+def test_scale_after_dot_matches_reference(fmt, group, split, apart, monkeypatch):
+    """`scale_after_dot` with one group a K tile or more (INT4 g128, g256): each tile's product with
+    the unscaled codes, minus their zero points, times its rows' scales. w1/w3 have 4 K tiles (so
+    the next tile's scales are loaded ahead, and g256 takes one scale for two tiles), w2 two; the
+    launches take the path (ROW_SCALES), and a format whose groups are smaller than the tile
+    (NVFP4) ignores the switch."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"after-dot/{fmt}/{group}/{split}".encode()))
+    hidden, inter = 512, 256
+    (w1, d1), (w3, d3), (w2, d2) = make_layer(fmt, EXPERTS, hidden, inter, gen, group=group)
+    ids, weights = random_routing(5, 3, gen)
+    x = clamp_exercising_input(5, hidden, d1, LIMIT, gen)
+    cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=split, gate_up_apart=apart,
+                       scale_after_dot=True)
+    row_scales = []
+    kernel = fused_moe_module._moe_gemm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                row_scales.append(kwargs["ROW_SCALES"])
+                return kernel[grid](*args, **kwargs)
+            return run
+    monkeypatch.setattr(fused_moe_module, "_moe_gemm_kernel", Spy())
+    y = fused_moe(x, ids, weights, w1, w3, w2, swiglu_limit=LIMIT, config=cfg)
+    assert row_scales == [True, True]
+    assert_matches(y, routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), SWIGLU))
+    (n1, _), (n3, _), (n2, _) = make_layer("nvfp4-any", EXPERTS, hidden, inter, gen)
+    fused_moe(x, ids, weights, n1, n3, n2, config=cfg)
+    assert row_scales[2:] == [False, False]
+
+
 def gated_experts(x, ids, weights, d13, b13, d2, b2, limit, *, kind="swiglu_oai", alpha=1.702, gate_rows=0,
                   interleaved=True, plus_one=True, b13_after_clamp=False, b2_after_weight=False):
     """sum_k w_k * expert(x) written out in FP32 for fused gate/up weights d13 [E, 2I, H] and biases

@@ -115,22 +115,31 @@ def test_kernel_words_move_every_bit_once(fmt):
         assert k == sum(landed[i] for i in range(32) if w >> i & 1)
 
 
-@pytest.mark.parametrize("kind", ["e2m1", "int4", "int4-zero-point"])
+@pytest.mark.parametrize("kind", ["e2m1", "int4", "int4-zero-point", "int4-unscaled", "int4-zero-point-unscaled"])
 def test_pair_ptx_decodes_every_byte(kind):
-    asm = {"e2m1": fm._ASM_FP4, "int4": fm._ASM_INT4, "int4-zero-point": fm._ASM_INT4_ZP}[kind].value
+    """Unscaled (`KernelConfig.scale_after_dot`): the code minus its zero point, exactly, the zero
+    point then the third operand ($3) where the scale was."""
+    asm = {"e2m1": fm._ASM_FP4, "int4": fm._ASM_INT4, "int4-zero-point": fm._ASM_INT4_ZP,
+           "int4-unscaled": fm._ASM_INT4_UNSCALED, "int4-zero-point-unscaled": fm._ASM_INT4_ZP_UNSCALED}[kind].value
+    scaled = not kind.endswith("unscaled")
+    asym = "zero-point" in kind
     stored = words()
     for i, (word, kernel_word) in enumerate(zip(stored, kernel_words(stored, fm.MXFP4 if kind == "e2m1" else fm.INT4))):
-        scale = SCALES[i % len(SCALES)]
-        zero = i % 16
+        scale = SCALES[i % len(SCALES)] if scaled else 1.0
+        zero = i % 16 if asym else 8
+        # After the word: the scale's bits where scaled, then -(128 + zero)'s where asymmetric.
+        args = {2: kernel_word, 3: bf16_bits(scale), 4: zero | 0xC300} if scaled else {2: kernel_word, 3: zero | 0xC300}
         for m in range(4):  # byte m of the word
-            out = run_ptx(asm[m], {2: kernel_word, 3: bf16_bits(scale), 4: zero | 0xC300})  # $4: -(128 + zero) if asym
+            out = run_ptx(asm[m], args)
             for j, name in ((2 * m, "$0"), (2 * m + 1, "$1")):
                 nib = (word >> 4 * j) & 15
                 if kind == "e2m1":
                     want = (-1 if nib & 8 else 1) * E2M1[nib & 7] * scale
                 else:
-                    want = (nib - (8 if kind == "int4" else zero)) * scale
+                    want = (nib - zero) * scale
                 assert bf16_value(out[name]) == bf16_value(bf16_bits(want)), (kind, hex(word), m, j)
+            if not scaled:
+                assert "$4" not in asm[m] and ("$3" in asm[m]) == asym
 
 
 @triton.jit

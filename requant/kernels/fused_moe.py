@@ -112,6 +112,11 @@ class KernelConfig:
     # Block scales fetched stages ahead with the words, where a row's scales per K tile are 4 bytes
     # or more (`scale_layout`); off, they are loaded one tile ahead by hand
     pipelined_scales: bool = True
+    # Where a group spans the K tile (INT4 g128): the tile's integer codes go to the MMA unscaled
+    # and each row's scale multiplies the tile's FP32 product, one FFMA per accumulator element
+    # instead of one HMUL2 per pair of weights: fewer at decode sizes (16 pairs a program), more
+    # at prefill sizes, where it also keeps the MMA from running ahead
+    scale_after_dot: bool = False
     # The down GEMM's own config, where it differs (`down`); the same block_m, since both GEMMs
     # take one alignment of the pairs
     down: KernelConfig | None = None
@@ -152,13 +157,17 @@ def default_config(pairs: int, experts: int, kernel_code: int | None = None) -> 
             # 80 registers, the default of runs 12-14) by 2-5% (scripts/bench_moe_results.md, run 15).
             # Three stages, and 128 rows a program for the down GEMM (its 384 programs one wave, at
             # 3 an SM): INT4 4% faster than four stages and 64 rows, NVFP4 the same (run 16).
+            # INT4 g128's scales after the MMA in w2 only: 4% faster; in w1/w3 too, 2% slower than
+            # that, each tile's MMA waited for with few programs to cover the wait (run 17).
             return KernelConfig(16, 64, 128, num_warps=4, num_stages=3, split_k=2,
-                                down=KernelConfig(16, 128, 128, num_warps=4, num_stages=3, split_k=2))
+                                down=KernelConfig(16, 128, 128, num_warps=4, num_stages=3, split_k=2,
+                                                  scale_after_dot=True))
         # From 4 tokens on no split is best (run 4b). With the weights in blocks, w1 and w3 in one
         # program and the down GEMM in 128-row programs were 2-7% faster at 16 and 64 tokens
         # than w1 and w3 apart (run 12's choice) and 64 rows (scripts/bench_moe_results.md, run 16).
-        return KernelConfig(16, 64, 128, num_warps=4, num_stages=4,
-                            down=KernelConfig(16, 128, 128, num_warps=4, num_stages=4))
+        # INT4 g128's scales after the MMA: 8-10% faster at 16 and 64 tokens (run 17).
+        return KernelConfig(16, 64, 128, num_warps=4, num_stages=4, scale_after_dot=True,
+                            down=KernelConfig(16, 128, 128, num_warps=4, num_stages=4, scale_after_dot=True))
     # NVFP4's scales in the pipeline were 3% slower at 4096-16384 tokens (run 14; not measured at
     # 256-1024), INT4's with groups of 32 faster at every size; no format named: by hand, as before.
     pipelined = kernel_code is not None and kernel_code != nvfp4.CODEC.kernel_code
@@ -448,35 +457,39 @@ def _rotation_asm(dst: str, r: int, mask: int) -> str:
     return f"shl.b32 {dst}, $2, {r};"
 
 
-def _pair_asm(kind: str, m: int) -> str:
+def _pair_asm(kind: str, m: int, scaled: bool = True) -> str:
     """PTX turning byte pair m of a kernel word ($2) into its two weights, nibble 2m ($0) and
     2m + 1 ($1), as one bf16x2 (the pair of adjacent K columns that a thread holds of the wgmma
     register operand).
 
-    Inputs: the word, its block scale's BF16 bits ($3), -(128 + zero) as BF16 bits ($4) for
-    "integer_zero_point". The pair's `PAIR_TERMS`: a rotation (`_rotation_asm`) and a mask each,
-    the second OR-ed in by one lop3; the mask of INT4's term and the OR with 128.0's bits are one
-    lop3 too.
+    Inputs after the word: its block scale's BF16 bits where scaled, then -(128 + zero) as BF16
+    bits for "integer_zero_point". The pair's `PAIR_TERMS`: a rotation (`_rotation_asm`) and a mask
+    each, the second OR-ed in by one lop3; the mask of INT4's term and the OR with 128.0's bits
+    are one lop3 too.
     E2M1 ("e2m1", "e2m1_folded"): the pair's register is then two BF16s worth code x 2^-126; "e2m1"
     multiplies by 2^126, then by the block scale (exact both, E8M0 scales span all of BF16's
     range); "e2m1_folded" takes a scale already times 2^119 (`_scale_bf16_bits`: E4M3's 448 x 2^119
     still fits BF16) and multiplies once, leaving the weights 2^-7 times the true ones for the
     accumulator to take back. Every product is exact: at most 2 x 4 significant bits.
     INT4 ("integer", "integer_zero_point"): 128 + n; minus (128 + zero) is exact, then times the
-    scale. 3.25 (E2M1 folded) and 4 (INT4) instructions per pair; at decode sizes that issue rate,
-    not DRAM, is the limit (scripts/bench_moe_results.md, runs 5-10).
+    scale, or not at all where not scaled (`KernelConfig.scale_after_dot`: the code minus its zero
+    point, exact). 3.25 (E2M1 folded) and 4 (INT4) instructions per pair; at decode sizes that issue
+    rate, not DRAM, is the limit (scripts/bench_moe_results.md, runs 5-10).
     """
     integer = kind.startswith("integer")
     (r, mask), *more = PAIR_TERMS["integer" if integer else "e2m1"][m]
-    lines = ["{", ".reg .b32 s, k, z, t, u;", "mov.b32 z, 0x80008000;", "mov.b32 s, {$3, $3};"]
+    lines = ["{", ".reg .b32 s, k, z, t, u;", "mov.b32 z, 0x80008000;"]
+    if scaled:
+        lines.append("mov.b32 s, {$3, $3};")
     src = "$2"
     if r:
         lines.append(_rotation_asm("t", r, mask))
         src = "t"
     if integer:
+        zero_arg = "$4" if scaled else "$3"
         lines += [f"lop3.b32 t, {src}, {mask:#x}, 0x43004300, 0xEA;",  # (src & mask) | 0x43004300
                   "mov.b32 u, 0x3F803F80;",
-                  "mov.b32 k, {$4, $4};" if kind == "integer_zero_point" else "mov.b32 k, 0xC308C308;",
+                  f"mov.b32 k, {{{zero_arg}, {zero_arg}}};" if kind == "integer_zero_point" else "mov.b32 k, 0xC308C308;",
                   "fma.rn.bf16x2 t, t, u, k;"]
     else:
         lines.append(f"and.b32 t, {src}, {mask:#x};")
@@ -484,7 +497,9 @@ def _pair_asm(kind: str, m: int) -> str:
             lines += [_rotation_asm("u", r2, mask2), f"lop3.b32 t, t, u, {mask2:#x}, 0xF8;"]  # t | (u & mask2)
         if kind == "e2m1":
             lines += ["mov.b32 k, 0x7E807E80;", "fma.rn.bf16x2 t, t, k, z;"]  # x 2^126
-    return "\n".join(lines + ["fma.rn.bf16x2 t, t, s, z;", "mov.b32 {$0, $1}, t;", "}"])
+    if scaled:
+        lines.append("fma.rn.bf16x2 t, t, s, z;")
+    return "\n".join(lines + ["mov.b32 {$0, $1}, t;", "}"])
 
 
 # Indexed by the byte pair m.
@@ -492,6 +507,8 @@ _ASM_FP4 = tl.constexpr(tuple(_pair_asm("e2m1", m) for m in range(4)))
 _ASM_FP4_FOLDED = tl.constexpr(tuple(_pair_asm("e2m1_folded", m) for m in range(4)))
 _ASM_INT4 = tl.constexpr(tuple(_pair_asm("integer", m) for m in range(4)))
 _ASM_INT4_ZP = tl.constexpr(tuple(_pair_asm("integer_zero_point", m) for m in range(4)))
+_ASM_INT4_UNSCALED = tl.constexpr(tuple(_pair_asm("integer", m, scaled=False) for m in range(4)))
+_ASM_INT4_ZP_UNSCALED = tl.constexpr(tuple(_pair_asm("integer_zero_point", m, scaled=False) for m in range(4)))
 # The same terms for the FP32 route, two per pair (a zero mask where there is one).
 _TERMS = {layout: tuple(tuple(t[i] if i < len(t) else (0, 0) for t in terms) for i in range(2))
           for layout, terms in PAIR_TERMS.items()}
@@ -504,10 +521,17 @@ _E2M1_BITS = tl.constexpr(NIBBLE_BITS["e2m1"])
 
 
 @triton.jit
-def _asm_pair(words, s, nz, M: tl.constexpr, FMT: tl.constexpr, HAS_ZP: tl.constexpr):
-    """Nibbles 2M and 2M + 1 of each kernel word as two BF16 tiles."""
+def _asm_pair(words, s, nz, M: tl.constexpr, FMT: tl.constexpr, HAS_ZP: tl.constexpr, SCALED: tl.constexpr):
+    """Nibbles 2M and 2M + 1 of each kernel word as two BF16 tiles (INT4 not SCALED: s unused)."""
     if FMT == INT4:
-        if HAS_ZP:
+        if not SCALED:
+            if HAS_ZP:
+                lo, hi = tl.inline_asm_elementwise(_ASM_INT4_ZP_UNSCALED[M], "=h,=h,r,h", [words, nz],
+                                                   (tl.bfloat16, tl.bfloat16), True, 1)
+            else:
+                lo, hi = tl.inline_asm_elementwise(_ASM_INT4_UNSCALED[M], "=h,=h,r", [words],
+                                                   (tl.bfloat16, tl.bfloat16), True, 1)
+        elif HAS_ZP:
             lo, hi = tl.inline_asm_elementwise(_ASM_INT4_ZP[M], "=h,=h,r,h,h", [words, s, nz],
                                                (tl.bfloat16, tl.bfloat16), True, 1)
         else:
@@ -554,35 +578,42 @@ def _per_word(t, words):
 
 
 @triton.jit
-def _f32_pair(words, s, zero, M: tl.constexpr, FMT: tl.constexpr, COMPUTE: tl.constexpr):
+def _f32_pair(words, s, zero, M: tl.constexpr, FMT: tl.constexpr, COMPUTE: tl.constexpr, SCALED: tl.constexpr):
     lo, hi = _pair_nibbles(words, M, FMT)
-    return (_nibble_f32(lo, zero, FMT) * s).to(COMPUTE), (_nibble_f32(hi, zero, FMT) * s).to(COMPUTE)
+    lo, hi = _nibble_f32(lo, zero, FMT), _nibble_f32(hi, zero, FMT)
+    if SCALED:
+        lo, hi = lo * s, hi * s
+    return lo.to(COMPUTE), hi.to(COMPUTE)
 
 
 @triton.jit
 def _dequant(words, scale_raw, zero, FMT: tl.constexpr, HAS_ZP: tl.constexpr, COMPUTE: tl.constexpr,
-             ASM: tl.constexpr):
+             ASM: tl.constexpr, SCALED: tl.constexpr):
     """The 8 nibble planes of a tile of kernel words as COMPUTE tiles: plane j holds nibble j of
     each word. scale_raw and zero are per group (`_load_scales`), converted before they are
-    broadcast to the words: once per group instead of once per word.
+    broadcast to the words: once per group instead of once per word. Not SCALED (INT4 only):
+    the codes minus their zero points, scale_raw unused (`KernelConfig.scale_after_dot`).
     On the GPU NVFP4's planes are 2^-7 times the weights ("e2m1_folded")."""
+    s = 1.0
     if ASM:
-        s = _per_word(_scale_bf16_bits(scale_raw, FMT), words)
+        if SCALED:
+            s = _per_word(_scale_bf16_bits(scale_raw, FMT), words)
         nz = 0
         if HAS_ZP:
             nz = _per_word((zero | 0xC300).to(tl.int16), words)  # BF16 bits of -(128 + zero)
-        p0, p1 = _asm_pair(words, s, nz, 0, FMT, HAS_ZP)
-        p2, p3 = _asm_pair(words, s, nz, 1, FMT, HAS_ZP)
-        p4, p5 = _asm_pair(words, s, nz, 2, FMT, HAS_ZP)
-        p6, p7 = _asm_pair(words, s, nz, 3, FMT, HAS_ZP)
+        p0, p1 = _asm_pair(words, s, nz, 0, FMT, HAS_ZP, SCALED)
+        p2, p3 = _asm_pair(words, s, nz, 1, FMT, HAS_ZP, SCALED)
+        p4, p5 = _asm_pair(words, s, nz, 2, FMT, HAS_ZP, SCALED)
+        p6, p7 = _asm_pair(words, s, nz, 3, FMT, HAS_ZP, SCALED)
     else:
-        s = _per_word(_scale_f32(scale_raw, FMT), words)
+        if SCALED:
+            s = _per_word(_scale_f32(scale_raw, FMT), words)
         if HAS_ZP:
             zero = _per_word(zero, words)
-        p0, p1 = _f32_pair(words, s, zero, 0, FMT, COMPUTE)
-        p2, p3 = _f32_pair(words, s, zero, 1, FMT, COMPUTE)
-        p4, p5 = _f32_pair(words, s, zero, 2, FMT, COMPUTE)
-        p6, p7 = _f32_pair(words, s, zero, 3, FMT, COMPUTE)
+        p0, p1 = _f32_pair(words, s, zero, 0, FMT, COMPUTE, SCALED)
+        p2, p3 = _f32_pair(words, s, zero, 1, FMT, COMPUTE, SCALED)
+        p4, p5 = _f32_pair(words, s, zero, 2, FMT, COMPUTE, SCALED)
+        p6, p7 = _f32_pair(words, s, zero, 3, FMT, COMPUTE, SCALED)
     return (p0, p1, p2, p3, p4, p5, p6, p7)
 
 
@@ -674,6 +705,13 @@ def _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOC
 
 
 @triton.jit
+def _row_scales(s_ptr, stride_sn, rows, N, k0, GROUP: tl.constexpr):
+    """FP32 scales [len(rows)] of the given rows for the group holding K column k0 (scales as
+    stored, one group a K tile or more); zero beyond N."""
+    return tl.load(s_ptr + rows * stride_sn + k0 // GROUP, mask=rows < N, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, stride_am,
     w_ptr, s_ptr, gs_ptr, z_ptr,
@@ -690,6 +728,7 @@ def _moe_gemm_kernel(
     PERM_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, APART: tl.constexpr,
     PDL: tl.constexpr, PIPELINED_SCALES: tl.constexpr, ROUTING_READY: tl.constexpr, SCALE_LAYOUT: tl.constexpr,
+    ROW_SCALES: tl.constexpr,
 ):
     """out[pair, n] for the pairs of one M block (one expert) and one N tile.
 
@@ -719,6 +758,9 @@ def _moe_gemm_kernel(
     are stored as zeros for the next GEMM).
     ROUTING_READY (`_launch`'s routing_ready): the programs wait for the previous launch (PDL) only
     after reading the routing, the global scales and the routing weights, which it did not write.
+    ROW_SCALES (`KernelConfig.scale_after_dot`; INT4, one group a K tile or more, scales as stored):
+    each tile's product with the unscaled codes is multiplied by its rows' scales, loaded in the
+    accumulator's row order one tile ahead, and added to the accumulator.
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -737,6 +779,7 @@ def _moe_gemm_kernel(
     row_mask = pairs < num_pairs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    acc_rows = pid_n * BLOCK_N + _mma_rows(BLOCK_N)  # the accumulator's rows
     KW: tl.constexpr = BLOCK_K // 8
     offs_w = tl.arange(0, KW)
     a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[None, :] * stride_am + tl.arange(0, BLOCK_K)[:, None]
@@ -757,6 +800,8 @@ def _moe_gemm_kernel(
     if not PIPELINED_SCALES:  # the first tile's; the loop loads each next one
         s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW,
                               GROUP, FMT, HAS_ZP, EVEN_K, False, SCALE_LAYOUT)
+    if ROW_SCALES:
+        r1 = _row_scales(s_ptr, stride_sn, acc_rows, N, k_begin, GROUP)
     if GATED:
         w3_ptr += e * stride_we
         s3_ptr += e * stride_se
@@ -764,6 +809,8 @@ def _moe_gemm_kernel(
         if not PIPELINED_SCALES:
             s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW,
                                   GROUP, FMT, HAS_ZP, EVEN_K, False, SCALE_LAYOUT)
+        if ROW_SCALES:
+            r3 = _row_scales(s3_ptr, stride_sn, acc_rows, N, k_begin, GROUP)
         acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # The epilogue's scalars now, not after the loop: a program's last load was a wait of its own.
@@ -781,11 +828,15 @@ def _moe_gemm_kernel(
     for k0 in range(k_begin, k_end, BLOCK_K):
         kw = k0 // 8
         kw_next = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K) // 8  # the last tile reloads itself
+        if ROW_SCALES:  # the next tile's, a whole tile before they are used
+            r1_next = _row_scales(s_ptr, stride_sn, acc_rows, N, kw_next * 8, GROUP)
+            if GATED:
+                r3_next = _row_scales(s3_ptr, stride_sn, acc_rows, N, kw_next * 8, GROUP)
         if PIPELINED_SCALES:  # this tile's, fetched stages ahead with its words by the pipeliner
             s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOCK_N, KW, GROUP,
                                   FMT, HAS_ZP, EVEN_K, True, SCALE_LAYOUT)
         words = tl.load(w_ptr + w_offs + kw * W_TILE_ROWS)  # no mask: the layout pads N and K with zeros
-        w_tile = _mma_tile(_dequant(words, s1, z1, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
+        w_tile = _mma_tile(_dequant(words, s1, z1, FMT, HAS_ZP, COMPUTE, ASM, not ROW_SCALES), BLOCK_N)
         if not PIPELINED_SCALES:
             s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW, GROUP,
                                   FMT, HAS_ZP, EVEN_K, False, SCALE_LAYOUT)
@@ -794,16 +845,28 @@ def _moe_gemm_kernel(
                 s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw, K, BLOCK_N, KW, GROUP,
                                       FMT, HAS_ZP, EVEN_K, True, SCALE_LAYOUT)
             words3 = tl.load(w3_ptr + w_offs + kw * W_TILE_ROWS)
-            w3_tile = _mma_tile(_dequant(words3, s3, z3, FMT, HAS_ZP, COMPUTE, ASM), BLOCK_N)
+            w3_tile = _mma_tile(_dequant(words3, s3, z3, FMT, HAS_ZP, COMPUTE, ASM, not ROW_SCALES), BLOCK_N)
             if not PIPELINED_SCALES:
                 s3, z3 = _load_scales(s3_ptr, z3_ptr, stride_sn, stride_zn, offs_n, n_mask, kw_next, K, BLOCK_N, KW,
                                       GROUP, FMT, HAS_ZP, EVEN_K, False, SCALE_LAYOUT)
         a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
-        acc = tl.dot(w_tile, a, acc, input_precision=DOT_PRECISION)
-        if GATED:
-            acc3 = tl.dot(w3_tile, a, acc3, input_precision=DOT_PRECISION)
+        if ROW_SCALES:
+            if GATED:  # one MMA of both tiles: Triton waits for each dot's product before the next dot
+                both = tl.reshape(tl.permute(tl.join(w_tile, w3_tile), (2, 0, 1)), (2 * BLOCK_N, BLOCK_K))
+                t1, t3 = tl.split(tl.permute(tl.reshape(tl.dot(both, a, input_precision=DOT_PRECISION),
+                                                        (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+                acc3 += t3 * r3[:, None]
+                r3 = r3_next
+            else:
+                t1 = tl.dot(w_tile, a, input_precision=DOT_PRECISION)
+            acc += t1 * r1[:, None]
+            r1 = r1_next
+        else:
+            acc = tl.dot(w_tile, a, acc, input_precision=DOT_PRECISION)
+            if GATED:
+                acc3 = tl.dot(w3_tile, a, acc3, input_precision=DOT_PRECISION)
 
-    offs_n = pid_n * BLOCK_N + _mma_rows(BLOCK_N)  # the accumulator's rows
+    offs_n = acc_rows
     n_mask = offs_n < N
     n_store = tl.cdiv(N, BLOCK_K) * BLOCK_K if PERM_OUT else N  # the zeros of a padded last tile too
     if HAS_GLOBAL:
@@ -1004,6 +1067,7 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
     partials = split > 1 or apart   # FP32 partials [S, pairs, N] ([S, 2, pairs, N] for w1/w3)
     n_tiles = triton.cdiv(padded_k(w.n) if perm_out else w.n, cfg.block_n)  # PERM_OUT pads the next GEMM's K
     layout, scale, scale3 = _launch_scales(cfg, w, w3)
+    row_scales = row_scaled(cfg, w.kernel_code, w.group, w.k)
     grid = (n_tiles, block_expert.numel(), split * (2 if apart else 1))
     return _moe_gemm_kernel[grid](
         a, a.stride(0),
@@ -1023,7 +1087,7 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
         EVEN_K=w.k % cfg.block_k == 0, APART=apart,
         PIPELINED_SCALES=cfg.pipelined_scales and layout != SCALES_ROWS.value, ROUTING_READY=routing_ready,
-        SCALE_LAYOUT=layout, num_warps=cfg.num_warps,
+        SCALE_LAYOUT=layout, ROW_SCALES=row_scales, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **_chained(a), **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )
 
@@ -1046,6 +1110,13 @@ def scale_layout(cfg: KernelConfig, group: int, scale_bytes: int, k: int) -> int
     if cfg.pipelined_scales and group <= K_TILE and _tile_scale_bytes(group, scale_bytes) == 4 and k % K_TILE == 0:
         return SCALES_WORDS.value
     return SCALES_ROWS.value
+
+
+def row_scaled(cfg: KernelConfig, kernel_code: int, group: int, k: int) -> bool:
+    """Whether a launch multiplies by INT4's scales after the MMA (ROW_SCALES): where cfg asks and a
+    group spans the K tile, so a tile has one scale per row (scales as stored: `scale_layout`)."""
+    return (cfg.scale_after_dot and kernel_code == INT4.value and group % K_TILE == 0 and k % K_TILE == 0
+            and scale_layout(cfg, group, 2, k) == SCALES_ROWS.value)
 
 
 def _as_words(scale: torch.Tensor) -> torch.Tensor | None:
