@@ -85,11 +85,13 @@ def cuobjdump(args: list[str]) -> str:
 
 
 def loop_mix(sass: str) -> tuple[int, collections.Counter]:
-    """Instruction count and opcode mix between the longest backward branch and its target."""
+    """Instruction count and opcode mix of the K loop: between the longest backward branch whose
+    body holds the MMAs (the longest of any, where none does) and its target."""
     lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = [(addr - int(m.group(1), 16), int(m.group(1), 16), addr) for addr, text in lines
              if (m := re.search(r"\bBRA (0x[0-9a-f]+)", text)) and int(m.group(1), 16) < addr]
-    _, start, end = max(loops)
+    with_mma = [loop for loop in loops if any(loop[1] <= a <= loop[2] and "HGMMA" in t for a, t in lines)]
+    _, start, end = max(with_mma or loops)
     ops = [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for addr, text in lines if start <= addr <= end]
     return len(ops), collections.Counter(ops)
 
@@ -108,8 +110,6 @@ def main():
     shapes.insert(-1, (False, "decode_r80", dataclasses.replace(decode, max_registers=80)))
     token1 = fm.default_config(6, 256)  # one token of top-6: both GEMMs' own configs
     shapes += [(True, "token1", token1), (False, "token1", token1.down or token1)]
-    shapes += [(True, "token1_rs", dataclasses.replace(token1, scale_after_dot=True, down=None)),
-               (False, "token1_rs", dataclasses.replace(token1.down, scale_after_dot=True))]
     variants = [(fmt, *shape, True) for fmt in SCALE_TYPES for shape in shapes]
     variants += [("mxfp4", *shape, False) for shape in shapes]
     for fmt, gated, name, cfg, even_k in variants:

@@ -930,8 +930,13 @@ def _swiglu_partials_kernel(part_ptr, stride_ps, stride_pg, h_ptr, stride_hm, N,
                             PDL: tl.constexpr):
     """h[pair] = the gated activation of the summed split-K partials of w1 and w3 (row `pair` of
     each; their biases are already in slice 0). With PERM_OUT, h's columns up to whole K tiles,
-    zeros beyond N, as `_moe_gemm_kernel` stores them."""
-    _wait_for_inputs(PDL, True)
+    zeros beyond N, as `_moe_gemm_kernel` stores them. Under PDL it lets the down GEMM start its
+    programs before it waits for w1/w3: they wait for this launch before they read h, and so take
+    SMs as w1/w3's programs end (one token 0.6-0.8 us faster on the H200; scripts/bench_moe_results.md,
+    run 17)."""
+    if PDL:
+        gdc_launch_dependents()
+    _wait_for_inputs(PDL, False)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
