@@ -486,10 +486,10 @@ def _pair_asm(kind: str, m: int, scaled: bool = True) -> str:
         lines.append(_rotation_asm("t", r, mask))
         src = "t"
     if integer:
-        zero_arg = "$4" if scaled else "$3"
+        zero = "$4" if scaled else "$3"  # -(128 + zero)'s bits, after the scale's where scaled
         lines += [f"lop3.b32 t, {src}, {mask:#x}, 0x43004300, 0xEA;",  # (src & mask) | 0x43004300
                   "mov.b32 u, 0x3F803F80;",
-                  f"mov.b32 k, {{{zero_arg}, {zero_arg}}};" if kind == "integer_zero_point" else "mov.b32 k, 0xC308C308;",
+                  f"mov.b32 k, {{{zero}, {zero}}};" if kind == "integer_zero_point" else "mov.b32 k, 0xC308C308;",
                   "fma.rn.bf16x2 t, t, u, k;"]
     else:
         lines.append(f"and.b32 t, {src}, {mask:#x};")
