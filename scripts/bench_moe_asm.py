@@ -68,7 +68,7 @@ def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig, even_k: bool = Tru
                      EVEN_K=even_k, APART=apart, PDL=True,
                      PIPELINED_SCALES=cfg.pipelined_scales and layout != fm.SCALES_ROWS.value,
                      ROUTING_READY=not gated, SCALE_LAYOUT=layout,
-                     ROW_SCALES=fm.row_scaled(cfg, FORMAT_CODES[fmt].value, group, 4096 if even_k else 2880))
+                     ROW_SCALES=fm.row_scaled(cfg, FORMAT_CODES[fmt].value, group, layout))
     signature.update({name: "constexpr" for name in constants})
     divisible = DIVISIBLE if even_k else DIVISIBLE - {"stride_sn"}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in kernel.arg_names

@@ -112,10 +112,10 @@ class KernelConfig:
     # Block scales fetched stages ahead with the words, where a row's scales per K tile are 4 bytes
     # or more (`scale_layout`); off, they are loaded one tile ahead by hand
     pipelined_scales: bool = True
-    # Where a group spans the K tile (INT4 g128): the tile's integer codes go to the MMA unscaled
-    # and each row's scale multiplies the tile's FP32 product, one FFMA per accumulator element
-    # instead of one HMUL2 per pair of weights: fewer at decode sizes (16 pairs a program), more
-    # at prefill sizes, where it also keeps the MMA from running ahead
+    # Where a group spans the K tile (INT4 g128): the tile's codes go to the MMA unscaled and each
+    # row's scale multiplies the tile's FP32 product, one FFMA per accumulator element instead of
+    # one HMUL2 per pair of weights. Fewer instructions at 16 pairs a program; at prefill sizes
+    # more, and the MMA could no longer run ahead of the next tile's dequantization
     scale_after_dot: bool = False
     # The down GEMM's own config, where it differs (`down`); the same block_m, since both GEMMs
     # take one alignment of the pairs
@@ -1072,7 +1072,7 @@ def _launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pai
     partials = split > 1 or apart   # FP32 partials [S, pairs, N] ([S, 2, pairs, N] for w1/w3)
     n_tiles = triton.cdiv(padded_k(w.n) if perm_out else w.n, cfg.block_n)  # PERM_OUT pads the next GEMM's K
     layout, scale, scale3 = _launch_scales(cfg, w, w3)
-    row_scales = row_scaled(cfg, w.kernel_code, w.group, w.k)
+    row_scales = row_scaled(cfg, w.kernel_code, w.group, layout)
     grid = (n_tiles, block_expert.numel(), split * (2 if apart else 1))
     return _moe_gemm_kernel[grid](
         a, a.stride(0),
@@ -1117,11 +1117,11 @@ def scale_layout(cfg: KernelConfig, group: int, scale_bytes: int, k: int) -> int
     return SCALES_ROWS.value
 
 
-def row_scaled(cfg: KernelConfig, kernel_code: int, group: int, k: int) -> bool:
+def row_scaled(cfg: KernelConfig, kernel_code: int, group: int, layout: int) -> bool:
     """Whether a launch multiplies by INT4's scales after the MMA (ROW_SCALES): where cfg asks and a
-    group spans the K tile, so a tile has one scale per row (scales as stored: `scale_layout`)."""
-    return (cfg.scale_after_dot and kernel_code == INT4.value and group % K_TILE == 0 and k % K_TILE == 0
-            and scale_layout(cfg, group, 2, k) == SCALES_ROWS.value)
+    group spans the K tile (whole groups: K is a multiple of the group), so that a tile has one
+    scale per row, read as stored (the launch's SCALE_LAYOUT, `scale_layout`)."""
+    return cfg.scale_after_dot and kernel_code == INT4.value and group % K_TILE == 0 and layout == SCALES_ROWS.value
 
 
 def _as_words(scale: torch.Tensor) -> torch.Tensor | None:
