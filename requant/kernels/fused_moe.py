@@ -800,7 +800,7 @@ def _moe_gemm_kernel(
     if not PIPELINED_SCALES:  # the first tile's; the loop loads each next one
         s1, z1 = _load_scales(s_ptr, z_ptr, stride_sn, stride_zn, offs_n, n_mask, k_begin // 8, K, BLOCK_N, KW,
                               GROUP, FMT, HAS_ZP, EVEN_K, False, SCALE_LAYOUT)
-    if ROW_SCALES:
+    if ROW_SCALES:  # `_load_scales`' scales then go unused (the compiler drops those loads); its zero points do not
         r1 = _row_scales(s_ptr, stride_sn, acc_rows, N, k_begin, GROUP)
     if GATED:
         w3_ptr += e * stride_we
