@@ -12,8 +12,15 @@ source's own reference path (its weights decoded exactly, BF16 activations):
 - `marlin-w4a16`: vLLM 0.33.0's Marlin kernel (Hopper, Ampere). BF16 activations; NVFP4 block scales
   pass its fp16 rule, which zeroes blocks far below the layer's largest. MXFP4 and INT4 scales
   reach Marlin unchanged, so for them this is `bf16`.
+- `mxfp4-w4a8`: MXFP4 weights as stored, each GEMM input quantized to MXFP8 (E4M3, one E8M0
+  scale per 32 along K, exponent rounded up: formats.engine_numerics): SGLang 0.5.23 serving the
+  unconverted MXFP4 source on Blackwell (sm_120: FlashInfer's CUTLASS MXFP8 x MXFP4 MoE; sm_100:
+  FlashInfer's TRT-LLM MXFP4 x MXFP8 MoE). It applies to MXFP4 experts, i.e. to the source: validate
+  runs it on the source side (ServingResult.side "source"), against the same reference.
 - `bf16`: the weights decoded exactly, BF16 activations: the weight-only comparison validate's
-  verdict rests on.
+  verdict rests on (Hopper's W4A16 on the MXFP4 source is this too).
+
+`compare_paths` (serve_paths.py) runs every path, source and in-memory conversions, on one layer.
 """
 
 from __future__ import annotations
@@ -24,17 +31,24 @@ from requant.errors import RequantError
 from requant import formats
 from requant.formats import engine_numerics
 
-MODES = ("nvfp4-w4a4", "marlin-w4a16", "bf16")
+MODES = ("nvfp4-w4a4", "marlin-w4a16", "mxfp4-w4a8", "bf16")
+W4A8 = "mxfp4-w4a8"
+SOURCE_MODES = (W4A8,)     # modes validate also runs on the source side (its format permitting)
 POLICIES = ("written", "1.0", "calibrated")
 HELP = ("Serving modes to compute the converted layers in, comma-separated or 'all': nvfp4-w4a4 (Blackwell: "
         "NVFP4 activations under each input_scale policy), marlin-w4a16 (Hopper/Ampere: vLLM's Marlin scale "
-        "rule), bf16 (weight-only). Default: what the GPU present serves the converted format with; both NVFP4 "
-        "modes without a GPU.")
+        "rule), mxfp4-w4a8 (MXFP4 experts with MXFP8 activations, SGLang on Blackwell: run on the MXFP4 "
+        "source), bf16 (weight-only). Default: what the GPU present serves each side's format with; without "
+        "a GPU both NVFP4 modes, and mxfp4-w4a8 on an MXFP4 source.")
 
 
 def default_modes(dst_format: str, capability: tuple[int, int] | None) -> list[str]:
     """The modes the GPU present would serve `dst_format` with; both NVFP4 modes without a GPU,
-    since the serving GPU is then unknown."""
+    since the serving GPU is then unknown. MXFP4: W4A8 on Blackwell (SGLang), weight-only before."""
+    if _mxfp4(dst_format):
+        if capability is None:
+            return [W4A8, "bf16"]
+        return [W4A8] if capability[0] >= 10 else ["bf16"]
     if not _w4a4(dst_format):
         return ["bf16"]
     if capability is None:
@@ -58,8 +72,22 @@ def _w4a4(fmt: str) -> bool:
     return formats.get(fmt).part(formats.INPUT_SCALE) is not None
 
 
+def _mxfp4(fmt: str) -> bool:
+    """Whether the experts are MXFP4 (E2M1 under E8M0 block scales), which W4A8 engines take as stored."""
+    return fmt == "mxfp4"
+
+
 def applies(mode: str, dst_format: str) -> bool:
+    if mode == W4A8:
+        return _mxfp4(dst_format)
     return mode != "nvfp4-w4a4" or _w4a4(dst_format)
+
+
+def source_modes(modes: list[str] | None, src_format: str, capability: tuple[int, int] | None) -> list[str]:
+    """The modes validate runs on the source side: the SOURCE_MODES among `modes` (None: the
+    defaults for the source's format) that apply to it. bf16 on the source is the reference itself."""
+    chosen = default_modes(src_format, capability) if modes is None else modes
+    return [m for m in chosen if m in SOURCE_MODES and applies(m, src_format)]
 
 
 def marlin_factors(histograms: dict, fused: list[list[str]]) -> dict[str, float]:
@@ -100,3 +128,10 @@ def marlin_weights(weights: dict, fused: list[list[str]]) -> tuple[dict, int]:
 def calibrated_input_scale(amax: float) -> float:
     """ModelOpt's calibrated input_scale for activations whose absolute maximum is amax."""
     return amax / (6.0 * engine_numerics.E4M3_MAX)
+
+
+def compare_paths(*args, **kwargs) -> dict:
+    """Every serving path of the source and of its in-memory conversions on the same layers and
+    inputs: see requant.serve_paths.compare_paths."""
+    from requant.serve_paths import compare_paths as run
+    return run(*args, **kwargs)

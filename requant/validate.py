@@ -7,7 +7,9 @@ torch. Per layer this reports the converted layer's error against the source lay
 agreement, and the kernel's own error against the plain torch reference on the source layer;
 then, for each serving mode (serve.py), the error of the converted layer computed as that engine
 computes it (W4A4 activations under each input_scale policy, Marlin's scale rule) against the same
-source output. The verdict rests on the weight-only comparison and on every mode staying finite.
+source output; and the source itself as W4A8 engines compute MXFP4 experts (MXFP8 activations,
+`mxfp4-w4a8`, side "source"), against its own exact path. Those MXFP8 runs are torch (moe.py) on
+either device: requant's kernel has no MXFP8 activations. The verdict rests on the weight-only comparison and on every mode staying finite.
 One layer's experts are in memory at a time, so a full-size checkpoint fits one GPU.
 
 On a CPU the kernel would run only through Triton's interpreter (hours for a full-size layer), so
@@ -62,6 +64,7 @@ class ServingResult:
     max_abs_err: float
     routed_rel_err: float
     flushed_blocks: int         # marlin-w4a16: NVFP4 block scales of the layer set to zero
+    side: str = "candidate"     # whose layer: "candidate" (dst), or "source" (mxfp4-w4a8 on an MXFP4 source)
 
 
 @dataclass
@@ -442,6 +445,7 @@ def _validate_block(fm, a, b, block, cfg, tokens, device, gen, acts, serve_modes
 
     dst_fmt = kernel_format(b, block)
     modes = [m for m in (serve_modes or serve.default_modes(dst_fmt, capability)) if serve.applies(m, dst_fmt)]
+    src_modes = serve.source_modes(serve_modes, kernel_format(a, block), capability)
     h_amax = []   # the source's intermediate (w2 input) range, for the calibrated input_scale
 
     def observe(h):
@@ -449,39 +453,59 @@ def _validate_block(fm, a, b, block, cfg, tokens, device, gen, acts, serve_modes
         return h
 
     outputs, routed, fmts, serving, kernel_rel = [], [], [], [], None
+    reference = None   # (source output, its routed part) by the torch reference: what W4A8 is judged against
+    source_served = []
     for side, router in ((a, ra), (b, rb)):
         fmt = kernel_format(side, block)
         ids, weights = route(x, router, cfg, token_ids)
         calibrated = None if acts is None else (float(x.abs().max()), max(h_amax, default=0.0))
-        w4a4 = {}   # input scales -> the converted layer's W4A4 output (CPU: computed in the same pass)
+        w4a8 = bool(src_modes) if side is a else serve.W4A8 in modes
+        w4a4, y_w4a8 = {}, None   # input scales -> W4A4 output; the MXFP8-activation output
+        shared = expert_forward(x.float(), router.shared, cfg.activation) if router.shared else 0.0
         if fm is None:
             scales = []
             if side is b and "nvfp4-w4a4" in modes:
                 scales = list(dict.fromkeys(_w4a4_policies(side, block, cfg, calibrated).values()))
-            variants = [(x, observe if side is a else None)] + [_w4a4_inputs(x, s) for s in scales]
+            variants = ([(x, observe if side is a else None)] + [_w4a4_inputs(x, s) for s in scales]
+                        + ([_w4a8_inputs(x)] if w4a8 else []))
             ys = routed_experts_variants(variants, ids, weights, _reference_experts(side, block, fmt),
                                          cfg.activation, workers=default_workers())
-            y, w4a4, ws, kernel_layer = ys[0], dict(zip(scales, ys[1:])), None, None
+            y, ws, kernel_layer = ys[0], None, None
+            w4a4 = dict(zip(scales, ys[1:1 + len(scales)]))
+            y_w4a8 = ys[-1] if w4a8 else None
+            if side is a:
+                reference = ((y + shared).bfloat16(), y)
         else:
             ws = load_layer(side, block, fmt, cfg.n_routed_experts, device)
             kernel_layer = _kernel_layout(fm, ws)
             y = _kernel(fm, x, ids, weights, kernel_layer, cfg).float()
-            if side is a:
-                ref = routed_experts(x, ids, weights, ws.dense,
-                                     cfg.activation, intermediate=observe)
-                kernel_rel = _metrics(ref, y)[0]
-        shared = expert_forward(x.float(), router.shared, cfg.activation) if router.shared else 0.0
+            if side is a or w4a8:
+                variants = ([(x, observe)] if side is a else []) + ([_w4a8_inputs(x)] if w4a8 else [])
+                ys = routed_experts_variants(variants, ids, weights, ws.dense, cfg.activation)
+                y_w4a8 = ys[-1] if w4a8 else None
+                if side is a:
+                    kernel_rel = _metrics(ys[0], y)[0]
+                    reference = ((ys[0] + shared).bfloat16(), ys[0])
         outputs.append((y + shared).bfloat16())
         routed.append(y)
         fmts.append((fmt, ids))
+
+        def result(mode, policy, scales, flushed, y_mode, against, side_name="candidate"):
+            out = (y_mode + shared).bfloat16()
+            rel_m, cos_m, max_m = _metrics(against[0], out)
+            return ServingResult(mode, policy, scales, rel_m, cos_m, max_m, _metrics(against[1], y_mode)[0], flushed,
+                                 side_name)
+
+        if side is a and y_w4a8 is not None:
+            source_served.append(result(serve.W4A8, None, None, 0, y_w4a8, reference, "source"))
         if side is b:
-            runner = _Runner(fm, side, block, fmt, cfg, x, ids, weights, y, ws, kernel_layer, w4a4)
+            runner = _Runner(fm, side, block, fmt, cfg, x, ids, weights, y, ws, kernel_layer, w4a4, y_w4a8)
             for mode, policy, scales, flushed, y_mode in _served(runner, side, block, cfg, modes, calibrated):
-                out = (y_mode + shared).bfloat16()
-                rel_m, cos_m, max_m = _metrics(outputs[0], out)
-                serving.append(ServingResult(mode, policy, scales, rel_m, cos_m, max_m,
-                                             _metrics(routed[0], y_mode)[0], flushed))
+                # MXFP8 runs are torch's: judged against the source's torch reference, not its kernel run
+                against = reference if mode == serve.W4A8 else (outputs[0], routed[0])
+                serving.append(result(mode, policy, scales, flushed, y_mode, against))
         del ws, kernel_layer
+    serving += source_served
     (fa, ids_a), (fb, ids_b) = fmts
     agreement = float((ids_a.sort(-1).values == ids_b.sort(-1).values).all(-1).float().mean())
     rel, cos, max_abs = _metrics(*outputs)
@@ -514,11 +538,13 @@ class _Runner:
     """The converted layer's routed experts, recomputed for a serving mode: through the kernel where
     it ran, else through the torch reference (a CPU), with the same numerics."""
 
-    def __init__(self, fm, side, block, fmt, cfg, x, ids, weights, y_bf16, ws, kernel_layer, w4a4_outputs):
+    def __init__(self, fm, side, block, fmt, cfg, x, ids, weights, y_bf16, ws, kernel_layer, w4a4_outputs,
+                 w4a8_output=None):
         self.fm, self.side, self.block, self.fmt, self.cfg = fm, side, block, fmt, cfg
         self.x, self.ids, self.weights, self.y_bf16, self.ws = x, ids, weights, y_bf16, ws
         self.kernel_layer = kernel_layer   # ws in the kernel's layout (None without the kernel)
         self.w4a4_outputs = w4a4_outputs   # CPU: computed with y_bf16, each expert decoded once
+        self.w4a8_output = w4a8_output     # MXFP8 activations (torch, either device), when asked for
 
     def w4a4(self, scales: tuple[float, float]) -> torch.Tensor:
         if self.fm is None:
@@ -576,6 +602,13 @@ def _w4a4_inputs(x: torch.Tensor, scales: tuple[float, float]):
     return quantize(x, a13), lambda h: quantize(h.bfloat16(), a2).float()
 
 
+def _w4a8_inputs(x: torch.Tensor):
+    """(x, intermediate hook) of the torch reference for W4A8: both GEMM inputs quantized to MXFP8
+    (the w2 input after BF16 rounding, as FlashInfer's activation kernel does)."""
+    quantize = engine_numerics.fake_quantize_mxfp8
+    return quantize(x), lambda h: quantize(h.bfloat16())
+
+
 def _w4a4_policies(side, block, cfg, calibrated) -> dict[str, tuple[float, float]]:
     """policy -> (w1/w3, w2) input scales, for the policies that apply to this layer."""
     policies = {"written": written_input_scales(side, block, cfg.n_routed_experts), "1.0": (1.0, 1.0)}
@@ -593,6 +626,8 @@ def _served(run: _Runner, side, block, cfg, modes, calibrated):
         elif mode == "marlin-w4a16":
             y, flushed = run.marlin()
             yield mode, None, None, flushed, y
+        elif mode == serve.W4A8:
+            yield mode, None, None, 0, run.w4a8_output
         else:
             for policy, scales in _w4a4_policies(side, block, cfg, calibrated).items():
                 yield mode, policy, scales, 0, run.w4a4(scales)
@@ -613,15 +648,15 @@ def format_table(result: ValidationResult) -> str:
                  f"cos >= {LOSSY[1]}. {'PASSED' if result.passed else 'FAILED'} on {result.device}.")
     served = [(r.layer, s) for r in result.layers for s in r.serving]
     if served:
-        lines += ["", "Served numerics: the converted layer as each engine computes it, against the source's reference "
-                  "path (BF16 activations).",
+        lines += ["", "Served numerics: each layer as an engine computes it (candidate; source: the MXFP4 source "
+                  "as W4A8 engines run it), against the source's reference path (BF16 activations).",
                   f"{'layer':10s} {'mode':13s} {'input_scale':11s} {'w1/w3 in':>9s} {'w2 in':>9s} {'rel err':>9s} "
-                  f"{'routed':>9s} {'cosine':>9s} {'flushed':>8s}"]
+                  f"{'routed':>9s} {'cosine':>9s} {'flushed':>8s} {'side':>9s}"]
         for layer, s in served:
             a13, a2 = (f"{v:9.3g}" for v in s.input_scales) if s.input_scales else ("", "")
             lines.append(f"{layer:10s} {s.mode:13s} {s.policy or '':11s} {a13:>9s} {a2:>9s} {s.rel_err:9.2e} "
-                         f"{s.routed_rel_err:9.2e} {s.cosine:9.6f} {s.flushed_blocks:8d}")
+                         f"{s.routed_rel_err:9.2e} {s.cosine:9.6f} {s.flushed_blocks:8d} {s.side:>9s}")
         lines.append("rel err: layer output (routed + shared experts); routed: routed experts alone; flushed: NVFP4 "
                      "block scales Marlin sets to zero; input_scale: written (the checkpoint's), 1.0, calibrated "
-                     "(amax of --activations / 2688).")
+                     "(amax of --activations / 2688); mxfp4-w4a8: MXFP8 activations (SGLang on Blackwell).")
     return "\n".join(lines)

@@ -115,6 +115,7 @@ def test_outputs_and_schema(pair, tmp_path):
     assert len(report["exact_block_map"]["fraction"]) == 2
     assert len(report["exact_block_map"]["fraction"][0]) == DIMS.experts
     assert report["forward"] == {"status": "not run", "reason": "not requested (--no-forward)"}
+    assert report["paths"] == {"status": "not run", "reason": "not requested (--no-forward)"}
     edges = report["error_histogram"]["log10_abs_error_edges"]
     for proj, counts in report["error_histogram"]["by_projection"].items():
         assert len(counts) == len(edges) - 1
@@ -159,10 +160,27 @@ def test_forward_comparison_says_what_ran_where(pair, tmp_path):
     # drawn only when some layer's output differs: a log axis has no place for identical outputs
     assert (out / "forward_error_per_layer.png").exists() == any(r["rel_error"] > 0 for r in forward["by_layer"])
     # Served numerics: without a GPU the serving GPU is unknown, so both NVFP4 modes are reported.
-    served = [(s["mode"], s["policy"]) for s in forward["by_layer"][0]["serving"]]
+    # The MXFP4 source as SGLang serves it on Blackwell (MXFP8 activations) rides along, side "source".
+    served = [(s["mode"], s["policy"], s["side"]) for s in forward["by_layer"][0]["serving"]]
     if not on_gpu:
-        assert served == [("nvfp4-w4a4", "written"), ("nvfp4-w4a4", "1.0"), ("marlin-w4a16", None)]
-    assert "Served numerics" in (out / "report.md").read_text()
+        assert served == [("nvfp4-w4a4", "written", "candidate"), ("nvfp4-w4a4", "1.0", "candidate"),
+                          ("marlin-w4a16", None, "candidate"), ("mxfp4-w4a8", None, "source")]
+    md = (out / "report.md").read_text()
+    assert "Served numerics" in md
+    # Serving paths: the source's first selected layer through every path, conversions in memory;
+    # the in-memory cast's weight-only path is the written candidate's (same tokens), the INT4 ones
+    # are lossy, g32 closer than g128.
+    paths = report["paths"]
+    assert paths["status"] == "run" and paths["layers"][0]["block"] == "layers.1"
+    res = paths["layers"][0]["results"]
+    if not on_gpu:
+        assert res["nvfp4:bf16"]["rel_err"] == pytest.approx(forward["by_layer"][0]["rel_error"], rel=1e-6)
+    assert res["nvfp4:bf16"]["rel_err"] < 1e-3 < res["w4a16-g32-sym:bf16"]["rel_err"] < res["w4a16-g128-sym:bf16"]["rel_err"]
+    w4a8 = next(s for s in forward["by_layer"][0]["serving"] if s["mode"] == "mxfp4-w4a8")
+    assert w4a8["rel_err"] == pytest.approx(res["mxfp4:mxfp4-w4a8"]["rel_err"], rel=1e-6) or on_gpu
+    closest = paths["layers"][0]["closest_inexact"]["path"]
+    assert f"closest inexact: {closest}" in md and "| w4a16-g128-sym:bf16 |" in md
+    assert "Serving paths" in (out / "report.html").read_text()
 
 
 def test_unknown_layers_are_refused(pair, tmp_path):
@@ -222,7 +240,7 @@ def exact_pair(tmp_path_factory):
 def test_markdown_tables_have_one_cell_per_column(pair, tmp_path):
     make_report(pair[0], pair[1], str(tmp_path / "r"), layers="1", progress=False)
     tables = _md_tables((tmp_path / "r" / "report.md").read_text())
-    assert len(tables) == 4   # overall, per layer, forward, served numerics
+    assert len(tables) == 5   # overall, per layer, forward, served numerics, serving paths
     for table in tables:
         widths = {len(CELL_BORDER.findall(row)) for row in table}
         assert widths == {len(CELL_BORDER.findall(table[0]))}, table

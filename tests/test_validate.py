@@ -146,8 +146,11 @@ def test_serve_defaults_and_names():
     assert default_modes("nvfp4", (10, 0)) == ["nvfp4-w4a4"]
     assert default_modes("nvfp4", (9, 0)) == ["marlin-w4a16"]
     assert default_modes("nvfp4", None) == ["nvfp4-w4a4", "marlin-w4a16"]
-    assert default_modes("w4a16", (9, 0)) == default_modes("mxfp4", None) == ["bf16"]
-    assert parse_modes("all") == ["nvfp4-w4a4", "marlin-w4a16", "bf16"] and parse_modes(None) is None
+    assert default_modes("w4a16", (9, 0)) == default_modes("w4a16", None) == default_modes("mxfp4", (9, 0)) == ["bf16"]
+    # MXFP4 as SGLang serves it: W4A8 (MXFP8 activations) on Blackwell, weight-only on Hopper
+    assert default_modes("mxfp4", (12, 0)) == default_modes("mxfp4", (10, 0)) == ["mxfp4-w4a8"]
+    assert default_modes("mxfp4", None) == ["mxfp4-w4a8", "bf16"]
+    assert parse_modes("all") == ["nvfp4-w4a4", "marlin-w4a16", "mxfp4-w4a8", "bf16"] and parse_modes(None) is None
     with pytest.raises(RequantError):
         parse_modes("w4a4")
 
@@ -163,3 +166,53 @@ def test_cpu_reference_path_and_its_notice(checkpoints):
     assert len(lines) == 1 and "torch reference" in lines[0] and "--layers" in lines[0] and "--tokens" in lines[0]
     cli_run = CliRunner().invoke(cli, ["validate", src, dst, "--layers", "3", "--device", "cpu", "--quiet"])
     assert cli_run.exit_code == 0 and "about" in cli_run.stderr and "PASSED" in cli_run.stdout
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_source_as_w4a8(checkpoints, kernel):
+    """--serve mxfp4-w4a8 runs the MXFP4 source with MXFP8 activations (side "source"), judged
+    against the source's exact path: equal to a plain recomputation of the routed experts with both
+    GEMM inputs quantized to MXFP8 (quantizer written in tests/test_mxfp8.py), a real error of
+    E4M3's order, and not applied to the NVFP4 candidate."""
+    from requant.moe import MoEConfig, route
+    from requant.validate import _router, _Side, hidden_states, load_layer
+    from tests.test_mxfp8 import reference_mxfp8
+
+    src, dst = checkpoints
+    result = validate(src, dst, layers="3", tokens=12, device="cpu", progress=False, kernel=kernel,
+                      serve_modes=["mxfp4-w4a8", "bf16"])
+    [layer] = result.layers
+    assert result.passed
+    assert [(s.mode, s.side) for s in layer.serving] == [("bf16", "candidate"), ("mxfp4-w4a8", "source")]
+    w4a8 = layer.serving[1]
+    assert 0.005 < w4a8.routed_rel_err < 0.1 and w4a8.rel_err > layer.rel_err
+
+    with Checkpoint.open(src) as ck:   # the same inputs, recomputed by hand
+        side = _Side(ck, src)
+        cfg = MoEConfig.from_model(side.model)
+        x = hidden_states(ck, "layers.3", 12, torch.Generator().manual_seed(0))
+        router = _router(side, "layers.3", "cpu")
+        ids, weights = route(x, router, cfg, None)
+        experts = load_layer(side, "layers.3", "mxfp4", cfg.n_routed_experts, "cpu")
+        exact = torch.zeros(12, cfg.hidden_size)
+        y = torch.zeros(12, cfg.hidden_size)
+        xq = reference_mxfp8(x)
+        for t in range(12):
+            for k in range(ids.shape[1]):
+                gate, up, down = experts.dense(int(ids[t, k]))[:3]
+                act = cfg.activation
+                h = act(xq[t] @ gate.T, xq[t] @ up.T)
+                y[t] += weights[t, k] * (reference_mxfp8(h.bfloat16()[None])[0] @ down.T)
+                exact[t] += weights[t, k] * (act(x[t].float() @ gate.T, x[t].float() @ up.T) @ down.T)
+    rel = float((y - exact).norm() / exact.norm())
+    assert w4a8.routed_rel_err == pytest.approx(rel, rel=1e-3)
+
+
+def test_w4a8_mode_is_refused_nowhere_and_listed(checkpoints):
+    """--serve all on an NVFP4 candidate: W4A8 runs for the MXFP4 source only, every mode is finite."""
+    src, dst = checkpoints
+    run = CliRunner().invoke(cli, ["validate", src, dst, "--layers", "2", "--tokens", "6", "--device", "cpu",
+                                   "--serve", "all", "--json", "--quiet"])
+    assert run.exit_code == 0, run.output
+    served = json.loads(run.stdout)["layers"][0]["serving"]
+    assert [(s["mode"], s["side"]) for s in served if s["mode"] == "mxfp4-w4a8"] == [("mxfp4-w4a8", "source")]

@@ -15,6 +15,10 @@ Two rules change the numbers a converted checkpoint computes with, beyond decodi
   block scale into [224, 448]; a block whose scale times that factor is below 2^-6 is set to zero.
   Every other scale survives exactly and the global scale is divided by the same factor, so the
   served weights are the checkpoint's with those blocks flushed (`marlin_flush`).
+- W4A8 (MXFP4 weights as stored, MXFP8 activations): SGLang 0.5.23 runs DeepSeek-V4's MXFP4 experts
+  this way on sm_120 (FlashInfer's CUTLASS MXFP8 x MXFP4 grouped GEMM) and on sm_100 (FlashInfer's
+  TRT-LLM MXFP4 x MXFP8 MoE); `fake_quantize_mxfp8` is FlashInfer 0.7.2's `mxfp8_quantize`, see
+  MXFP8 below for the rule and where it was read.
 """
 
 from __future__ import annotations
@@ -128,3 +132,78 @@ def _flushed_bytes(factor: float) -> tuple[range, range]:
     the test's oracle."""
     kept = next((x for x in range(1, _E4M3_NAN) if _E4M3_VALUES[x] * factor >= MARLIN_MIN_SCALE), _E4M3_NAN)
     return range(1, kept), range(0x81, 0x80 | _E4M3_NAN)
+
+
+# MXFP8 activations ---------------------------------------------------------------------------
+# The rule, as read in the pinned wheels (flashinfer_python-0.7.2, sglang-0.5.23):
+# - SGLang sm_120: srt/layers/moe/moe_runner/flashinfer_cutlass.py:541-547 quantizes the routed
+#   input with flashinfer.mxfp8_quantize(x, is_sf_swizzled_layout=True, alignment=32) (backend
+#   "cuda") when the MXFP4 method (srt/layers/quantization/mxfp4_flashinfer_cutlass_moe.py:41,
+#   `_use_mxfp8_act_scaling = is_sm120`) sets a weight global scale; sm_100:
+#   srt/layers/quantization/mxfp4_flashinfer_trtllm_moe.py:28 and 359-372 call the same function
+#   with backend "cute-dsl" (precision "default"; "bf16" would keep BF16 activations).
+# - "cuda" backend: data/csrc/nv_internal/tensorrt_llm/kernels/quantization_utils.cuh:853-920,
+#   cvt_warp_fp16_to_mxfp8: amax of the 32 BF16 values; SF = amax * rcp.approx(448);
+#   __nv_cvt_float_to_e8m0(SF, __NV_SATFINITE, cudaRoundPosInf), i.e. the exponent rounded UP;
+#   values times 1/SF, clamped to +-448, then cvt.rn.satfinite to E4M3 (round to nearest even).
+# - "cute-dsl" backend: quantization/kernels/mxfp8_quantize.py:359-366 with
+#   quantization/quantization_cute_dsl_utils.py:42 (INV_FLOAT8_E4M3_MAX = 1/448 as float32) and
+#   159-242 (float_to_ue8m0_fast: biased float32 exponent of amax/448, +1 when its mantissa is
+#   non-zero except for subnormals <= 2^-127, clamped to 254, 0 for zero; inverse scale
+#   2^(127 - code), 0 for code 0). The host reference data/csrc/nv_internal/tensorrt_llm/thop/
+#   fp8Quantize.cpp:79-92 (float_to_ue8m0) is the same round-up.
+# - The w2 (down) input: on sm_120 FlashInfer's CUTLASS MoE quantizes it inside its activation
+#   kernel (data/csrc/fused_moe/cutlass_backend/cutlass_fused_moe_kernels.cuh:2572-2583 calling
+#   quantizePackedFPXValue, 1086-1133, which rounds the FP32 activation to BF16 and calls the same
+#   cvt_warp_fp16_to_mxfp8): the same rule on bf16(act(gate, up)), with no per-tensor scale
+#   (quant_scale 1). On sm_100 the TRT-LLM MoE kernels are precompiled cubins, not in the wheel:
+#   that they quantize the w2 input the same way is assumed, not read.
+# Modelled here as float32 arithmetic: amax * float32(1/448) rounded to float32 (rcp.approx of
+# 448 is taken to be the correctly rounded 1/448, which the cute-dsl kernel uses by construction),
+# then the E8M0 round-up on its bits. A block whose code is 0 (amax <= 448 * 2^-127: an all-zero
+# block, in practice) quantizes to zeros, as the cute-dsl kernel and the "cuda" kernel's
+# SFValue != 0 guard do.
+MXFP8_BLOCK = 32
+E8M0_BIAS = 127
+_INV_E4M3_MAX = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
+
+
+def mxfp8_scale_codes(amax: torch.Tensor) -> torch.Tensor:
+    """E8M0 codes (int32) for blocks whose absolute maxima (float32) are `amax`: the exponent of
+    amax / 448 rounded up, as FlashInfer's `float_to_ue8m0`."""
+    sf = amax.float() * _INV_E4M3_MAX.to(amax.device)
+    bits = sf.view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    bump = (mantissa != 0) & ~((exponent == 0) & (mantissa <= 0x400000))
+    code = (exponent + bump.int()).clamp(max=254)
+    return torch.where(sf > 0, code, torch.zeros_like(code))
+
+
+def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 values [T, K] float32, E8M0 codes [T, K/32] uint8) of activations x [T, K] (BF16)."""
+    rows, k = x.shape
+    if k % MXFP8_BLOCK:
+        raise ValueError(f"activation width {k} is not a multiple of {MXFP8_BLOCK}")
+    blocks = x.float().reshape(rows, k // MXFP8_BLOCK, MXFP8_BLOCK)
+    code = mxfp8_scale_codes(blocks.abs().amax(-1, keepdim=True))
+    # 2^(127 - code) built on the bits (exponent field 254 - code); 0 for code 0
+    inverse = ((254 - code).clamp(min=0) << 23).view(torch.float32)
+    inverse = torch.where(code == 0, torch.zeros_like(inverse), inverse)
+    scaled = (blocks * inverse).clamp(-E4M3_MAX, E4M3_MAX)
+    values = scaled.to(torch.float8_e4m3fn).float()
+    return values.reshape(rows, k), code.squeeze(-1).to(torch.uint8)
+
+
+def mxfp8_scales(codes: torch.Tensor) -> torch.Tensor:
+    """float32 2^(code - 127) of E8M0 codes (0..254)."""
+    return torch.exp2(codes.float() - E8M0_BIAS)
+
+
+def fake_quantize_mxfp8(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] quantized to MXFP8 and decoded again, float32 (exact: E4M3 times a power of two):
+    what a W4A8 GEMM multiplies the MXFP4 weights with."""
+    rows, k = x.shape
+    values, codes = quantize_mxfp8(x)
+    decoded = values.reshape(rows, k // MXFP8_BLOCK, MXFP8_BLOCK) * mxfp8_scales(codes).unsqueeze(-1)
+    return decoded.reshape(rows, k)

@@ -1,7 +1,7 @@
 """requant report: the accuracy difference between two checkpoints of the same model.
 
 `make_report` compares every routed expert (weights.py, build.py), adds requant validate's
-MoE-forward comparison, and writes report.json, report.md,
+MoE-forward comparison and serve.compare_paths' serving-path comparison of the source, and writes report.json, report.md,
 report.html and the PNG plots into one directory. Schema: docs/report-schema.md.
 """
 
@@ -48,12 +48,42 @@ def forward_section(src: str, dst: str, blocks: list[str], tokens: int = 64,
     }
 
 
+# compare_paths in a report: the first selected layer, at most this many tokens and experts (a
+# full-size DeepSeek-V4-Flash expert took ~1.5 s on 2 cores, decoded and re-encoded 5 ways: 32 in 49 s).
+PATHS_TOKENS = 16
+PATHS_EXPERTS = 32
+
+
+def paths_section(src: str, blocks: list[str], tokens: int = PATHS_TOKENS, experts: int | None = PATHS_EXPERTS) -> dict:
+    """serve.compare_paths on the source's first selected layer: the source as each engine runs it
+    against each conversion requant could write (made in memory), on the same inputs."""
+    from requant.errors import UnsupportedError
+    from requant.serve import compare_paths
+
+    chosen = blocks[:1]
+    try:
+        result = compare_paths(src, chosen, tokens=tokens, experts=experts)
+    except UnsupportedError as e:
+        return {"status": "not run", "reason": str(e).splitlines()[0]}
+    except (RequantError, ImportError, RuntimeError) as e:
+        return {"status": "not run", "reason": f"compare_paths failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"}
+    layer = result["layers"][0]
+    what = (f"{layer['tokens']} tokens through {layer['block']} of the source (CPU torch, FP32), the conversions made "
+            f"in memory; {layer['experts_computed']} experts computed"
+            + (f" (the {experts} most chosen; {layer['pairs_dropped']} of {layer['pairs'] + layer['pairs_dropped']} "
+               f"token-expert pairs dropped in every path)" if layer["pairs_dropped"] else ""))
+    return {"status": "run", "what": what, **result}
+
+
 def make_report(src: str, dst: str, out_dir: str, layers: str | None = None, workers: int | None = None,
                 progress: bool = True, forward: bool = True, serve_modes: list[str] | None = None,
-                device: str | None = None) -> dict:
+                device: str | None = None, paths: bool = True) -> dict:
+    """`paths`: also run paths_section (with the forward comparison only)."""
     report = build.build(src, dst, layers, workers, progress, device)
     report["forward"] = (forward_section(src, dst, report["selection"]["blocks"], serve_modes=serve_modes) if forward
                          else {"status": "not run", "reason": "not requested (--no-forward)"})
+    report["paths"] = (paths_section(src, report["selection"]["blocks"]) if forward and paths
+                       else {"status": "not run", "reason": "not requested" + (" (--no-forward)" if not forward else "")})
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)

@@ -91,16 +91,64 @@ def forward_lines(forward: dict | None) -> list[str]:
     if served:
         lines += ["", "Served numerics: the candidate layer computed as each engine computes it (nvfp4-w4a4: "
                   "activations quantized to NVFP4 under each input_scale policy; marlin-w4a16: vLLM 0.33.0's "
-                  "Marlin block-scale rule, which zeroes blocks far below the layer's largest), against the "
+                  "Marlin block-scale rule, which zeroes blocks far below the layer's largest), and the MXFP4 source "
+                  "as SGLang runs it on Blackwell (side source, mxfp4-w4a8: MXFP8 activations), against the "
                   "source's reference path. Exact weights above need not mean exact served numbers.", ""]
-        header = ["layer", "mode", "input_scale", "w1/w3 input", "w2 input", "rel. error", "cosine", "flushed scale blocks"]
-        rows = []
-        for block, s in served:
-            a13, a2 = (f"{v:.3g}" for v in s["input_scales"]) if s["input_scales"] else ("", "")
-            rows.append([block, s["mode"], s["policy"] or "", a13, a2, f"{s['rel_err']:.3g}", f"{s['cosine']:.6f}",
-                         str(s["flushed_blocks"])])
-        lines += _md_table(header, rows)
+        lines += _md_table(*served_table(served))
     return lines
+
+
+def served_table(served: list[tuple[str, dict]]) -> tuple[list[str], list[list[str]]]:
+    header = ["layer", "side", "mode", "input_scale", "w1/w3 input", "w2 input", "rel. error", "cosine",
+              "flushed scale blocks"]
+    rows = []
+    for block, s in served:
+        a13, a2 = (f"{v:.3g}" for v in s["input_scales"]) if s["input_scales"] else ("", "")
+        rows.append([block, s.get("side", "candidate"), s["mode"], s["policy"] or "", a13, a2, f"{s['rel_err']:.3g}",
+                     f"{s['cosine']:.6f}", str(s["flushed_blocks"])])
+    return header, rows
+
+
+def _db(v) -> str:
+    return "∞" if v is None else f"{v:.2f}"
+
+
+def paths_verdict(paths: dict | None) -> str:
+    """One sentence: which path is closest to the BF16 reference, and by how much."""
+    if not paths or paths.get("status") != "run":
+        return f"Serving paths: not run ({(paths or {}).get('reason', 'not requested')})."
+    layer = paths["layers"][0]
+    text = f"Serving paths on {layer['block']}: "
+    best, inexact = layer["closest"], layer["closest_inexact"]
+    if layer["exact"]:
+        text += f"exact (identical layer output to the reference): {', '.join(layer['exact'])}. "
+    if inexact:
+        text += (f"closest inexact: {inexact['path']} (SQNR {_db(inexact['sqnr_db'])} dB, rel. error "
+                 f"{inexact['rel_err']:.3g})")
+        if inexact["next"]:
+            text += (f", {_db(inexact['margin_db'])} dB ahead of {inexact['next']}" if inexact["margin_db"] is not None
+                     else f", then {inexact['next']}")
+        text += "."
+    elif best is None:
+        text += "no path."
+    return text.strip()
+
+
+def paths_table(paths: dict) -> tuple[list[str], list[list[str]]]:
+    layer = paths["layers"][0]
+    engines = {p["path"]: p["engines"] for p in paths["paths"]}
+    header = ["path", "what it is", "SQNR dB", "rel. error", "routed SQNR dB", "routed rel. error"]
+    rows = [[name, engines.get(name, ""), _db(r["sqnr_db"]), f"{r['rel_err']:.3g}", _db(r["routed_sqnr_db"]),
+             f"{r['routed_rel_err']:.3g}"] for name, r in layer["results"].items()]
+    return header, rows
+
+
+def paths_lines(paths: dict | None) -> list[str]:
+    if not paths or paths.get("status") != "run":
+        return [paths_verdict(paths)]
+    return [paths_verdict(paths), "", f"What ran: {paths['what']}. Reference: {paths['reference']}. Errors of the "
+            "layer output (routed + shared experts) and of the routed experts alone.", "",
+            *_md_table(*paths_table(paths))]
 
 
 NOTE = ("Weights are decoded to float32 and the candidate compared with the source. A scale block is the run of "
@@ -127,6 +175,8 @@ def markdown(report: dict, images: dict[str, str], missing_plots: str | None = N
         "## Per layer", "",
         *_md_table(["layer"] + [t for _, t in METRIC_COLUMNS], metric_rows(layers)), "",
         "## MoE forward", "", *forward_lines(report["forward"]), "",
+        "## Serving paths: the source as engines run it against each conversion", "",
+        *paths_lines(report.get("paths")), "",
     ]
     if images:
         lines += ["## Plots", ""] + [f"![{title}]({name})" for name, title in images.items()] + [""]
@@ -139,7 +189,7 @@ def markdown(report: dict, images: dict[str, str], missing_plots: str | None = N
 
 
 def terminal(report: dict, out_dir: str, missing_plots: str | None = None) -> str:
-    lines = [verdict(report), forward_verdict(report["forward"]), "",
+    lines = [verdict(report), forward_verdict(report["forward"]), paths_verdict(report.get("paths")), "",
              f"source    {report['source']['path']} ({report['source']['format']})",
              f"candidate {report['candidate']['path']} ({report['candidate']['format']})",
              f"compared  {report['selection']['experts_compared']:,} experts, {len(report['by_layer'])} layers",
