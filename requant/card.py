@@ -12,12 +12,13 @@ import math
 import os
 
 from requant import __version__, sources
-from requant.engines import EngineRules
+from requant.engines import GPU_FAMILIES, EngineRules
 
 CARD_MARK = "<!-- written by requant: the model card of a converted checkpoint -->"
 CARD_NAME = "README.md"
 SOURCE_CARD_NAME = "README.source.md"   # the source's own card, kept but not passed off as this one's
 PROVENANCE_NAME = "requant.json"
+MTP_GROUP = "routed experts (MTP block)"
 
 
 def provenance(plan, stats, source_label: str) -> dict:
@@ -29,7 +30,7 @@ def provenance(plan, stats, source_label: str) -> dict:
     mtp_blocks = sorted({e.block for e in sources.reader(model).experts(plan.source.names) if model.is_mtp(e.block)})
     groups = {"routed experts (main layers)": target.format_label}
     if mtp_blocks:
-        groups["routed experts (MTP block)"] = (target.format_label if set(mtp_blocks) <= blocks
+        groups[MTP_GROUP] = (target.format_label if set(mtp_blocks) <= blocks
                                                 else f"{plan.source_format.upper()} (kept as in the source)")
     groups.update(target.other_tensor_groups())
     return {
@@ -74,17 +75,32 @@ def model_card(record: dict, rules: EngineRules) -> str:
     lines += ["", "## Tensor formats", "", "| tensors | stored as |", "|---|---|"]
     lines += [f"| {group} | {fmt} |" for group, fmt in record["tensor_groups"].items()]
     lines += ["", "## Accuracy", ""] + [f"- {line}" for line in _accuracy_lines(record["accuracy"])]
-    lines += ["", "## Serve it", "", "Set the parallelism (`--tensor-parallel-size`, `--tp`) to your GPUs: the model "
-              "does not fit on one. DIR is this directory, or its Hub repository id once uploaded.", ""]
-    for family, how in rules.serve(record["target_format"]).items():
-        lines += [f"**{family}**: {how['note']}" if how.get("note") else f"**{family}**", ""]
-        if how.get("command"):
-            lines += ["```bash", how["command"].replace("{path}", "DIR"), "```", ""]
-    lines += ["Check it first: `requant verify DIR --engine " + rules.name + " --gpu sm_90` (or your GPU) names "
-              "the MoE kernel that engine selects.", ""]
+    lines += ["", "## Serve it", "", f"Commands for {rules.label}, per GPU family, from requant's rules for that release "
+              "(read from its code, not run). Set the parallelism (`--tensor-parallel-size`, `--tp`) to your GPUs: "
+              "the model does not fit on one. DIR is this directory, or its Hub repository id once uploaded.", ""]
+    lines += serve_lines(rules, record["target_format"], has_mtp=MTP_GROUP in record["tensor_groups"])
+    lines += [f"Check it first: `requant verify DIR --engine {rules.spec} --gpu sm_90` (or your GPU) names the MoE "
+              f"kernel that release selects; `requant advise DIR --engine {rules.name}==VERSION --gpu ...` answers "
+              "for another release.", ""]
     lines += ["## Source", "", f"The source checkpoint's own model card, if it had one, is kept as "
               f"`{SOURCE_CARD_NAME}`; its license and terms apply to these weights.", ""]
     return "\n".join(lines)
+
+
+def serve_lines(rules: EngineRules, fmt: str, has_mtp: bool) -> list[str]:
+    """The card's serve commands: one per GPU family the release has rules for."""
+    if not rules.has_kernel_rules(fmt):
+        return [f"requant has no serving rules for {fmt.upper()} experts on {rules.label}.", ""]
+    lines = []
+    for gpu, family in GPU_FAMILIES.items():
+        how = rules.serving(fmt, gpu, has_mtp=has_mtp)
+        k = how.kernel
+        lines += [f"**{family}, {gpu}**: " + (f"{k.backend} ({k.arithmetic})" if how.starts else how.note), ""]
+        if how.starts:
+            if how.note:
+                lines += [how.note + ".", ""]
+            lines += ["```bash", how.command, "```", ""]
+    return lines
 
 
 def recorded_engine(path: str) -> dict | None:

@@ -26,17 +26,26 @@ INPUT_SCALE_HELP = (
 
 
 ENGINE_HELP = (
-    "Serving engine the output is laid out for: engines disagree about the MTP block's experts (vLLM "
-    "0.33.0 loads them as NVFP4, SGLang 0.5.23 as MXFP4) and about W4A16's FP8 attention, so one "
-    "directory cannot serve both. Default vllm: it loads both output formats on every GPU family "
-    "without extra flags (SGLang needs --moe-runner-backend marlin for NVFP4 on Hopper/Ampere)."
+    "Serving engine the output is laid out for, NAME or NAME==VERSION (e.g. vllm==0.34.0; default: "
+    "the release installed here, else the newest requant has checked): engines disagree about the MTP "
+    "block's experts (vLLM loads them as NVFP4, SGLang as MXFP4) and about W4A16's FP8 attention, so "
+    "one directory cannot serve both. Default vllm."
 )
 
 
-def _engine_names() -> list[str]:
-    from requant.model import load_recipes
+class EngineSpec(click.ParamType):
+    """--engine NAME or NAME==VERSION: checked here, so a typo is click's usage error (exit 2)."""
 
-    return sorted({name for recipe in load_recipes() for name in recipe.get("engines", {})})
+    name = "vllm|sglang[==VERSION]"
+
+    def convert(self, value, param, ctx):
+        from requant import engines
+
+        try:
+            name, version = engines.parse_spec(value)
+        except RequantError as e:
+            self.fail(str(e), param, ctx)
+        return f"{name}=={version}" if version else name
 
 
 SOURCE_FORMATS = sorted({source for name in TARGETS for source in formats.encoder_sources(name)})
@@ -155,7 +164,7 @@ def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_sc
                    "w4a16: INT4 experts in compressed-tensors pack-quantized form (Marlin MoE, "
                    "Ampere/Hopper); lossy, the summary reports SQNR vs the source. The output's README.md "
                    "says how to serve it.")
-@click.option("--engine", type=click.Choice(_engine_names()), default=None, help=ENGINE_HELP)
+@click.option("--engine", type=EngineSpec(), default=None, help=ENGINE_HELP)
 @click.option("--mtp", type=click.Choice(["keep", "convert"]), default=None,
               help="keep: the MTP block's experts stay MXFP4 (as in NVIDIA's release); convert: them too. "
                    "Default: what --engine loads them as (vllm: convert; sglang: keep). A choice the engine "
@@ -165,8 +174,8 @@ def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_sc
 @click.option("--input-scale", type=float, default=None, help=INPUT_SCALE_HELP)
 @click.option("--scale-headroom", type=click.IntRange(0, 8), default=0, show_default=True,
               help="NVFP4: place the largest block scale at 2^(8-N) instead of 2^8, at the cost of an N-step "
-                   "narrower lossless window. N=3 guarded vLLM < 0.33's Hopper Marlin path (fp16 scale "
-                   "overflow); vLLM 0.33.0 and SGLang 0.5.23 do not need it.")
+                   "narrower lossless window, for an engine that caps block scales lower. No release requant "
+                   "has checked needs it (vLLM 0.31.0-0.34.0 derive Marlin's factor from the largest scale).")
 @click.option("--group-size", type=click.Choice(GROUP_SIZES), default=None,
               help="w4a16: K elements sharing one INT4 scale. 32 is the most accurate (about 3 dB over "
                    "128), 128 the smallest; Marlin runs all three. Default 128.")
@@ -269,10 +278,11 @@ def inspect(path, as_json):
 @click.option("--source", type=click.Path(), help="With --deep: count exact vs re-quantized scale blocks against this checkpoint.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]),
               help="Where --deep decodes (default: cuda when available, else every core).")
-@click.option("--engine", type=click.Choice(_engine_names()), default=None,
-              help="Judge loading by this engine's rules (each names the release it was checked against); its "
-                   "problems are errors. Default: the engine requant.json names, else every engine (then only "
-                   "'no engine loads it' is an error).")
+@click.option("--engine", type=EngineSpec(), default=None,
+              help="Judge loading by this engine release's rules, NAME or NAME==VERSION (NAME alone: the release "
+                   "installed here, else the newest requant has checked); its problems are errors. A release "
+                   "requant has not checked gets 'not checked against', never a verdict. Default: the engine "
+                   "requant.json names, else every engine (then only 'no engine loads it' is an error).")
 @click.option("--gpu", type=click.Choice(sorted(GPU_FAMILIES)), default=None,
               help="Also name the MoE method and kernel each judged engine selects on this GPU family "
                    "(sm_80 Ampere, sm_90 Hopper, sm_100/sm_120 Blackwell), or the flag it needs to start.")
@@ -290,6 +300,40 @@ def verify(path, deep, source, device, engine, gpu, as_json, quiet):
     click.echo(json.dumps(result, indent=2) if as_json else format_findings(result))
     if not result["ok"]:
         sys.exit(1)
+
+
+@cli.command()
+@click.argument("checkpoint")
+@click.option("--engine", "engine_specs", type=EngineSpec(), multiple=True,
+              help="Engine release to answer for, NAME or NAME==VERSION (repeatable; NAME alone: the release "
+                   "installed here, else the newest requant has checked). Default: every engine.")
+@click.option("--gpu", type=click.Choice(sorted(GPU_FAMILIES)), required=True,
+              help="GPU family: sm_80 Ampere, sm_90 Hopper, sm_100 Blackwell datacenter, sm_120 Blackwell workstation "
+                   "(RTX PRO 6000, RTX 50xx).")
+@click.option("--tp", type=click.IntRange(1, 64), default=1, show_default=True, help="Tensor-parallel size.")
+@click.option("--ep", type=click.IntRange(1, 512), default=1, show_default=True,
+              help="Expert-parallel size (experts kept whole, split across GPUs).")
+@click.option("--revision", help="CHECKPOINT as a Hub repository: branch, tag or commit.")
+@click.option("--token", help="CHECKPOINT as a Hub repository: access token (default: HF_TOKEN, else the saved login).")
+@click.option("--cache-dir", type=click.Path(file_okay=False), help="CHECKPOINT as a Hub repository: the Hugging Face cache.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@reports_errors
+def advise(checkpoint, engine_specs, gpu, tp, ep, revision, token, cache_dir, as_json):
+    """Should CHECKPOINT (a directory or Hub id) be converted at all, for this engine and GPU?
+
+    For the checkpoint as it is and each output requant could write from it: the MoE method and
+    kernel of the main layers and of the MTP block, whether the engine starts (and the flags that
+    make it), the arithmetic it runs and its measured layer error, then a recommendation with its
+    reasons. Reads config.json and the shard headers only (seconds; nothing large is downloaded).
+    Runtime outcomes come from reading the engine release's code, not from running it.
+    """
+    from requant import paths
+    from requant.advise import advise as advise_lib, format_advice
+    from requant.io.hub import open_headers
+
+    with open_headers(checkpoint, revision, token, cache_dir) as ck:
+        result = advise_lib(ck, list(engine_specs), gpu, tp, ep, paths.measured_errors())
+    click.echo(json.dumps(result, indent=2) if as_json else format_advice(result))
 
 
 @cli.command()

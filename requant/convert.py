@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 import time
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, wait
 from dataclasses import dataclass
@@ -71,17 +70,10 @@ def plan_conversion(src: str, out_format: str, options: Options, in_format: str 
                     revision: str | None = None, token: str | None = None, cache_dir: str | None = None) -> Plan:
     """The plan, from headers alone; a Hub source's shard headers come by range requests (or from
     the cache offline), so nothing large is downloaded."""
-    repo = hub_lib.hub_repo(src)
     if in_place:
-        refuse_in_place_on_cache(src, repo)
-    if not repo:
-        return make_plan(Checkpoint.open(src), out_format, options, in_format)
-    hub = hub_lib.HubSource(repo, revision, progress=False, token=token, cache_dir=cache_dir,
-                            explicit=src.startswith(hub_lib.HUB_PREFIX))
-    if hub.cached:
-        return make_plan(Checkpoint.open(hub.cached), out_format, options, in_format)
-    with tempfile.TemporaryDirectory(prefix="requant-plan-") as staging:
-        return make_plan(hub.open_streamed(staging), out_format, options, in_format)
+        refuse_in_place_on_cache(src, hub_lib.hub_repo(src))
+    with hub_lib.open_headers(src, revision, token, cache_dir) as source:
+        return make_plan(source, out_format, options, in_format)
 
 
 def convert(src: str, dst: str | None, out_format: str, options: Options, in_format: str | None = None,

@@ -21,13 +21,15 @@ from requant.model import ModelSpec
 
 MARLIN_GPUS = ("sm_80", "sm_90")   # no FP4 tensor cores: NVFP4 experts run through Marlin
 MARLIN_FP4_FORMATS = (nvfp4.CODEC.name,)   # the expert formats engines serve there through Marlin's FP4 path
-MARLIN_SCALE_SHIFT = 2 ** 7   # Marlin's S0E5M3 scales are the block scale times 2^7, kept only from 2 up
 
 
 @dataclass
 class EngineVerdict:
     engine: str
     version: str
+    label: str = ""               # "vLLM 0.34.0"
+    checked: bool = True          # False: requant has no rules checked against this release
+    rules_version: str = ""       # the release whose rules were applied
     loads: bool = True
     problems: list[str] = field(default_factory=list)
     kernel: dict | None = None
@@ -58,26 +60,6 @@ def marlin_flush_threshold(layer_max: float) -> float:
     """Block scales below this are zero in vLLM 0.33.0's NVFP4 Marlin MoE (bf16 activations): a
     block survives iff scale * factor >= 2^-6 (formats/engine_numerics.py has the rule)."""
     return engine_numerics.MARLIN_MIN_SCALE / engine_numerics.marlin_factor(layer_max)
-
-
-def marlin_overflows(smin: float, smax: float) -> bool:
-    """Whether vLLM before 0.33's Marlin NVFP4 MoE preparation turns the largest block scale into
-    fp16 inf: it rescaled all experts of a layer by one power of two chosen so that the smallest
-    positive scale * 2^7 reaches 2, then multiplied by 2^7 in fp16; the largest then overflows
-    when log2(max / min) >= 15."""
-    if not smin < math.inf:
-        return False
-    factor = 2.0 ** math.ceil(math.log2(2 / (smin * MARLIN_SCALE_SHIFT))) if smin * MARLIN_SCALE_SHIFT < 2 else 1.0
-    return bool(torch.isinf(torch.tensor(smax * factor, dtype=torch.float16) * MARLIN_SCALE_SHIFT))
-
-
-def marlin_headroom() -> int:
-    """Smallest --scale-headroom whose widest possible span (2^(8-N) .. 2^-9) no longer overflows
-    the pre-0.33 vLLM rule."""
-    for n in range(nvfp4.E4M3_MAX_EXPONENT + 1):
-        if not marlin_overflows(2.0 ** nvfp4.E4M3_MIN_EXPONENT, 2.0 ** (nvfp4.E4M3_MAX_EXPONENT - n)):
-            return n
-    return nvfp4.E4M3_MAX_EXPONENT
 
 
 def target_matches(target: str, name: str) -> bool:
@@ -138,7 +120,7 @@ def judge(rules: EngineRules, model: ModelSpec, config: dict, formats_by_block: 
           fp8_scale_names: set[str] = frozenset()) -> tuple[EngineVerdict, list[tuple]]:
     """This engine's verdict on the checkpoint and its findings as (code, message, where, detail).
     `fp8_scale_names`: the suffixes the FP8-block linears' scales carry (scale, weight_scale, ...)."""
-    verdict = EngineVerdict(rules.name, rules.version)
+    verdict = EngineVerdict(rules.name, rules.version, rules.release_label, rules.checked, rules.checked_version)
     found: list[tuple] = []
 
     def problem(code, message, where=None, detail=None):
@@ -161,14 +143,19 @@ def judge(rules: EngineRules, model: ModelSpec, config: dict, formats_by_block: 
             problem(*args)
     if dominant in MARLIN_FP4_FORMATS and gpu in (None, *MARLIN_GPUS):
         found += _marlin_findings(rules, model, spans, verdict)
-    if gpu is not None:
-        verdict.kernel = asdict(rules.kernel(dominant, gpu))
-        k = verdict.kernel
-        text = f"on {gpu} ({GPU_FAMILIES[gpu]}) selects {k['method']}: {k['backend']}"
-        if not k["runs"]:
-            text = f"on {gpu} ({GPU_FAMILIES[gpu]}) refuses to start: {k['backend']}"
-        found.append(("kernel", f"{rules.label}: {text}" + (f"; fix: {k['fix']}" if k["fix"] else "")
-                      + (f" ({k['note']})" if k["note"] else ""), None, None))
+    if gpu is not None and rules.has_kernel_rules(dominant):
+        how = rules.serving(dominant, gpu, has_mtp=any(model.is_mtp(b) for b in formats_by_block))
+        verdict.kernel = asdict(how.kernel) | {"flags": how.flags, "speculative": how.speculative}
+        family = f"on {gpu} ({GPU_FAMILIES[gpu]})"
+        auto = how.auto
+        if how.starts and not how.flags:
+            text = f"{family} selects {auto.method}: {auto.backend}" + (f" ({auto.note})" if auto.note else "")
+        else:
+            text = f"{family} does not run without flags: {auto.backend}" + (
+                f"; with {how.flags}: {how.kernel.method}: {how.kernel.backend}" if how.starts else f"; {auto.fix}" if auto.fix else "")
+        if how.note:
+            text += f"; {how.note}"
+        found.append(("kernel", f"{rules.label}: {text} (from the engine's code, not run)", None, None))
     return verdict, found
 
 
@@ -214,8 +201,4 @@ def _marlin_findings(rules: EngineRules, model: ModelSpec, spans, verdict: Engin
                           "guard in srt/layers/quantization/marlin_utils_fp4.py; vLLM 0.33.0 zeroes these): those "
                           "blocks' weights decode wrongly", where,
                           f"{unheld} blocks, scales {span.min:g} .. {span.max:g}"))
-        elif rule == "smallest" and marlin_overflows(span.min, span.max):
-            found.append(("marlin-overflow", f"{rules.label}: block-scale span overflows the fp16 scale conversion "
-                          f"of Marlin NVFP4 MoE: inf weights. Fix: requant convert --scale-headroom {marlin_headroom()}",
-                          where, f"scales {span.min:g} .. {span.max:g}, span 2^{math.log2(span.max / span.min):.0f}"))
     return found

@@ -195,9 +195,10 @@ class ModelSpec:
                 return next((p for p in group if p != proj), None)
         return None
 
-    def engine(self, name: str | None = None) -> engines.EngineRules:
-        """The rules of serving engine `name` (None: the recipe's default engine) for this model."""
-        return engines.rules_for(self.recipe, name or engines.default_engine(self.recipe))
+    def engine(self, name: str | None = None, version: str | None = None) -> engines.EngineRules:
+        """The rules of serving engine `name` (`vllm` or `vllm==0.34.0`; None: the recipe's default
+        engine) at `version` (None: the release named, else installed here, else the newest checked)."""
+        return engines.rules_for(self.recipe, name or engines.default_engine(self.recipe), version)
 
     @property
     def engine_names(self) -> list[str]:

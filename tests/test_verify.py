@@ -17,7 +17,7 @@ from requant.io.checkpoint import Checkpoint
 from requant.io.safetensors import save_file
 from requant.synth import Dims, HardCases, write_checkpoint
 from requant.targets import TARGETS, Options
-from requant.engine_check import marlin_flush_threshold, marlin_headroom, marlin_overflows
+from requant.engine_check import marlin_flush_threshold
 from requant.verify import verify
 from tests.conftest import converted_pair
 
@@ -186,18 +186,6 @@ def test_leftover_source_scale_is_an_error(nv):
     result = verify(nv, progress=False)
     assert finding(result, "unexpected-part")["examples"] == [f"{E}.w1.scale"]
     assert codes(result) == {"unexpected-part"}
-
-
-def test_pre_033_marlin_overflow_condition():
-    # Independent restatement of vLLM < 0.33: smallest positive scale rescaled to 2^-6, so the
-    # largest lands at 2^(span - 6) and times 2^7 must stay below fp16's 65520 overflow threshold.
-    for span in range(0, 18):
-        for top in (8, 5, 0):
-            lo, hi = 2.0 ** (top - span), 2.0 ** top
-            expect = (hi * max(1.0, 2.0 ** (-6) / lo) * 128) >= 65520
-            assert marlin_overflows(lo, hi) == expect, (span, top)
-    assert marlin_overflows(2.0**-9, 2.0**8) and not marlin_overflows(2.0**-6, 2.0**8)
-    assert marlin_headroom() == 3
 
 
 def test_marlin_flush_threshold():

@@ -1,16 +1,25 @@
-"""What each serving engine, at the release its rules were checked against, does with a checkpoint.
+"""What each serving engine release does with a checkpoint: requant's engine knowledge, in one place.
 
-The rules are data in the model's recipe (`engines` in recipes/<model>.json): per engine, its
-version, how it names the expert modules it probes, which format it loads the MTP experts in for
-each expert format, which output formats it cannot serve (and why), the MoE kernel it selects per
-GPU family, and how to start it. The conformance tests (tests/engines/) execute the engines' own
-code from their release wheels and hold these rules to it: a new engine release is a new set of
-rules, checked the same way.
+The rules are data, one file per engine release (`requant/engines/releases/<engine>-<version>.json`),
+per model family (a recipe's `name`): how the engine names the expert modules it probes, the format
+it loads the MTP/NextN block's experts in, which output formats it cannot serve, the MoE method and
+kernel it selects per GPU family and for the MTP layer, the arithmetic that kernel runs, which flags
+make it start and how to serve. Each fact names the engine file it was read from. The conformance
+tier (tests/engines/) executes that release's own code and holds the data to it; a release file may
+name a `base` release whose data it repeats except where it says otherwise.
+
+A release requant has no data for is never guessed at: its rules are those of the nearest checked
+release, and every verdict says it was not checked against the release asked for.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 from dataclasses import dataclass
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
 
 from requant.errors import UnsupportedError
 
@@ -31,16 +40,33 @@ INSTALL_CONDITIONS = {
 }
 
 
+# What a kernel computes with, from fastest class to none: advise ranks paths by it.
+SPEED_CLASSES = {
+    "fp4-tensor-cores": "4-bit weights and 4/8-bit activations on FP4 tensor cores",
+    "weight-only": "4-bit weights dequantized to BF16 on the tensor cores (W4A16)",
+    "fallback": "a path with no fast kernel for these weights (BF16 dequant, or CUDA cores)",
+    "none": "does not start",
+}
+
+
 @dataclass(frozen=True)
 class Kernel:
-    """The MoE path an engine selects for one expert format on one GPU family."""
+    """The MoE path an engine release selects for one expert format on one GPU family."""
 
     method: str          # the engine's MoE method class
     backend: str         # what runs: "FP4 tensor-core grouped GEMM (...)", "Marlin W4A16", ...
-    runs: bool           # False: the engine refuses to start (see `fix`)
+    runs: bool           # False: the engine refuses to start, or the kernel is not built for this GPU (see `fix`)
     note: str = ""       # what the choice depends on (installed kernels, environment, flags)
-    fix: str = ""        # the flag or step that makes it run, where it does not
+    fix: str = ""        # the flag or step that makes it run, where it does not, in words
+    fix_flags: str = ""  # the serve flags of `fix`, where flags do it
+    fix_kernel: dict | None = None   # the Kernel (as data) those flags select
     selects: dict[str, str] | None = None   # install condition -> the engine's backend name (its enum)
+    arithmetic: str = ""  # what the GEMMs compute with, e.g. "W4A8: MXFP4 weights x MXFP8 activations"
+    speed: str = ""       # a SPEED_CLASSES key
+    mode: str = ""        # the serving mode (requant.serve) that emulates this arithmetic
+    mtp: dict | None = None   # the MTP/NextN block's experts where they differ: method, backend, runs, ...
+    evidence: tuple[str, ...] = ()   # "<file>:<lines>" of the release (and its kernel library) checked
+    engine_answer: dict | None = None   # what the release's own code answered, as the tier records it
 
     def selected(self, deviations: set[str]) -> str | None:
         """The engine's backend name on an installation with these INSTALL_CONDITIONS deviations
@@ -63,17 +89,65 @@ class Kernel:
 
 
 @dataclass(frozen=True)
-class EngineRules:
-    name: str
-    data: dict
+class Serving:
+    """A serve command for one GPU family, and what it runs."""
+
+    gpu: str
+    command: str          # "" where the release cannot serve it there
+    kernel: Kernel        # what the main layers run under that command
+    auto: Kernel          # what they get without extra flags
+    flags: str            # the flags the command adds for `kernel` to start
+    speculative: bool     # whether the command drafts with the MTP block
+    note: str = ""
 
     @property
-    def version(self) -> str:
-        return self.data["version"]
+    def starts(self) -> bool:
+        return bool(self.command)
+
+
+@dataclass(frozen=True)
+class EngineRules:
+    """One engine release's rules for one model family.
+
+    `version` is the release asked about; `checked_version` the release the rules were checked
+    against. They differ only for a release requant has no data for (`checked` False): then every
+    verdict built from these rules must say so instead of claiming the release loads anything."""
+
+    name: str
+    data: dict
+    version: str
+    checked_version: str
+    label_name: str
+
+    @property
+    def checked(self) -> bool:
+        return self.version == self.checked_version
+
+    @property
+    def release_label(self) -> str:
+        """The release asked about: "vLLM 0.34.0"."""
+        return f"{self.label_name} {self.version}"
 
     @property
     def label(self) -> str:
-        return f"{self.data['label']} {self.version}"
+        """How findings name the rules' source: the release, and for one requant has not checked,
+        whose rules stand in."""
+        if self.checked:
+            return self.release_label
+        return f"{self.release_label} (by {self.checked_version}'s rules, not checked)"
+
+    @property
+    def spec(self) -> str:
+        """How a user names this release on the command line."""
+        return f"{self.name}=={self.version}"
+
+    @property
+    def caveat(self) -> str:
+        """'' for a checked release; else the sentence every verdict on it carries."""
+        if self.checked:
+            return ""
+        return (f"not checked against {self.release_label} (rules from {self.label_name} {self.checked_version}, "
+                f"the nearest release requant has checked: {', '.join(releases(self.name))})")
 
     def refusal(self, fmt: str) -> str | None:
         """Why this engine release cannot serve experts stored as `fmt`, or None when it can."""
@@ -97,38 +171,168 @@ class EngineRules:
         probe = self.data["expert_probe"]
         return {p: probe["module"].format(layer=layer, name=probe["names"][p]) for p in projections}
 
+    def has_kernel_rules(self, fmt: str) -> bool:
+        return fmt in self.data.get("kernels", {})
+
     def kernel(self, fmt: str, gpu: str) -> Kernel:
-        table = self.data["kernels"].get(fmt)
+        table = self.data.get("kernels", {}).get(fmt)
         if table is None:
             raise UnsupportedError(f"{self.label} has no MoE path for {fmt} experts in requant's rules")
-        if gpu not in GPU_FAMILIES:
-            raise UnsupportedError(f"unknown GPU family {gpu!r} (known: {', '.join(GPU_FAMILIES)})")
-        return Kernel(**table[gpu])
+        check_gpu(gpu)
+        if gpu not in table:
+            raise UnsupportedError(f"{self.label}: requant's rules say nothing of {fmt} experts on {gpu}")
+        entry = dict(table[gpu])
+        entry["evidence"] = tuple(entry.get("evidence", ()))
+        return Kernel(**entry)
 
-    def serve(self, fmt: str) -> dict[str, dict]:
-        """GPU family -> {"command", "note"} for serving a checkpoint of `fmt` experts."""
-        return self.data["serve"].get(fmt, {})
+    def serving(self, fmt: str, gpu: str, path: str = "DIR", tp: int = 4, has_mtp: bool = True) -> Serving:
+        """How to start this release on a checkpoint of `fmt` experts on `gpu`: the command (with
+        the flags its kernel needs to start, and the speculative flags where the MTP block's
+        experts have a kernel there), or why it cannot start."""
+        auto = kernel = self.kernel(fmt, gpu)
+        flags = ""
+        if not kernel.runs and kernel.fix_kernel:
+            kernel, flags = Kernel(**{**kernel.fix_kernel, "evidence": tuple(kernel.fix_kernel.get("evidence", ()))}), \
+                kernel.fix_flags
+        serve = self.data["serve"]
+        if not kernel.runs:
+            return Serving(gpu, "", kernel, auto, flags, False, f"does not start: {kernel.backend}" + (
+                f"; {kernel.fix}" if kernel.fix else ""))
+        mtp_runs = has_mtp and (kernel.mtp or {}).get("runs", True)
+        parts = [serve["command"].format(path=path, tp=tp), flags, serve["speculative"] if mtp_runs else ""]
+        note = "" if mtp_runs or not has_mtp else (f"no speculative decoding: the MTP block's experts get "
+                                    f"{kernel.mtp['method']} ({kernel.mtp['backend']}), which has no kernel here")
+        return Serving(gpu, " ".join(p for p in parts if p), kernel, auto, flags, mtp_runs, note)
 
     def marlin_fp4_rule(self) -> str | None:
         """How this release turns NVFP4 block scales into Marlin's fp16 ones on GPUs without FP4
-        tensor cores: "largest" (vLLM >= 0.33: one factor per layer from the largest scale,
-        blocks far below it flushed), "smallest" (older vLLM: factor from the smallest scale, the
-        largest may overflow), "unguarded" (scales times 2^7 go to Marlin's S0E5M3 format as they
+        tensor cores: "largest" (vLLM >= 0.31: one factor per layer from the largest scale,
+        blocks far below it flushed), "unguarded" (scales times 2^7 go to Marlin's S0E5M3 format as they
         are, also those under 2 that the format cannot hold), or None (no Marlin NVFP4 path)."""
         return self.data.get("marlin_fp4_scales")
 
 
+def check_gpu(gpu: str) -> None:
+    if gpu not in GPU_FAMILIES:
+        raise UnsupportedError(f"unknown GPU family {gpu!r} (known: {', '.join(GPU_FAMILIES)})")
+
+
+# -- the release files --------------------------------------------------------------------------
+
+_RELEASES = Path(__file__).resolve().parent / "releases"
+
+
+def version_key(version: str) -> tuple:
+    """Sort key of a release number: its numeric parts ("0.34.0+cu130" sorts as 0.34.0)."""
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        parts.append(int(digits) if digits else -1)
+    return tuple(parts)
+
+
+@lru_cache(maxsize=None)
+def _release_files() -> dict[str, dict[str, Path]]:
+    found: dict[str, dict[str, Path]] = {}
+    for path in _RELEASES.glob("*.json"):
+        engine, _, version = path.stem.partition("-")
+        found.setdefault(engine, {})[version] = path
+    return found
+
+
+def engine_names() -> list[str]:
+    return sorted(_release_files())
+
+
+def releases(engine: str) -> list[str]:
+    """The releases of `engine` requant has checked rules for, oldest first."""
+    return sorted(_release_files().get(engine, {}), key=version_key)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+@lru_cache(maxsize=None)
+def release_data(engine: str, version: str) -> dict:
+    """The data of one checked release, its `base` release's merged under it."""
+    path = _release_files()[engine][version]
+    data = json.loads(path.read_text())
+    base = data.pop("base", None)
+    return _merge(release_data(engine, base), data) if base else data
+
+
+def parse_spec(spec: str) -> tuple[str, str | None]:
+    """`vllm` or `vllm==0.34.0` -> (name, version or None)."""
+    name, sep, version = spec.strip().partition("==")
+    name = name.strip().lower()
+    if name not in _release_files():
+        raise UnsupportedError(f"unknown engine {name!r} in --engine {spec!r} (known: {', '.join(engine_names())})")
+    version = version.strip()
+    if sep and not version[:1].isdigit():
+        raise UnsupportedError(f"--engine {spec!r}: give a release as NAME==VERSION, e.g. {name}=={releases(name)[-1]}")
+    return name, version or None
+
+
+_DISTRIBUTIONS = {"vllm": "vllm", "sglang": "sglang"}
+
+
+def installed_version(engine: str) -> str | None:
+    """The release of `engine` installed in this Python environment, or None."""
+    try:
+        return metadata.version(_DISTRIBUTIONS.get(engine, engine))
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def resolve(spec: str) -> tuple[str, str, str]:
+    """(engine, release, how it was chosen) for an --engine value: the release named, else the one
+    installed here, else the newest requant has checked."""
+    name, version = parse_spec(spec)
+    if version:
+        return name, version, "named"
+    installed = installed_version(name)
+    if installed:
+        return name, installed, "installed"
+    return name, releases(name)[-1], "newest checked"
+
+
+def _checked_for(engine: str, version: str) -> str:
+    """The checked release whose rules stand in for `version`: itself, else the newest one before
+    it, else the oldest."""
+    known = releases(engine)
+    if version in known:
+        return version
+    stripped = version.split("+")[0]
+    if stripped in known:
+        return stripped
+    earlier = [v for v in known if version_key(v) <= version_key(version)]
+    return earlier[-1] if earlier else known[0]
+
+
+def rules_for(recipe: dict, engine: str, version: str | None = None) -> EngineRules:
+    """The rules of `engine` (a name or NAME==VERSION) for the model family of `recipe`, at
+    `version` (None: what --engine named, else the installed release, else the newest checked)."""
+    name, named = parse_spec(engine)
+    version = version or named or resolve(name)[1]
+    checked = _checked_for(name, version)
+    data = release_data(name, checked)
+    family = recipe["name"]
+    if family not in data["models"]:
+        raise UnsupportedError(f"{data['label']} {checked}: requant has no rules for {family} models "
+                               f"(it has: {', '.join(data['models'])})")
+    if version.split("+")[0] == checked:
+        version = checked
+    return EngineRules(name, data["models"][family], version, checked, data["label"])
+
+
 def available(recipe: dict) -> list[str]:
-    return list(recipe.get("engines", {}))
-
-
-def rules_for(recipe: dict, engine: str) -> EngineRules:
-    engines = recipe.get("engines", {})
-    if engine not in engines:
-        raise UnsupportedError(f"no rules for engine {engine!r} for {recipe['name']} "
-                               f"(known: {', '.join(engines) or 'none'})")
-    return EngineRules(engine, engines[engine])
+    """The engines requant has rules for this model family with, in any release."""
+    return [e for e in engine_names() if any(recipe["name"] in release_data(e, v)["models"] for v in releases(e))]
 
 
 def default_engine(recipe: dict) -> str:
-    return next(name for name, data in recipe["engines"].items() if data.get("default"))
+    return recipe["default_engine"]

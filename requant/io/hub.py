@@ -10,12 +10,14 @@ one at a time into the journal folder; each is checked against the header fetche
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import os
 import re
 import struct
 import sys
+import tempfile
 
 from requant.errors import CheckpointError, RequantError
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, read_json, resolve_inside, shard_names_of
@@ -110,6 +112,24 @@ def _unreachable(e: BaseException) -> bool:
     from huggingface_hub.errors import OfflineModeIsEnabled
 
     return isinstance(e, (httpx2.TransportError, OfflineModeIsEnabled, ConnectionError))
+
+
+@contextlib.contextmanager
+def open_headers(src: str, revision: str | None = None, token: str | None = None, cache_dir: str | None = None):
+    """Checkpoint `src` (a directory, or a Hub repository) for reading headers and config only: a Hub
+    source from the cache where it is there, else by range requests (nothing large is downloaded)."""
+    repo = hub_repo(src)
+    if not repo:
+        with Checkpoint.open(src) as ck:
+            yield ck
+        return
+    hub = HubSource(repo, revision, progress=False, token=token, cache_dir=cache_dir, explicit=src.startswith(HUB_PREFIX))
+    if hub.cached:
+        with Checkpoint.open(hub.cached) as ck:
+            yield ck
+        return
+    with tempfile.TemporaryDirectory(prefix="requant-headers-") as staging:
+        yield hub.open_streamed(staging)
 
 
 class HubSource:

@@ -111,9 +111,13 @@ def _verify_experts(ctx: Context, result: dict, deep: bool, source: str | None, 
             out.add("info", "input-scale-spread", "input_scale of one projection varies across a layer's experts "
                     "(W4A4 kernels use the layer maximum)", f"{model.experts_module(block)} {proj}",
                     f"{min(values):g} .. {max(values):g}")
-    result["engines"] = judge_engines(ctx, layout, seen, engine, gpu)
     if layout.main in CONFIG_RULES:
         CONFIG_RULES[layout.main](ctx, layout, seen)
+    # An engine verdict on a checkpoint with errors of its own would be said of bytes no engine gets.
+    sound = out.count("error") == 0
+    result["engines"] = judge_engines(ctx, layout, seen, engine, gpu)
+    for verdict in result["engines"].values():
+        verdict["judged"] = sound
     if deep_compare:
         result["deep"] = deep_compare.summary()
         blocks_total = sum(s["blocks"] for s in result["deep"].values())
@@ -149,13 +153,25 @@ def _check_expert_set(ctx: Context, experts, layout: Layout) -> None:
             out.add("warning", "extra-expert", "expert index beyond n_routed_experts", model.experts_module(block), str(extra))
 
 
+def engine_verdict_text(v: dict) -> str:
+    """One engine verdict in words: a release requant has not checked, or a checkpoint with errors
+    of its own, gets no 'loads it correctly'."""
+    if not v.get("judged", True):
+        return "not judged: the checkpoint itself has errors (below)"
+    if not v["checked"]:
+        return (f"not checked against {v['label']} (rules from {v['rules_version']}"
+                + (f", by which it would not load: {len(v['problems'])} problems" if not v["loads"] else "") + ")")
+    return "loads it correctly" if v["loads"] else "does NOT load it correctly"
+
+
 def format_findings(result: dict) -> str:
     """verify's result as the terminal shows it."""
     lines = [f"checkpoint  {result['path']}",
              f"experts     {result['experts_checked']:,} checked, format {result['format'] or 'unknown'}"]
     for name, v in result["engines"].items():
-        lines.append(f"{'engine':<12}{name} {v['version']}: " + ("loads it correctly" if v["loads"] else "does NOT load it "
-                     "correctly") + (f"; MoE kernel: {v['kernel']['backend']}" if v.get("kernel") else ""))
+        lines.append(f"{'engine':<12}{name} {v['version']}: {engine_verdict_text(v)}"
+                     + (f"; MoE kernel: {v['kernel']['backend']}" + (f" (with {v['kernel']['flags']})" if v['kernel']['flags']
+                                                                     else "") if v.get("kernel") else ""))
     for f in result["findings"]:
         count = f" (x{f['count']:,})" if f["count"] > 1 else ""
         lines.append(f"{f['severity'].upper():<8}{f['code']}: {f['message']}{count}")

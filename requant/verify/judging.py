@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from requant import card
+from requant import card, engines
 from requant.engine_check import judge
 from requant.verify.context import Context, Layout, Observed
 
@@ -19,15 +19,22 @@ def judge_engines(ctx: Context, layout: Layout, seen: Observed, engine: str | No
     (named, or recorded in requant.json at conversion); with none known, warnings per engine, and
     an error only when no engine loads the checkpoint correctly."""
     model, out = ctx.model, ctx.out
-    made_for = (card.recorded_engine(ctx.ck.path) or {}).get("name")
-    names = [engine] if engine else [made_for] if made_for in model.engine_names else model.engine_names
-    strict = len(names) == 1
+    made_for = card.recorded_engine(ctx.ck.path) or {}
+    if engine:
+        judged = [model.engine(engine)]
+    elif made_for.get("name") in model.engine_names:
+        # the release it was made for, unless another release of that engine is installed here
+        name = made_for["name"]
+        judged = [model.engine(name, None if engines.installed_version(name) else made_for.get("version"))]
+    else:
+        judged = [model.engine(name) for name in model.engine_names]
+    strict = len(judged) == 1
     scale_names = fp8_linear_scale_names(ctx)
     verdicts = {}
-    for name in names:
-        verdict, found = judge(model.engine(name), model, ctx.ck.config, layout.formats_by_block, layout.main.name,
+    for rules in judged:
+        verdict, found = judge(rules, model, ctx.ck.config, layout.formats_by_block, layout.main.name,
                                seen.spans, gpu, scale_names)
-        verdicts[name] = asdict(verdict)
+        verdicts[rules.name] = asdict(verdict)
         for code, message, where, detail in found:
             severity = ("info" if code in _INFO_CODES else "warning" if code in _WARNING_CODES
                         else "error" if strict else "warning")

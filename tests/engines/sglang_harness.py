@@ -279,15 +279,20 @@ def _fused_moe_class(eng):
         # layer.py declares it @cached_property; wheels.klass keeps only builtin decorators
         use_padded_loading = functools.cached_property(engine_class.use_padded_loading)
 
-        def __init__(self, num_experts, hidden, inter, prefix):
+        def __init__(self, num_experts, hidden, inter, prefix, tp=(1, 0), ep=(1, 0)):
+            # tp/ep: (moe_tp_size, moe_tp_rank), (moe_ep_size, moe_ep_rank), set as layer.py __init__
+            # sets them from get_parallel() (no fused shared experts, ep_join_mode not "scale")
             torch.nn.Module.__init__(self)
-            self.prefix, self.hidden_size, self.intermediate_size_per_partition = prefix, hidden, inter
-            self.num_experts = self.num_local_experts = num_experts
-            self._num_local_routed = self._num_global_routed = num_experts
-            self._expert_storage_rank, self._has_fused_shared, self.num_fused_shared_experts = 0, False, 0
-            self.moe_tp_size, self.moe_tp_rank, self.moe_ep_size, self.moe_ep_rank = 1, 0, 1, 0
+            (self.moe_tp_size, self.moe_tp_rank), (self.moe_ep_size, self.moe_ep_rank) = tp, ep
+            assert num_experts % self.moe_ep_size == 0 and inter % self.moe_tp_size == 0   # layer.py asserts
+            self.prefix, self.hidden_size = prefix, hidden
+            self.intermediate_size_per_partition = inter // self.moe_tp_size
+            self.num_experts, self._num_global_routed = num_experts, num_experts
+            self._num_local_routed = self.num_local_experts = num_experts // self.moe_ep_size
+            self._expert_storage_rank, self._has_fused_shared, self.num_fused_shared_experts = self.moe_ep_rank, False, 0
             self.use_presharded_weights, self.uses_expert_location = False, False
-            self.moe_runner_config = NS(is_gated=True, intermediate_size_per_partition=inter, swiglu_limit=10.0)
+            self.moe_runner_config = NS(is_gated=True, intermediate_size_per_partition=self.intermediate_size_per_partition,
+                                        swiglu_limit=10.0)
             self.runner_backend = _Backend(Ctx.backend)
             self._set_runner_flags()
             self.quant_method = self.scheme = self.quant_config = None
@@ -490,6 +495,8 @@ class LoadReport:
     methods: dict[str, str] = field(default_factory=dict)     # experts module -> MoE method (or REFUSED: why)
     params: dict[str, dict] = field(default_factory=dict)     # experts module -> {param: (dtype, shape)}
     loads: Counter = field(default_factory=Counter)           # "param <- checkpoint dtype" counts
+    tensors: dict[str, dict] = field(default_factory=dict)    # experts module -> {param: tensor} after loading
+    global_experts: set[str] = field(default_factory=set)     # "module.param" the method keeps for all experts on every EP rank
     problems: list[str] = field(default_factory=list)
 
     def method(self, nextn: bool) -> set[str]:
@@ -524,10 +531,15 @@ def _read(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def sglang_load_report(ckpt, gpu: str = "sm_100", moe_runner_backend: str = "auto", load: bool = True) -> LoadReport:
-    """Run SGLang 0.5.23's start-up and weight loading for DeepSeek-V4 (main model and its NextN
+def sglang_load_report(ckpt, gpu: str = "sm_100", moe_runner_backend: str = "auto", load: bool = True,
+                       tp: tuple[int, int] = (1, 0), ep: tuple[int, int] = (1, 0)) -> LoadReport:
+    """Run SGLang's start-up and weight loading for DeepSeek-V4 (main model and its NextN
     draft) over checkpoint directory `ckpt`; every way the engine would refuse, skip a tensor,
-    leave a parameter unloaded or copy bytes of the wrong kind is a problem in the report."""
+    leave a parameter unloaded or copy bytes of the wrong kind is a problem in the report.
+
+    tp / ep: (moe_tp_size, moe_tp_rank) and (moe_ep_size, moe_ep_rank) of the rank whose routed
+    experts are built and loaded (FusedMoE's weight loader slices for that rank); the loaded
+    expert parameters are in report.tensors."""
     eng = engine()
     ckpt = Path(ckpt)
     Ctx.gpu, Ctx.backend, Ctx.warnings = gpu, moe_runner_backend, []
@@ -546,25 +558,30 @@ def sglang_load_report(ckpt, gpu: str = "sm_100", moe_runner_backend: str = "aut
                     [f"model.layers.{i}.mlp.experts" for i in range(hf.num_hidden_layers)])
         experts = {}
         for prefix in prefixes:
-            layer = _build_experts(eng, qc, prefix, hf, report)
+            layer = _build_experts(eng, qc, prefix, hf, report, tp, ep)
             if layer is not None:
                 experts[prefix] = layer
         if load and len(experts) == len(prefixes):
             _load(eng, qc, hf, tensors, experts, nextn, report)
+            for prefix, layer in experts.items():
+                report.tensors[prefix] = {n: p.data for n, p in layer.named_parameters()}
+                report.global_experts |= {f"{prefix}.{n}" for n, p in layer.named_parameters()
+                                          if getattr(p, "_sglang_require_global_experts", False)}
     return report
 
 
-def _build_experts(eng, qc, prefix, hf, report):
-    """FusedMoE.__init__'s quantization part (layer.py): get_quant_method, then create_weights."""
-    layer = eng.FusedMoE(hf.n_routed_experts, hf.hidden_size, hf.moe_intermediate_size, prefix)
+def _build_experts(eng, qc, prefix, hf, report, tp=(1, 0), ep=(1, 0)):
+    """FusedMoE.__init__'s quantization part (layer.py): get_quant_method, then create_weights
+    with the rank's num_local_experts and intermediate_size_per_partition, as layer.py passes them."""
+    layer = eng.FusedMoE(hf.n_routed_experts, hf.hidden_size, hf.moe_intermediate_size, prefix, tp, ep)
     try:
         method = qc.get_quant_method(layer, prefix)
         if method is None:
             raise ValueError("no quant method (unquantized experts)")
         report.methods[prefix] = method_name(method, layer)
         layer.quant_method, layer.quant_config = method, qc
-        method.create_weights(layer, num_experts=hf.n_routed_experts, hidden_size=hf.hidden_size,
-                              intermediate_size_per_partition=hf.moe_intermediate_size,
+        method.create_weights(layer, num_experts=layer.num_local_experts, hidden_size=hf.hidden_size,
+                              intermediate_size_per_partition=layer.intermediate_size_per_partition,
                               params_dtype=torch.bfloat16, weight_loader=layer.weight_loader)
     except Exception as e:  # the engine refusing to build the layer is the finding
         report.methods.setdefault(prefix, f"REFUSED {type(e).__name__}: {e}")

@@ -1,0 +1,153 @@
+"""Engine releases as data (requant/engines): naming a release, one requant has not checked, the
+cards' commands and the README table built from the same data, and `advise`."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from requant import engines
+from requant.card import serve_lines
+from requant.engines import table
+from requant.errors import UnsupportedError
+from requant.model import ModelSpec, load_recipes
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+DSV4 = next(r for r in load_recipes() if r["name"] == "deepseek_v4")
+
+
+def test_engine_spec_parses_name_and_release():
+    assert engines.parse_spec("vllm") == ("vllm", None)
+    assert engines.parse_spec("SGLang==0.5.23") == ("sglang", "0.5.23")
+    for bad in ("tensorrt", "vllm==", "vllm==next"):
+        with pytest.raises(UnsupportedError):
+            engines.parse_spec(bad)
+
+
+def test_every_release_file_loads_with_rules_for_each_gpu():
+    for name in engines.engine_names():
+        assert engines.releases(name), name
+        for version in engines.releases(name):
+            rules = engines.rules_for(DSV4, name, version)
+            assert rules.checked and rules.version == version and not rules.caveat
+            for fmt in table.FORMATS:
+                for gpu in engines.GPU_FAMILIES:
+                    kernel = rules.kernel(fmt, gpu)
+                    assert kernel.speed in engines.SPEED_CLASSES, (name, version, fmt, gpu)
+                    if kernel.runs:
+                        assert kernel.arithmetic and kernel.mode and kernel.speed != "none", (name, version, fmt, gpu)
+                    if kernel.engine_answer:   # requant's reading agrees with the engine's recorded answer
+                        answer = kernel.engine_answer
+                        assert kernel.method == answer["method"] and kernel.mtp["method"] == answer["nextn_method"]
+                        assert kernel.runs == (answer["starts"] and answer["kernel_built_for_gpu"] is not False
+                                               and kernel.speed != "fallback")
+
+
+def test_an_unchecked_release_borrows_the_nearest_rules_and_says_so():
+    newest = engines.releases("vllm")[-1]
+    rules = engines.rules_for(DSV4, "vllm==0.99.0")
+    assert not rules.checked and rules.checked_version == newest
+    assert "not checked against vLLM 0.99.0" in rules.caveat and "not checked" in rules.label
+    local = engines.rules_for(DSV4, "vllm", newest + "+cu130")   # a local build of a checked release
+    assert local.checked and local.version == newest
+
+
+def test_verify_names_the_release_and_never_vouches_for_an_unchecked_one(tmp_path, small_source):
+    from requant.convert import convert
+    from requant.targets import Options
+
+    out = str(tmp_path / "nvfp4")
+    convert(small_source, out, "nvfp4", Options(), progress=False)
+    newest = engines.releases("vllm")[-1]
+    named = run_cli("verify", out, "--engine", f"vllm=={newest}", "--quiet")
+    assert named.returncode == 0, named.stderr
+    assert f"vllm {newest}: loads it correctly" in named.stdout
+    unknown = run_cli("verify", out, "--engine", "vllm==0.99.0", "--quiet")
+    assert "not checked against vLLM 0.99.0" in unknown.stdout
+    assert "loads it correctly" not in unknown.stdout
+    bad = run_cli("verify", out, "--engine", "vllm==x", "--quiet")
+    assert bad.returncode == 2 and "give a release as NAME==VERSION" in bad.stderr
+
+
+def test_readme_engine_table_is_generated_from_the_release_data():
+    text = README.read_text()
+    start, end = text.index(table.BEGIN), text.index(table.END) + len(table.END)
+    assert text[start:end] == table.markdown(), "README's engine table is stale: python -m requant.engines.table"
+
+
+def test_card_drafts_only_where_the_mtp_block_has_a_kernel():
+    for name in engines.engine_names():
+        for version in engines.releases(name):
+            rules = engines.rules_for(DSV4, name, version)
+            for fmt in ("nvfp4", "w4a16"):
+                for gpu in engines.GPU_FAMILIES:
+                    how = rules.serving(fmt, gpu)
+                    if not how.starts:
+                        continue
+                    mtp = how.kernel.mtp or {}
+                    assert how.speculative == mtp.get("runs", True), (name, version, fmt, gpu)
+                    assert (rules.data["serve"]["speculative"] in how.command) == how.speculative
+                    assert how.flags in how.command
+            no_mtp = "\n".join(serve_lines(rules, "nvfp4", has_mtp=False))
+            assert rules.data["serve"]["speculative"] not in no_mtp
+
+
+@pytest.fixture(scope="module")
+def sglang_pair(tmp_path_factory):
+    """A small synthetic DeepSeek-V4-Flash (MXFP4) and its NVFP4 conversion for SGLang."""
+    from requant import synth
+    from requant.convert import convert
+    from requant.targets import Options
+
+    root = tmp_path_factory.mktemp("advise")
+    src, out = str(root / "src"), str(root / "nvfp4")
+    synth.write_checkpoint(src, synth.dims_with(synth.Dims(), intermediate=256), seed=5)   # 32 a rank at TP=8
+    convert(src, out, "nvfp4", Options(engine="sglang"), progress=False)
+    return src, out
+
+
+def advise_json(*args) -> dict:
+    done = run_cli("advise", *args, "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_advise_sglang_sm120_keeps_the_mxfp4_source(sglang_pair):
+    """The first user's case: SGLang 0.5.23 on RTX PRO 6000 runs the unconverted source as MXFP8 x
+    MXFP4 on the tensor cores, so the answer is not to convert."""
+    src, _ = sglang_pair
+    answer = advise_json(src, "--engine", "sglang==0.5.23", "--gpu", "sm_120", "--tp", "8")["answers"][0]
+    as_is = answer["paths"][0]
+    assert as_is["starts"] and as_is["main"]["method"] == "Mxfp4FlashinferCutlassMoEMethod"
+    assert as_is["main"]["selects"] == {"default": "flashinfer_mxfp4"} and "W4A8" in as_is["main"]["arithmetic"]
+    assert answer["recommendation"]["verdict"].startswith("do not convert: your checkpoint already runs on FP4 tensor")
+    nvfp4 = next(p for p in answer["paths"] if p["path"] == "nvfp4")
+    assert nvfp4["flags"] == "--moe-runner-backend flashinfer_cutlass" and not nvfp4["mtp"]["runs"]
+    assert as_is["layer_error"]["rel_error"] < nvfp4["layer_error"]["rel_error"]   # W4A8 beats W4A4 here
+
+
+def test_advise_and_verify_agree_on_the_nvfp4_output_on_sm120(sglang_pair):
+    _, out = sglang_pair
+    answer = advise_json(out, "--engine", "sglang==0.5.23", "--gpu", "sm_120")["answers"][0]
+    as_is = answer["paths"][0]
+    assert as_is["auto"]["selects"] == {"default": "flashinfer_trtllm_routed"} and not as_is["auto"]["runs"]
+    assert as_is["flags"] == "--moe-runner-backend flashinfer_cutlass"
+    assert "flashinfer_trtllm_routed" not in as_is["main"]["backend"]
+    verified = run_cli("verify", out, "--engine", "sglang==0.5.23", "--gpu", "sm_120", "--json", "--quiet")
+    verdict = json.loads(verified.stdout)["engines"]["sglang"]
+    assert verdict["kernel"]["flags"] == as_is["flags"] and verdict["kernel"]["backend"] == as_is["main"]["backend"]
+    assert not verdict["kernel"]["speculative"]
+
+
+def test_advise_names_an_unchecked_release_and_the_tp_limit(sglang_pair):
+    src, _ = sglang_pair
+    text = run_cli("advise", src, "--engine", "vllm==0.99.0", "--gpu", "sm_90", "--tp", "64")
+    assert text.returncode == 0, text.stderr
+    assert "not checked against vLLM 0.99.0" in text.stdout
+    assert "over TP=64 leaves" in text.stdout
+    bad = run_cli("advise", src, "--gpu", "sm_75")
+    assert bad.returncode == 2
