@@ -17,6 +17,15 @@ import torch  # noqa: E402
 
 from requant import synth  # noqa: E402
 
+
+def pytest_addoption(parser, pluginmanager):
+    """--engine-release, the engine tier's option (tests/engines/conftest.py): pytest reads options
+    only from the conftests it loads first, which tests/engines/conftest.py is not when the tests
+    are run from the repository root."""
+    from engines.conftest import add_engine_release_option
+    add_engine_release_option(parser, pluginmanager)
+
+
 def converted_pair(root, dims: synth.Dims, seed: int, hard: synth.HardCases | None = None,
                    options=None) -> tuple[str, str]:
     """A synthetic source in root/src and its NVFP4 conversion (default options) in root/nvfp4."""

@@ -1,4 +1,5 @@
-"""Conformance tier, vLLM half: vLLM 0.33.0's own code, from its release wheel, run on requant's outputs.
+"""Conformance tier, vLLM half: the vLLM release's own code (wheels.version("vllm")), from its
+release wheel, run on requant's outputs.
 
 Every check executes the engine's functions (see vllm_harness.py for which, and the stand-ins
 around them). The positive tests ask the one checker, vllm_load_report, for no problems; the
@@ -27,10 +28,12 @@ from requant.targets.w4a16 import W4A16Options
 from . import wheels
 
 if not wheels.available("vllm"):
-    pytest.skip(f"vllm=={wheels.ENGINES['vllm']} wheel not available in {wheels.CACHE} (pip download failed or "
+    pytest.skip(f"vllm=={wheels.version('vllm')} wheel not available in {wheels.CACHE} (pip download failed or "
                 "REQUANT_NO_WHEEL_FETCH set): vLLM conformance tier skipped", allow_module_level=True)
 
 from . import vllm_harness as vllm  # noqa: E402
+
+ENGINE = f"vLLM {wheels.version('vllm')}"
 
 # small, but with what the engine treats specially: hash-routed layers, an MTP block, W4A16
 # groups spanning more than one group along K (moe_intermediate 256, hidden 256)
@@ -94,7 +97,7 @@ def test_dispatch_per_layer(ckpts, name):
     are renamed to (hf_to_vllm_mapper, then w1/w3 -> w13_, w2 -> w2_)."""
     ckpt = vllm.Checkpoint(ckpts[name])
     dispatch = vllm.dispatch(ckpt)
-    rules = ModelSpec(ckpt.spec.recipe, ckpt.config).engine("vllm")
+    rules = ModelSpec(ckpt.spec.recipe, ckpt.config).engine("vllm", wheels.version("vllm"))
     blocks = vllm.expert_blocks(ckpt)
     assert [b for b, _ in blocks][-1] == "mtp.0"
     for block, prefix in blocks:
@@ -120,8 +123,8 @@ def test_m1_old_w4a16_target_crashes_vllm(ckpts, tmp_path):
     method is built and the loader has no weight_packed parameter."""
     problems = vllm.vllm_load_report(with_expert_target(ckpts["w4a16-g128-sym"], tmp_path / "m1", OLD_W4A16_TARGET))
     text = "\n".join(problems)
-    assert "layers.0 (w4a16 experts): vLLM 0.33.0 gives model.layers.0.ffn.experts CompressedTensorsW8A8Fp8MoEMethod" in text
-    assert "mtp.0 (w4a16 experts): vLLM 0.33.0 gives model.layers.2.ffn.experts CompressedTensorsW8A8Fp8MoEMethod" in text
+    assert f"layers.0 (w4a16 experts): {ENGINE} gives model.layers.0.ffn.experts CompressedTensorsW8A8Fp8MoEMethod" in text
+    assert f"mtp.0 (w4a16 experts): {ENGINE} gives model.layers.2.ffn.experts CompressedTensorsW8A8Fp8MoEMethod" in text
     assert "DeepseekV4Model.load_weights raises KeyError: 'layers.0.ffn.experts.routed_experts.w13_weight_packed'" in text
     assert "DeepSeekV4MTP.load_weights raises KeyError: 'model.layers.2.mtp_block.ffn.experts.routed_experts.w13_weight_packed'" in text
 
@@ -133,7 +136,7 @@ def test_m4_mxfp4_mtp_experts_load_as_garbage(ckpts):
     problems = vllm.vllm_load_report(ckpts["sglang-nvfp4"])
     assert problems and all("mtp.0" in p for p in problems), problems
     text = "\n".join(problems)
-    assert "mtp.0 (mxfp4 experts): vLLM 0.33.0 gives model.layers.2.ffn.experts ModelOptNvFp4FusedMoE" in text
+    assert f"mtp.0 (mxfp4 experts): {ENGINE} gives model.layers.2.ffn.experts ModelOptNvFp4FusedMoE" in text
     for param in ("w13_weight_scale_2", "w2_weight_scale_2", "w13_input_scale", "w2_input_scale"):
         assert f"mtp.0: {param} never written" in text, param
     assert "w1.scale (torch.uint8) copied by value into w13_weight_scale (torch.float8_e4m3fn)" in text
@@ -194,7 +197,7 @@ def test_kernel_selection_matches_rules(gpu):
     """vLLM's own backend selectors, on a GPU of that family, for every combination of install
     conditions, return the backend requant's rules name (engines.vllm.kernels.<fmt>.<gpu>.selects),
     the same for hash-routed and normal layers and for every W4A16 group size / scheme."""
-    rules = ModelSpec.for_config({"model_type": "deepseek_v4"}).engine("vllm")
+    rules = ModelSpec.for_config({"model_type": "deepseek_v4"}).engine("vllm", wheels.version("vllm"))
     cap = int(gpu.removeprefix("sm_"))
     for deviations in DEVIATIONS:
         picked = vllm.kernel_selection(cap, installed(deviations))

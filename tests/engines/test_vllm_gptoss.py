@@ -1,4 +1,4 @@
-"""Conformance tier, vLLM half, gpt-oss: vLLM 0.33.0's own gpt-oss loader on tiny checkpoints.
+"""Conformance tier, vLLM half, gpt-oss: the vLLM release's own gpt-oss loader on tiny checkpoints.
 
 The checkpoints come from a small builder here (the next phase replaces it with
 `requant synth --model gpt-oss-20b`): the MXFP4 release layout (openai/gpt-oss-20b), and NVFP4
@@ -23,7 +23,7 @@ from requant.formats import mxfp4, nvfp4
 from . import wheels
 
 if not wheels.available("vllm"):
-    pytest.skip(f"vllm=={wheels.ENGINES['vllm']} wheel not available in {wheels.CACHE}: vLLM gpt-oss tier skipped",
+    pytest.skip(f"vllm=={wheels.version('vllm')} wheel not available in {wheels.CACHE}: vLLM gpt-oss tier skipped",
                 allow_module_level=True)
 
 from . import vllm_gptoss_harness as oss  # noqa: E402
@@ -355,7 +355,7 @@ def wna16_method(ckpt: oss.Checkpoint) -> oss.Dispatch:
 def test_w4a16_per_expert_loads_with_biases(tmp_path):
     """CompressedTensorsWNA16MoEMethod registers gpt-oss's expert biases, and gpt_oss.py's
     per-expert path (GptOssRoutedExperts._load_packed_expert / _load_expert_bias) puts packed
-    weights, group scales and biases where they belong: the W4A16 output layout vLLM 0.33.0 takes."""
+    weights, group scales and biases where they belong: the W4A16 output layout the vLLM release takes."""
     tensors, want = w4a16_per_expert(mxfp4_release(DIMS, seed=5), DIMS, weight_shape=False)
     result = oss.gptoss_load(write(tmp_path / "w4a16", config(DIMS, CT_QUANT), tensors), wna16_method)
     assert set(result.methods.values()) == {"CompressedTensorsWNA16MoEMethod"}

@@ -88,9 +88,7 @@ class MLAAttention(torch.nn.Module):
 def gpt_oss_moe_config(ckpt: Checkpoint) -> SimpleNamespace:
     """The FusedMoEConfig MLPBlock builds (gpt_oss.py: FusedMoEFactory(..., has_bias=True,
     activation="swigluoai")) on one GPU: the fields the methods and loaders read."""
-    return SimpleNamespace(is_act_and_mul=True, has_bias=True, w13_num_shards=2, max_capture_size=512,
-                           tp_shard_with_padding=False, tp_rank=0, tp_size=1, activation="swigluoai",
-                           moe_parallel_config=SimpleNamespace(tp_size=1, tp_rank=0, enable_eplb=False))
+    return vh.moe_config(ckpt.dims.experts, has_bias=True, activation="swigluoai")
 
 
 @dataclasses.dataclass
@@ -174,22 +172,15 @@ def _experts_class() -> type:
 def experts_module(method, ckpt: Checkpoint, quant_config) -> torch.nn.Module:
     d = ckpt.dims
     layer = _experts_class()()
-    layer.moe_config = gpt_oss_moe_config(ckpt)
     layer.quant_config = quant_config
-    layer._fused_shared_expert_quantizer = None
-    layer._loaded_expert_biases = set()
-    layer._map_global_expert_id_to_local_expert_id = lambda expert: expert   # no expert parallelism
-    layer.quant_method = method
-    method.create_weights(layer=layer, num_experts=d.experts, hidden_size=d.hidden,
-                          intermediate_size_per_partition=d.intermediate, params_dtype=torch.bfloat16,
-                          weight_loader=layer.weight_loader, global_num_experts=d.experts)
-    return layer
+    return vh.place_experts(layer, method, gpt_oss_moe_config(ckpt), d.experts, d.hidden, d.intermediate,
+                            layer.weight_loader)
 
 
 @lru_cache(maxsize=None)
 def _loader_fns() -> dict:
     ns = dict(torch=torch, logger=vh.LOG, get_tensor_model_parallel_world_size=lambda: 1,
-              get_tensor_model_parallel_rank=lambda: 0)
+              get_tensor_model_parallel_rank=lambda: 0, **vh.copy_weight(WEIGHT_UTILS))
     wheels.fake_module("vllm.distributed", get_tensor_model_parallel_world_size=lambda: 1)
     wheels.extract(ENGINE, WEIGHT_UTILS, ["default_weight_loader", "load_attention_sink",
                                           "maybe_remap_moe_expert_param_name", "remap_moe_expert_weights"], ns)

@@ -23,9 +23,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import fnmatch
+import functools
 import itertools
 import json
 import math
+import mmap
+import sys
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from fractions import Fraction
@@ -33,6 +36,7 @@ from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
 
+import numpy
 import regex
 import torch
 from safetensors import safe_open
@@ -42,7 +46,7 @@ from requant.model import ModelSpec
 from . import wheels
 
 ENGINE = "vllm"
-VERSION = wheels.ENGINES[ENGINE]
+VERSION = wheels.version(ENGINE)
 GPUS = ("sm_80", "sm_90", "sm_100", "sm_120")
 
 MODEL = "vllm/models/deepseek_v4/nvidia/model.py"   # the CUDA build's classes (deepseek_v4/__init__.py)
@@ -67,8 +71,8 @@ def extract(relpath: str, names: list[str], ns: dict) -> dict:
     return wheels.extract(ENGINE, relpath, names, ns)
 
 
-def methods(relpath: str, cls: str, names: list[str], ns: dict) -> dict:
-    return wheels.methods(ENGINE, relpath, cls, names, ns)
+def methods(relpath: str, cls: str, names: list[str], ns: dict, **how) -> dict:
+    return wheels.methods(ENGINE, relpath, cls, names, ns, **how)
 
 
 def klass(relpath: str, cls: str, ns: dict, bases: tuple[str, ...] = ()) -> type:
@@ -174,12 +178,35 @@ class Attention(torch.nn.Module):
     pass
 
 
-def moe_config() -> SimpleNamespace:
-    """The FusedMoEConfig of DeepSeek-V4's routed experts on one GPU (TP 1, no expert parallelism):
-    gated SiLU (act-and-mul, two w13 shards), no bias; the fields the methods read."""
-    return SimpleNamespace(is_act_and_mul=True, has_bias=False, w13_num_shards=2, max_capture_size=512,
-                           tp_shard_with_padding=False, tp_rank=0, tp_size=1,
-                           moe_parallel_config=SimpleNamespace(tp_size=1, enable_eplb=False))
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Which part of a layer's routed experts one GPU holds: TP rank `tp_rank` of `tp_size`
+    (vLLM's default for MoE under tensor parallelism: each rank holds every expert, a slice of its
+    intermediate dimension), or with expert parallelism (--enable-expert-parallel) EP rank
+    `ep_rank` of `ep_size`, whole experts, vLLM's linear placement. Default: one GPU."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+
+    def __str__(self):
+        return f"EP {self.ep_rank}/{self.ep_size}" if self.ep_size > 1 else f"TP {self.tp_rank}/{self.tp_size}"
+
+
+ONE_GPU = Placement()
+
+
+def moe_config(experts: int, placement: Placement = ONE_GPU, **fields) -> SimpleNamespace:
+    """The FusedMoEConfig of a layer of `experts` routed experts (logical = physical: no
+    redundant experts) as `placement` holds it: gated SiLU (act-and-mul, two w13 shards), no
+    bias, unless `fields` say otherwise; the fields the methods and loaders read."""
+    parallel = SimpleNamespace(tp_size=placement.tp_size, tp_rank=placement.tp_rank, ep_size=placement.ep_size,
+                               ep_rank=placement.ep_rank, enable_eplb=False)
+    return SimpleNamespace(**{**dict(is_act_and_mul=True, has_bias=False, w13_num_shards=2, max_capture_size=512,
+                                     tp_shard_with_padding=False, tp_rank=placement.tp_rank,
+                                     tp_size=placement.tp_size, num_experts=experts, num_logical_experts=experts,
+                                     moe_parallel_config=parallel), **fields})
 
 
 SCHEMES = ["CompressedTensorsW4A4Fp4", "CompressedTensorsW4A4Mxfp4", "CompressedTensorsW4A8Fp8",
@@ -261,7 +288,7 @@ def ds4_fp8_dispatch(ckpt: Checkpoint) -> Dispatch:
 
     def moe(prefix):
         layer = RoutedExperts()
-        layer.moe_config = moe_config()
+        layer.moe_config = moe_config(ckpt.config["n_routed_experts"])
         return config.get_quant_method(layer, prefix)
 
     def linear(prefix):
@@ -346,7 +373,7 @@ def compressed_tensors_dispatch(ckpt: Checkpoint) -> Dispatch:
         layer = RoutedExperts()
         # DeepseekV4MoE builds RoutedExperts with ckpt_names=("w1", "w2", "w3")
         layer.ckpt_gate_proj_name, layer.ckpt_down_proj_name, layer.ckpt_up_proj_name = "w1", "w2", "w3"
-        layer.moe_config = moe_config()
+        layer.moe_config = moe_config(ckpt.config["n_routed_experts"])
         try:
             return get_moe_method(config, layer, layer_name=prefix)
         except Exception as e:   # the engine refusing the layer
@@ -465,7 +492,9 @@ def build_moe_method(recorded):
 
 ROUTED_LOADER = ["_to_scalar", "_load_per_tensor_weight_scale", "_load_combined_w13_weight_scale",
                  "_load_model_weight_or_group_weight_scale", "_load_per_channel_weight_scale", "_get_hidden_dim",
-                 "_narrow_expert_data_for_padding", "_load_w13", "_load_w2", "_load_single_value", "weight_loader"]
+                 "_narrow_expert_data_for_padding", "_load_w13", "_load_w2", "_load_single_value", "weight_loader",
+                 "_map_global_expert_id_to_local_expert_id"]
+EXPERT_MAP = "vllm/model_executor/layers/fused_moe/expert_map_manager.py"
 
 
 @lru_cache(maxsize=None)
@@ -476,7 +505,54 @@ def _routed_experts_class() -> type:
     # weight_loader's isinstance() test for online-quantized methods, which none of these is
     wheels.fake_module("vllm.model_executor.layers.quantization.online.moe_base",
                        OnlineMoEMethodBase=type("OnlineMoEMethodBase", (), {}))
+    ns.update(copy_weight(ROUTED))
     return type("RoutedExperts", (torch.nn.Module,), methods(ROUTED, "RoutedExperts", ROUTED_LOADER, ns))
+
+
+def copy_weight(relpath: str) -> dict:
+    """{"copy_weight_": vllm/model_executor/utils.py's copy_weight_} where engine file `relpath`
+    imports it (vLLM 0.34's routed_experts.py and weight_utils.py copy through it, a plain copy_ off
+    integrated GPUs; 0.33 and earlier call copy_ themselves), else {}."""
+    if "copy_weight_" not in wheels.imports(ENGINE, relpath):
+        return {}
+    ns = dict(functools=functools, mmap=mmap, torch=torch,
+              current_platform=SimpleNamespace(is_integrated_gpu=lambda index: False))   # a discrete GPU
+    return {"copy_weight_": wheels.extract_closure(ENGINE, "vllm/model_executor/utils.py", ["copy_weight_"],
+                                                   ns)["copy_weight_"]}
+
+
+@lru_cache(maxsize=None)
+def _expert_map_fns() -> dict:
+    """expert_map_manager.py's determine_expert_map and ExpertMapManager.map_global_to_local."""
+    ns = dict(torch=torch, logger=LOG)
+    extract(EXPERT_MAP, ["determine_expert_map"], ns)
+    ns.update(methods(EXPERT_MAP, "ExpertMapManager", ["map_global_to_local"], ns))
+    return ns
+
+
+def place_experts(layer: torch.nn.Module, method, config: SimpleNamespace, experts: int, hidden: int,
+                  intermediate: int, weight_loader, placement: Placement = ONE_GPU) -> torch.nn.Module:
+    """Give a RoutedExperts-like `layer` what its constructor would (routed_experts.py
+    RoutedExperts.__init__) for `placement`: the FusedMoEConfig, the expert map vLLM's own
+    determine_expert_map builds (linear placement, no fused shared experts), the parameters of
+    `method`.create_weights for the local experts and the rank's intermediate size."""
+    fns = _expert_map_fns()
+    local, expert_map, _ = fns["determine_expert_map"](placement.ep_size, placement.ep_rank, experts)
+    manager = SimpleNamespace(_expert_map=expert_map, num_fused_shared_experts=0)
+    manager.map_global_to_local = lambda expert: fns["map_global_to_local"](manager, expert)
+    layer.moe_config, layer.expert_map_manager, layer.local_num_experts = config, manager, local
+    # no online-quantized fused shared expert: routed_experts.py keeps it as
+    # _fused_shared_expert_quantizer up to 0.33, as shared_expert_online_loader from 0.34
+    layer._fused_shared_expert_quantizer = layer.shared_expert_online_loader = None
+    layer.layer_name = "routed_experts"
+    layer._loaded_expert_biases = set()
+    layer.quant_method = method
+    if intermediate % placement.tp_size:
+        raise ValueError(f"intermediate size {intermediate} does not split over TP {placement.tp_size}")
+    method.create_weights(layer=layer, num_experts=local, hidden_size=hidden,
+                          intermediate_size_per_partition=intermediate // placement.tp_size,
+                          params_dtype=torch.bfloat16, weight_loader=weight_loader, global_num_experts=experts)
+    return layer
 
 
 class LoadRecord:
@@ -510,20 +586,14 @@ class LoadRecord:
         return load
 
 
-def routed_experts(method, quant_config, experts: int, hidden: int, intermediate: int, record: LoadRecord):
+def routed_experts(method, quant_config, experts: int, hidden: int, intermediate: int, record: LoadRecord,
+                   placement: Placement = ONE_GPU):
     """A RoutedExperts module of the model's `quant_config` whose parameters are registered by
-    the engine's `method`."""
+    the engine's `method`, as the GPU of `placement` holds them."""
     layer = _routed_experts_class()()
-    layer.moe_config = moe_config()
     layer.quant_config = quant_config
-    layer._fused_shared_expert_quantizer = None
-    layer._loaded_expert_biases = set()
-    layer._map_global_expert_id_to_local_expert_id = lambda expert: expert   # no expert parallelism
-    layer.quant_method = method
-    method.create_weights(layer=layer, num_experts=experts, hidden_size=hidden,
-                          intermediate_size_per_partition=intermediate, params_dtype=torch.bfloat16,
-                          weight_loader=record.loader(layer.weight_loader), global_num_experts=experts)
-    return layer
+    return place_experts(layer, method, moe_config(experts, placement), experts, hidden, intermediate,
+                         record.loader(layer.weight_loader), placement)
 
 
 class Params(dict):
@@ -558,9 +628,11 @@ def _decoder_layers(count):
             for _ in range(count)]
 
 
-def load_main(ckpt: Checkpoint, experts: dict[int, torch.nn.Module], record: LoadRecord, quant_config):
+def load_main(ckpt: Checkpoint, experts: dict[int, torch.nn.Module], record: LoadRecord, quant_config,
+              placement: Placement = ONE_GPU):
     """DeepseekV4Model.load_weights (model.py) with get_expert_mapping, over every checkpoint
-    tensor that hf_to_vllm_mapper maps into the model (what AutoWeightsLoader hands it)."""
+    tensor that hf_to_vllm_mapper maps into the model (what AutoWeightsLoader hands it), on the
+    GPU of `placement`."""
     params = Params({f"layers.{layer}.ffn.experts.routed_experts": m for layer, m in experts.items()}, record)
     mapping = expert_params_mapping(ckpt.config["n_routed_experts"])
     ns = dict(torch=torch, typing=typing, Callable=Callable, default_weight_loader=None, dict=lambda _: params,
@@ -569,7 +641,7 @@ def load_main(ckpt: Checkpoint, experts: dict[int, torch.nn.Module], record: Loa
               extract_layer_index=lambda name: int(name.split(".")[1]),
               fused_moe_make_expert_params_mapping=lambda model, **kwargs: mapping,
               make_deepseek_v4_expert_params_mapping=None, cdiv=lambda a, b: -(-a // b),
-              get_tensor_model_parallel_world_size=lambda: 1)
+              get_tensor_model_parallel_world_size=lambda: placement.tp_size)
     fns = methods(MODEL, "DeepseekV4Model", ["load_weights", "get_expert_mapping", "_pad_shared_expert_weight"], ns)
     model = SimpleNamespace(layers=_decoder_layers(ckpt.layers), start_layer=0, end_layer=ckpt.layers,
                             quant_config=quant_config, use_sequence_parallel=False, named_parameters=lambda: [],
@@ -645,7 +717,7 @@ def vllm_load_report(path) -> list[str]:
     vLLM dispatches for its layer, with its bits, that method is the one requant's rules name for
     the experts' format, and attention / shared-expert linears get an FP8-block method."""
     ckpt = Checkpoint(path)
-    rules = ckpt.spec.engine(ENGINE)
+    rules = ckpt.spec.engine(ENGINE, VERSION)
     engine = f"vLLM {VERSION}"
     problems: list[str] = []
     disp = dispatch(ckpt)
@@ -703,6 +775,82 @@ def vllm_load_report(path) -> list[str]:
                 problems.append(f"{name}: no {engine} parameter takes it (dropped at load)")
     problems += fp8_linear_problems(ckpt, disp, record, engine)
     return problems
+
+
+# --------------------------------------------------------------- multi-GPU loads, rank by rank
+def rank_experts(path, placement: Placement) -> tuple[dict[str, dict[str, torch.Tensor]], list[str]]:
+    """The routed-expert parameters of every main layer of the checkpoint at `path` as the GPU of
+    `placement` holds them after DeepseekV4Model.load_weights, with the dispatched method's
+    create_weights for that rank and RoutedExperts.weight_loader's TP slicing / expert map:
+    ({block: {param: tensor}}, problems). Problems: the loader or create_weights refusing (the
+    message), bytes the loader never wrote (loaded twice, over 0x00 and 0xFF fills)."""
+    ckpt = Checkpoint(path)
+    disp, record = dispatch(ckpt), LoadRecord()
+    experts: dict[int, torch.nn.Module] = {}
+    try:
+        for block, prefix in expert_blocks(ckpt):
+            if block.startswith("layers."):
+                experts[int(block.split(".")[1])] = routed_experts(build_moe_method(disp.moe(prefix)), disp.config,
+                                                                   *dims(ckpt), record, placement)
+        snapshots = []
+        for sentinel in (0x00, 0xFF):
+            _fill(experts.values(), sentinel)
+            load_main(ckpt, experts, record, disp.config, placement)
+            snapshots.append({layer: _bytes(module) for layer, module in experts.items()})
+    except LOADER_ERRORS as e:
+        return {}, [f"vLLM {VERSION} on {placement}: {type(e).__name__}: {e}"]
+    problems = []
+    for layer, module in experts.items():
+        for name in snapshots[0][layer]:
+            never = (snapshots[0][layer][name] == 0x00) & (snapshots[1][layer][name] == 0xFF)
+            if never.any():
+                problems.append(f"layers.{layer}: {name} on {placement}: {int(never.sum())} of {never.numel()} "
+                                "bytes never written")
+    params = {f"layers.{layer}": {name: p.detach().clone() for name, p in module.named_parameters()}
+              for layer, module in experts.items()}
+    return params, problems
+
+
+MARLIN_UTILS = QUANT + "utils/marlin_utils.py"
+
+
+@lru_cache(maxsize=None)
+def _marlin_wna16_ns() -> dict:
+    """int_wna16.py's _process_weights_marlin (the MARLIN backend's W4A16 MoE post-processing)
+    with marlin_utils.py's scale and zero-point permutations, run on CPU. The repack of the packed
+    weights (ops.gptq_marlin_moe_repack, a CUDA op) is the identity: only the scales are checked."""
+    repack = lambda w, size_k, size_n, num_bits, **kwargs: w   # noqa: E731
+    ns = dict(torch=torch, logger=LOG, math=math, numpy=numpy, current_platform=FakePlatform(90),
+              scalar_types=None, ops=SimpleNamespace(gptq_marlin_moe_repack=repack))
+    extract("vllm/utils/math_utils.py", ["round_up"], ns)
+    wheels.extract_closure(ENGINE, MARLIN_UTILS, ["marlin_moe_padded_intermediate", "marlin_moe_permute_scales",
+                                                 "marlin_permute_bias", "moe_packed_to_marlin_zero_points"], ns)
+    return wheels.extract_closure(ENGINE, ORACLE + "int_wna16.py", ["_process_weights_marlin"], ns)
+
+
+def marlin_wna16_scales(params: dict[str, torch.Tensor], intermediate_per_rank: int,
+                        group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13, w2) group scales as the release's _process_weights_marlin hands them to the Marlin
+    MoE kernel, from one rank's loaded CompressedTensorsWNA16MoEMethod parameters."""
+    process = _marlin_wna16_ns()["_process_weights_marlin"]
+    kwargs = dict(layer=SimpleNamespace(intermediate_size_per_partition=intermediate_per_rank), num_bits=4,
+                  pack_factor=8, group_size=group_size, w13_qweight=params["w13_weight_packed"],
+                  w2_qweight=params["w2_weight_packed"], w13_scales=params["w13_weight_scale"],
+                  w2_scales=params["w2_weight_scale"])
+    if "input_dtype" in process.__code__.co_varnames:
+        # 0.33's int_wna16.py _process_weights_marlin takes the activations' Marlin dtype
+        # (None: bf16, as get_marlin_input_dtype gives without an override); 0.34 dropped it
+        kwargs["input_dtype"] = None
+    out = process(**kwargs)
+    return out[2], out[3]
+
+
+def marlin_permuted_scales(scales: torch.Tensor, size_k: int, group_size: int) -> torch.Tensor:
+    """marlin_utils.py marlin_moe_permute_scales of N-first group scales [E, N, K/group] of a
+    weight whose K is `size_k`."""
+    permute = _marlin_wna16_ns()["marlin_moe_permute_scales"]
+    k_first = scales.transpose(1, 2).contiguous()
+    return permute(s=k_first, size_k=size_k, size_n=k_first.shape[2], group_size=group_size)
 
 
 # ------------------------------------------------------------------- MoE kernel selection
@@ -772,17 +920,45 @@ class FakePlatform:
 
 
 KERNEL_CHECKS = ["_supports_current_device", "_supports_quant_scheme", "_supports_routing_method"]
+ON_DEVICE, ON_SCHEME, ON_ROUTING = KERNEL_CHECKS[:1], KERNEL_CHECKS[:2], KERNEL_CHECKS
+# The kernel classes the selectors' backend_to_kernel_cls import for the backends DeepSeek-V4's
+# formats reach: which of the engine's own support checks each runs (found on the class or its
+# bases in its file), its activation format and whether it is monolithic. Checks left out answer
+# yes: Humming's and the emulation's quant-scheme checks inspect QuantKey fields the tokens lack
+# (their lists hold the NVFP4, MXFP4 and INT4 keys the three formats use). A class a release's
+# backend_to_kernel_cls imports that is not here fails the selection loudly (KeyError).
+KERNELS = {
+    "TrtLlmNvFp4ExpertsMonolithic": (ON_ROUTING, False, True),
+    "TrtLlmNvFp4ExpertsModular": (ON_SCHEME, False, False),
+    "FlashInferCuteDSLExperts": (ON_SCHEME, False, False),
+    "FlashInferCuteDSLBatchedExperts": (ON_DEVICE, True, False),
+    "FlashInferExperts": (ON_SCHEME, False, False),
+    "CutlassExpertsFp4": (ON_SCHEME, False, False),
+    "MarlinExperts": (ON_SCHEME, False, False),
+    "BatchedMarlinExperts": (ON_SCHEME, True, False),
+    "HummingGroupedExperts": (ON_DEVICE, False, False),
+    "HummingIndexedExperts": (ON_DEVICE, False, False),
+    "BatchedHummingGroupedExperts": (ON_DEVICE, True, False),
+    "Nvfp4QuantizationEmulationTritonExperts": (ON_DEVICE, False, False),
+    "TrtLlmMxfp4ExpertsMonolithic": (ON_ROUTING, False, True),
+    "TrtLlmMxfp4ExpertsModular": (ON_SCHEME, False, False),
+    "TrtLlmMxfp4Mxfp8ExpertsModular": (ON_SCHEME, False, False),
+    "DeepGemmFP4Experts": (ON_SCHEME, False, False),
+    "TrtLlmMxint4ExpertsMonolithic": (ON_ROUTING, False, True),
+    "TritonWNA16Experts": (ON_DEVICE, False, False),
+    "Rdna3WNA16Experts": (ON_DEVICE, False, False),
+}
 
 
-def _kernel(ns, base, name, relpath, cls, checks, batched=False, monolithic=False):
-    """A kernel class with the engine's own support checks `checks` of class `cls` and
-    FusedMoEExperts.is_supported_config (`base`). Checks about activation function, parallel
-    layout, shapes, router-logit dtype and LoRA answer yes: DeepSeek-V4's SiLU, TP-only, its shapes
-    (the tier asks which kernel a supported deployment gets, not whether one exists)."""
+def _kernel(ns, base, module: str, cls: str):
+    """Kernel class `cls` of engine module `module` with the engine's own support checks
+    (KERNELS) and FusedMoEExperts.is_supported_config (`base`). Checks about activation function,
+    parallel layout, shapes, router-logit dtype and LoRA answer yes: DeepSeek-V4's SiLU, TP-only,
+    its shapes (the tier asks which kernel a supported deployment gets, not whether one exists)."""
+    checks, batched, monolithic = KERNELS[cls]
+    relpath = module.replace(".", "/") + ".py"
     attrs = {k: staticmethod(v.__func__ if isinstance(v, staticmethod) else v)
-             for k, v in methods(EXPERTS + relpath, cls, checks, ns).items()}
-    # Humming's _supports_quant_scheme inspects QuantKey fields the tokens lack; its list
-    # (fused_humming_moe.py) holds the NVFP4, MXFP4 and INT4 keys the three formats use
+             for k, v in methods(relpath, cls, checks, dict(ns), inherited=True, helpers=True).items()}
     attrs.setdefault("_supports_quant_scheme", staticmethod(lambda weight, activation: True))
     attrs.setdefault("_supports_routing_method", staticmethod(lambda routing, weight, activation: True))
     for check in ("_supports_no_act_and_mul", "_supports_activation", "_supports_parallel_config",
@@ -792,21 +968,47 @@ def _kernel(ns, base, name, relpath, cls, checks, batched=False, monolithic=Fals
     attrs.update(is_monolithic=staticmethod(lambda: monolithic), _supports_hash_routing=staticmethod(lambda: False),
                  activation_format=staticmethod(lambda: fmt.BatchedExperts if batched else fmt.Standard),
                  is_supported_config=base)
-    return type(name, (), attrs)
+    return type(cls, (), attrs)
+
+
+def _kernel_modules(ns, base) -> None:
+    """The experts modules the selectors' backend_to_kernel_cls import from, as stand-in modules
+    that build each kernel class on first import (_kernel)."""
+    kernels: dict[tuple[str, str], type] = {}
+
+    def module(name):
+        def attr(cls):
+            if cls.startswith("__"):
+                raise AttributeError(cls)
+            if (name, cls) not in kernels:
+                kernels[name, cls] = _kernel(ns, base, name, cls)
+            return kernels[name, cls]
+        wheels.fake_module(name, __getattr__=attr)
+
+    package = EXPERTS.replace("/", ".")
+    for relpath in wheels.zip_names(ENGINE, EXPERTS):
+        module(package + relpath.removesuffix(".py"))
+
+
+# The backend selector of each expert format and the oracle file defining it.
+SELECTORS = {"nvfp4": "select_nvfp4_moe_backend", "mxfp4": "select_deepseek_v4_mxfp4_moe_backend",
+             "w4a16": "select_wna16_moe_backend"}
+ORACLE_FILES = {"nvfp4": "nvfp4.py", "mxfp4": "mxfp4.py", "w4a16": "int_wna16.py"}
 
 
 @lru_cache(maxsize=None)
-def _selection_env() -> tuple[dict, dict, SimpleNamespace]:
-    """The selectors and kernel classes, built once; `state` holds the GPU and the installed
-    optional kernels that the stand-in flags read at call time."""
+def _selection_env() -> tuple[dict, SimpleNamespace, SimpleNamespace]:
+    """The selectors, each with what it uses of its oracle file, built once; `state` holds the
+    GPU and the installed optional kernels that the stand-in flags read at call time."""
     state = SimpleNamespace(platform=None, installed=frozenset())
-    fmt = enum.Enum("FusedMoEActivationFormat", {"Standard": "standard", "BatchedExperts": "batched"})
     routing = enum.Enum("RoutingMethodType", {n: i for i, n in enumerate(
         ["DeepSeekV3", "Renormalize", "RenormalizeNaive", "Llama4", "SigmoidRenorm", "Sigmoid", "MiniMax2",
          "DeepseekV4", "Unspecified"])})
+    fmt = extract("vllm/model_executor/layers/fused_moe/modular_kernel.py", ["FusedMoEActivationFormat"],
+                  dict(Enum=enum.Enum))["FusedMoEActivationFormat"]
     fi = lambda: "flashinfer" in state.installed   # noqa: E731
     ns = dict({k: k for k in QUANT_KEYS}, current_platform=_CurrentPlatform(state), RoutingMethodType=routing,
-              torch=torch,
+              torch=torch, cast=typing.cast, Any=typing.Any,
               logger=LOG, Enum=enum.Enum, replace=dataclasses.replace, GroupShape=None,
               mk=SimpleNamespace(FusedMoEActivationFormat=fmt),
               # vllm/utils/flashinfer.py: usable = importable and (cubin or nvcc+ninja)
@@ -821,64 +1023,51 @@ def _selection_env() -> tuple[dict, dict, SimpleNamespace]:
               # the custom op that reports the MXFP4 experts quant kernel: built for sm100 family
               ops=SimpleNamespace(mxfp4_experts_quant_supported=lambda c: c // 10 == 10),
               envs=SimpleNamespace(VLLM_BATCH_INVARIANT=False, VLLM_B12X_MOE_FP4_FORCE_A16=False,
-                                   VLLM_CPU_INT4_W4A8=False))
+                                   VLLM_CPU_INT4_W4A8=False),
+              # no --quantization-config moe.activation override
+              user_activation_override=lambda kind, config: (None, False),
+              get_current_vllm_config=lambda: None, get_current_vllm_config_or_none=lambda: None)
     wheels.fake_module("vllm.model_executor.layers.quantization.utils.flashinfer_mxint4_moe",
                        is_flashinfer_mxint4_moe_available=fi)
+    # a model loaded for serving, not as the source of an online requantization (0.34 nvfp4.py)
+    wheels.fake_module("vllm.model_executor.layers.quantization.online.requantization",
+                       is_requantization_source=lambda: False)
     base = methods("vllm/model_executor/layers/fused_moe/modular_kernel.py", "FusedMoEExperts",
                    ["is_supported_config"], dict(ns))["is_supported_config"]
-    device, quant, routed = KERNEL_CHECKS[:1], KERNEL_CHECKS[:2], KERNEL_CHECKS
-    k = lambda *args, **kw: _kernel(ns, base, *args, **kw)   # noqa: E731
-    kernels = dict(
-        trtllm_nvfp4_mono=k("TrtLlmNvFp4ExpertsMonolithic", "trtllm_nvfp4_moe.py", "TrtLlmNvFp4ExpertsBase", quant,
-                            monolithic=True),
-        trtllm_nvfp4=k("TrtLlmNvFp4ExpertsModular", "trtllm_nvfp4_moe.py", "TrtLlmNvFp4ExpertsBase", quant),
-        cutedsl=k("FlashInferCuteDSLExperts", "flashinfer_cutedsl_moe.py", "FlashInferCuteDSLExperts", quant),
-        cutedsl_batched=k("FlashInferCuteDSLBatchedExperts", "flashinfer_cutedsl_batched_moe.py",
-                          "FlashInferCuteDSLBatchedExperts", device, batched=True),
-        fi_cutlass=k("FlashInferExperts", "flashinfer_cutlass_moe.py", "FlashInferExperts", quant),
-        cutlass_fp4=k("CutlassExpertsFp4", "cutlass_moe.py", "CutlassExpertsFp4", quant),
-        marlin=k("MarlinExperts", "marlin_moe.py", "MarlinExpertsBase", quant),
-        batched_marlin=k("BatchedMarlinExperts", "marlin_moe.py", "MarlinExpertsBase", quant, batched=True),
-        humming=k("HummingGroupedExperts", "fused_humming_moe.py", "HummingExpertsBase", device),
-        emulation=k("Nvfp4QuantizationEmulationTritonExperts", "triton_moe.py", "TritonExperts", device),
-        trtllm_mxfp4_mono=k("TrtLlmMxfp4ExpertsMonolithic", "trtllm_mxfp4_moe.py", "TrtLlmMxfp4ExpertsBase", quant,
-                            monolithic=True),
-        trtllm_mxfp4=k("TrtLlmMxfp4ExpertsModular", "trtllm_mxfp4_moe.py", "TrtLlmMxfp4ExpertsBase", quant),
-        deepgemm_fp4=k("DeepGemmFP4Experts", "deep_gemm_moe.py", "DeepGemmFP4Experts", quant),
-        trtllm_int4_mono=k("TrtLlmMxint4ExpertsMonolithic", "trtllm_mxint4_moe.py", "TrtLlmMxint4ExpertsMonolithic",
-                           routed, monolithic=True),
-        triton_wna16=k("TritonWNA16Experts", "triton_moe.py", "TritonWNA16Experts", device),
-    )
-    # the monolithic TRT-LLM kernels' routing lists live on the monolithic subclasses
-    for key, relpath, cls in (("trtllm_nvfp4_mono", "trtllm_nvfp4_moe.py", "TrtLlmNvFp4ExpertsMonolithic"),
-                              ("trtllm_mxfp4_mono", "trtllm_mxfp4_moe.py", "TrtLlmMxfp4ExpertsMonolithic")):
-        check = methods(EXPERTS + relpath, cls, ["_supports_routing_method"], ns)["_supports_routing_method"]
-        kernels[key]._supports_routing_method = staticmethod(getattr(check, "__func__", check))
+    _kernel_modules(ns, base)
     extract("vllm/model_executor/layers/quantization/utils/humming/priority.py",
             ["_HUMMING_PREFERRED_CAPABILITIES", "prefers_humming", "prioritize_humming"], ns)
+    # vLLM 0.34 moved the selection loop into MoEKernelOracle (fused_moe/oracle/base.py), whose
+    # per-format subclasses the selectors construct; 0.33 and earlier loop in the selectors.
+    if "MoEKernelOracle" in wheels.imports(ENGINE, ORACLE + "nvfp4.py"):
+        extract(ORACLE + "base.py", ["_UNSET"], ns)
+        oracle_base = klass(ORACLE + "base.py", "MoEKernelOracle", ns)
+        oracle_base.__class_getitem__ = classmethod(lambda cls, item: cls)   # MoEKernelOracle[Backend]
+        ns["MoEKernelOracle"] = oracle_base
     config = SimpleNamespace(swiglu_limit=10.0, moe_backend="auto", routing_method=routing.DeepseekV4,
                              has_hash_routing=False, require_decomposed_backend=False, is_act_and_mul=True,
                              activation="silu", router_logits_dtype=torch.float32, hidden_dim=4096,
-                             is_lora_enabled=False,
+                             is_lora_enabled=False, activation_format=fmt.Standard,   # TP only: no DeepEP
                              moe_parallel_config=SimpleNamespace(use_batched_activation_format=False))
 
     # one namespace per oracle file: they define helpers of the same name (_get_priority_backends)
-    oracles = {name: dict(ns) for name in ("nvfp4", "mxfp4", "w4a16")}
-    extract(ORACLE + "nvfp4.py", ["NvFp4MoeBackend", "map_nvfp4_backend", "_use_a16", "select_nvfp4_moe_backend"],
-            oracles["nvfp4"])
+    oracles = {name: dict(ns) for name in ORACLE_FILES}
     oracles["mxfp4"]["QuantizationConfigArgs"] = type("QuantizationConfigArgs", (), {})
-    extract(ORACLE + "mxfp4.py", ["Mxfp4MoeBackend", "_get_priority_backends", "_backend_activation_key",
-                                  "_make_log_backend", "_make_log_unsupported",
-                                  "select_deepseek_v4_mxfp4_moe_backend"], oracles["mxfp4"])
     from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy
     oracles["w4a16"].update(QuantizationArgs=QuantizationArgs, QuantizationStrategy=QuantizationStrategy,
               # marlin_utils.py check_moe_marlin_supports_config: the group sizes Marlin MoE runs
               check_moe_marlin_supports_config=lambda moe, group, allow_tile_padding=False: group in (-1, 32, 64, 128))
     for module, name in (("auto_awq", "AutoAWQConfig"), ("auto_gptq", "AutoGPTQConfig"), ("moe_wna16", "MoeWNA16Config")):
         wheels.fake_module(f"vllm.model_executor.layers.quantization.{module}", **{name: type(name, (), {})})
-    extract(ORACLE + "int_wna16.py", ["WNA16MoEBackend", "_get_priority_backends", "_backend_incompatibility_reason",
-                                      "map_wna16_backend", "select_wna16_moe_backend"], oracles["w4a16"])
-    return oracles, kernels, config, state
+    for fmt_name, relpath in ORACLE_FILES.items():
+        # kernel classes the file imports at its top level, then the selector and what it uses
+        # of its file, backend_to_kernel_cls included
+        for name, module in wheels.imports(ENGINE, ORACLE + relpath).items():
+            if module.startswith(EXPERTS.replace("/", ".")):
+                oracles[fmt_name][name] = getattr(sys.modules[module], name)
+        wheels.extract_closure(ENGINE, ORACLE + relpath, [SELECTORS[fmt_name], "backend_to_kernel_cls"],
+                               oracles[fmt_name])
+    return oracles, config, state
 
 
 def kernel_selection(cap: int, installed: frozenset[str]) -> dict[str, list[str]]:
@@ -888,41 +1077,26 @@ def kernel_selection(cap: int, installed: frozenset[str]) -> dict[str, list[str]
     select_deepseek_v4_mxfp4_moe_backend (Mxfp4MoEMethod), select_wna16_moe_backend
     (CompressedTensorsWNA16MoEMethod, for g32/g128 sym/asym), each for a hash-routed and a
     normally routed layer. Returns format -> the backend enum names (or "refuses: ...")."""
-    oracles, kernels, config, state = _selection_env()
+    oracles, config, state = _selection_env()
     state.platform, state.installed = FakePlatform(cap), installed
     wheels.fake_module("vllm.platforms", current_platform=state.platform)
 
-    def run(oracle, select, table, *args):
-        """backend_to_kernel_cls (which imports the kernel modules) answered from `table`."""
-        ns = oracles[oracle]
-        ns["backend_to_kernel_cls"] = lambda backend: [kernels[name] for name in table[backend.name]]
+    def run(fmt, *args):
         picks = []
         for hashed in (False, True):   # DeepSeek-V4's first layers are hash-routed
             layer = SimpleNamespace(**{**vars(config), "has_hash_routing": hashed})
             try:
-                picks.append(ns[select](layer, *args)[0].name)
+                picks.append(oracles[fmt][SELECTORS[fmt]](layer, *args)[0].name)
             except (ValueError, NotImplementedError) as e:   # the engine refusing to start is an answer
                 picks.append(f"refuses: {e}")
         return picks
 
-    out = {}
-    out["nvfp4"] = run("nvfp4", "select_nvfp4_moe_backend", {
-        "FLASHINFER_TRTLLM": ["trtllm_nvfp4_mono", "trtllm_nvfp4"], "FLASHINFER_CUTEDSL": ["cutedsl"],
-        "FLASHINFER_CUTEDSL_BATCHED": ["cutedsl_batched"], "FLASHINFER_CUTLASS": ["fi_cutlass"],
-        "VLLM_CUTLASS": ["cutlass_fp4"], "MARLIN": ["marlin"], "HUMMING": ["humming"], "EMULATION": ["emulation"]},
-        "kNvfp4Static", "kNvfp4Dynamic")
-    out["mxfp4"] = run("mxfp4", "select_deepseek_v4_mxfp4_moe_backend", {
-        "FLASHINFER_TRTLLM_MXFP4_MXFP8": ["trtllm_mxfp4_mono", "trtllm_mxfp4"], "DEEPGEMM_MXFP4": ["deepgemm_fp4"],
-        "MARLIN": ["marlin"], "BATCHED_MARLIN": ["batched_marlin"], "HUMMING": ["humming"]})
+    out = {"nvfp4": run("nvfp4", "kNvfp4Static", "kNvfp4Dynamic"), "mxfp4": run("mxfp4"), "w4a16": []}
     from compressed_tensors.quantization import QuantizationArgs
-    wna16 = {"RDNA3": [], "FLASHINFER_TRTLLM": ["trtllm_int4_mono"], "MARLIN": ["marlin"],
-             "BATCHED_MARLIN": ["batched_marlin"], "TRITON": ["triton_wna16"], "HUMMING": ["humming"],
-             "EMULATION": ["emulation"]}
-    out["w4a16"] = []
     for group, symmetric in ((32, True), (128, True), (32, False), (128, False)):
         args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group)
         key = "kInt4Static" + ("32" if group == 32 else "") + ("" if symmetric else "Asym")
-        out["w4a16"] += run("w4a16", "select_wna16_moe_backend", wna16, key, args, not symmetric, False, True)
+        out["w4a16"] += run("w4a16", key, args, not symmetric, False, True)
     return out
 
 

@@ -2,9 +2,15 @@
 
 Nothing here installs or imports an engine: the wheels are zip files whose Python sources the
 conformance tests read and, definition by definition, execute: `extract` (top-level functions,
-classes, constants), `methods` (methods of a class, as plain functions), `klass` (a whole class on
-stand-in bases); `fake_module` answers the imports their bodies do themselves. A new engine release is
-one pin change in ENGINES.
+classes, constants), `extract_closure` (those and the file's definitions they use), `methods`
+(methods of a class, as plain functions, optionally inherited from bases in the same file),
+`klass` (a whole class on stand-in bases); `fake_module` answers the imports their bodies do
+themselves; `imports` tells releases apart where a file itself differs.
+
+Which release of each engine the tier runs: `--engine-release vllm==0.33.0` (repeatable; registered
+by tests/conftest.py, applied by tests/engines/conftest.py through `use`), else the environment's
+REQUANT_ENGINE_RELEASES="vllm==0.33.0,sglang==0.5.22", else NEWEST. `version(engine)` is the release
+in use; everything that names a release asks it.
 """
 
 from __future__ import annotations
@@ -17,30 +23,83 @@ import subprocess
 import sys
 import types
 import zipfile
+from collections.abc import Iterable, Mapping
 from functools import lru_cache
 from pathlib import Path
 
-ENGINES = {"vllm": "0.33.0", "sglang": "0.5.23"}
+from requant import engines as _rules
+
+# The tier runs, unless told otherwise, the newest release of each engine requant has rules for
+# (requant/engines/releases/); a new release is run with --engine-release before its data exists.
+NEWEST = {name: _rules.releases(name)[-1] for name in _rules.engine_names()}
+ENV = "REQUANT_ENGINE_RELEASES"
 
 # CI and later runs keep this folder; REQUANT_ENGINE_WHEELS points elsewhere.
 CACHE = Path(os.environ.get("REQUANT_ENGINE_WHEELS", Path.home() / ".cache" / "requant" / "engine-wheels"))
 
+_chosen: dict[str, str] = {}   # set by `use` (the pytest option), over the environment's choice
+
+
+def parse_releases(specs: Iterable[str]) -> dict[str, str]:
+    """["vllm==0.34.0", "sglang==0.5.23,..."] -> {engine: release}; only engines in NEWEST."""
+    out = {}
+    for spec in (part.strip() for item in specs for part in item.split(",")):
+        if not spec:
+            continue
+        engine, sep, release = spec.partition("==")
+        if not sep or engine not in NEWEST or not release:
+            raise ValueError(f"engine release {spec!r}: expected one of {', '.join(f'{e}==X.Y.Z' for e in NEWEST)}")
+        out[engine] = release
+    return out
+
+
+def use(specs: Iterable[str]) -> None:
+    """Run the tier against these releases (`--engine-release` values), forgetting wheels read so far."""
+    _chosen.clear()
+    _chosen.update(parse_releases(specs))
+    _zip.cache_clear()
+    source.cache_clear()
+    _tree.cache_clear()
+
+
+def version(engine: str) -> str:
+    """The release of `engine` the tier runs: the pytest option, else REQUANT_ENGINE_RELEASES, else NEWEST."""
+    return _chosen.get(engine) or parse_releases([os.environ.get(ENV, "")]).get(engine) or NEWEST[engine]
+
+
+class _InUse(Mapping):
+    """ENGINES[engine]: version(engine), for the callers that index the pins."""
+
+    def __getitem__(self, engine):
+        if engine not in NEWEST:
+            raise KeyError(engine)
+        return version(engine)
+
+    def __iter__(self):
+        return iter(NEWEST)
+
+    def __len__(self):
+        return len(NEWEST)
+
+
+ENGINES = _InUse()
+
 
 def _find(engine: str) -> Path | None:
-    hits = sorted(glob.glob(str(CACHE / f"{engine}-{ENGINES[engine]}-*.whl")))
+    hits = sorted(glob.glob(str(CACHE / f"{engine}-{version(engine)}-*.whl")))
     return Path(hits[0]) if hits else None
 
 
 def fetch(engine: str) -> Path | None:
-    """The pinned wheel of `engine`, downloaded into CACHE on first use; None when it cannot be had
-    (no network, registry refusing), with the reason on stderr."""
+    """The wheel of `engine`'s release in use, downloaded into CACHE on first use; None when it
+    cannot be had (no network, registry refusing), with the reason on stderr."""
     found = _find(engine)
     if found is None and not os.environ.get("REQUANT_NO_WHEEL_FETCH"):
         CACHE.mkdir(parents=True, exist_ok=True)
         done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(CACHE),
-                               f"{engine}=={ENGINES[engine]}"], capture_output=True, text=True, timeout=1800)
+                               f"{engine}=={version(engine)}"], capture_output=True, text=True, timeout=1800)
         if done.returncode:
-            print(f"pip download {engine}=={ENGINES[engine]} failed: {done.stderr.strip()[-500:]}", file=sys.stderr)
+            print(f"pip download {engine}=={version(engine)} failed: {done.stderr.strip()[-500:]}", file=sys.stderr)
         found = _find(engine)
     return found
 
@@ -49,7 +108,7 @@ def fetch(engine: str) -> Path | None:
 def _zip(engine: str) -> zipfile.ZipFile:
     path = fetch(engine)
     if path is None:
-        raise FileNotFoundError(f"{engine}=={ENGINES[engine]} wheel not available in {CACHE}")
+        raise FileNotFoundError(f"{engine}=={version(engine)} wheel not available in {CACHE}")
     return zipfile.ZipFile(path)
 
 
@@ -61,6 +120,12 @@ def available(engine: str) -> bool:
         return False
 
 
+def zip_names(engine: str, folder: str) -> list[str]:
+    """The files directly in `folder` of the engine's wheel, relative to it."""
+    return sorted(n[len(folder):] for n in _zip(engine).namelist()
+                  if n.startswith(folder) and "/" not in n[len(folder):])
+
+
 @lru_cache(maxsize=None)
 def source(engine: str, relpath: str) -> str:
     """Text of one file of the engine's wheel, e.g. source("vllm", "vllm/models/deepseek_v4/quant_config.py")."""
@@ -69,7 +134,7 @@ def source(engine: str, relpath: str) -> str:
 
 def where(engine: str, relpath: str) -> str:
     """How a finding names its evidence: the file as the engine release has it."""
-    return f"{engine} {ENGINES[engine]}: {relpath}"
+    return f"{engine} {version(engine)}: {relpath}"
 
 
 def extract(engine: str, relpath: str, names: list[str], namespace: dict | None = None) -> dict:
@@ -90,21 +155,56 @@ def extract(engine: str, relpath: str, names: list[str], namespace: dict | None 
     return _exec(engine, relpath, picked, namespace)
 
 
-def methods(engine: str, relpath: str, cls: str, names: list[str], namespace: dict | None = None) -> dict:
+def extract_closure(engine: str, relpath: str, roots: list[str], namespace: dict) -> dict:
+    """`extract` of `roots` and of every top-level definition of the same file they use, directly
+    or through each other, that `namespace` does not already hold (the test's stand-ins win): the
+    definitions a function needs as this release has them, without a list per release."""
+    bound = {}
+    for node in _tree(engine, relpath).body:
+        for name in _binds(node):
+            bound[name] = node
+    wanted, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name in wanted or (name in namespace and name not in roots):
+            continue
+        if name not in bound:
+            raise KeyError(f"{where(engine, relpath)} defines no {name}")
+        wanted.add(name)
+        todo += [n.id for n in ast.walk(bound[name]) if isinstance(n, ast.Name) and n.id in bound]
+    return extract(engine, relpath, sorted(wanted), namespace)
+
+
+def methods(engine: str, relpath: str, cls: str, names: list[str], namespace: dict | None = None,
+            inherited: bool = False, helpers: bool = False) -> dict:
     """The methods `names` of class `cls` of one engine file, executed as plain functions in
     `namespace`; returns {name: function} (call them with a stand-in `self`, or put them on a
-    class of your own, wrapping static/class methods again).
+    class of your own, wrapping static/class methods again). With `inherited`, a name `cls` does
+    not define is taken from the first of its bases defined in the same file that does, in
+    Python's method resolution order (bases from other files are not searched). With `helpers`,
+    the file's top-level definitions the methods use and `namespace` lacks are executed too
+    (extract_closure).
 
     Signature annotations and decorators other than staticmethod/classmethod/property are dropped:
     annotations are evaluated when a function is defined, so keeping them would need a stand-in for
     every type a signature names; bodies run unchanged. Where a name is defined more than once
     (typing.overload stubs), the last definition is taken, as Python does."""
-    node = _class_node(engine, relpath, cls)
-    found = {item.name: item for item in node.body
-             if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name in names}
+    found = {}
+    for owner in (_file_mro(engine, relpath, cls) if inherited else [cls]):
+        for item in _class_node(engine, relpath, owner).body:
+            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name in names:
+                if item.name not in found or found[item.name][0] == owner:
+                    found[item.name] = (owner, item)
+    found = {name: item for name, (_, item) in found.items()}
     missing = set(names) - set(found)
     if missing:
         raise KeyError(f"{where(engine, relpath)}: class {cls} defines no {', '.join(sorted(missing))}")
+    namespace = {} if namespace is None else namespace
+    if helpers:
+        bound = {name for node in _tree(engine, relpath).body for name in _binds(node)}
+        used = {n.id for item in found.values() for n in ast.walk(item) if isinstance(n, ast.Name)}
+        if roots := sorted((used & bound) - set(namespace)):
+            extract_closure(engine, relpath, roots, namespace)
     ns = _exec(engine, f"{relpath}:{cls}", [_StripAnnotations().visit(found[n]) for n in names], namespace)
     return {n: ns[n] for n in names}
 
@@ -163,6 +263,34 @@ def _place(name: str) -> None:
     if name not in sys.modules:
         sys.modules[name] = types.ModuleType(name)
         _PLACED.add(name)
+
+
+def imports(engine: str, relpath: str) -> dict[str, str]:
+    """The names one engine file imports at its top level, by the module they come from: what a
+    test asks to tell two releases apart where the file itself differs."""
+    out = {}
+    for node in _tree(engine, relpath).body:
+        if isinstance(node, ast.ImportFrom):
+            out.update({alias.asname or alias.name: node.module or "" for alias in node.names})
+        elif isinstance(node, ast.Import):
+            out.update({alias.asname or alias.name: alias.name for alias in node.names})
+    return out
+
+
+def _file_mro(engine: str, relpath: str, cls: str) -> list[str]:
+    """`cls` and its bases defined in the same file, in Python's method resolution order."""
+    classes = {node.name: node for node in _tree(engine, relpath).body if isinstance(node, ast.ClassDef)}
+    if cls not in classes:
+        raise KeyError(f"{where(engine, relpath)} defines no class {cls}")
+    built: dict[str, type] = {}
+
+    def build(name):
+        if name not in built:
+            bases = [b.id for b in classes[name].bases if isinstance(b, ast.Name) and b.id in classes]
+            built[name] = type(name, tuple(build(b) for b in bases) or (object,), {})
+        return built[name]
+
+    return [k.__name__ for k in build(cls).__mro__ if k is not object]
 
 
 def _class_node(engine: str, relpath: str, cls: str) -> ast.ClassDef:
