@@ -27,7 +27,7 @@ FROM_CODE = "from the engine's code, not run"
 class Candidate:
     """One way to serve the model: the checkpoint as it is, or an output requant can write."""
 
-    label: str            # "as it is (mxfp4)", "nvfp4", "w4a16 g128 sym"
+    label: str            # "as it is (<format>)", "<format>", or with the INT4 group: "<format> g128 sym"
     fmt: str              # expert format the engine sees
     convert: str = ""     # the requant command that writes it ("" for the checkpoint as it is)
     lossless: bool = True
@@ -80,14 +80,16 @@ def judge_path(candidate: Candidate, model: ModelSpec, engine: EngineRules, gpu:
                                                     "runs": chosen.runs, "arithmetic": chosen.arithmetic}
         if mtp_fmt and mtp_fmt != candidate.fmt and not chosen.mtp:
             mtp["note"] = f"its experts stay {mtp_fmt.upper()}"
-    problems += tp_problems(model, engine, candidate, tp, ep)
+    problems += tp_problems(model, engine, candidate, gpu, tp, ep)
     starts = serving.starts and not problems
     return PathVerdict(candidate, asdict(serving.auto) | {"chosen": asdict(chosen)}, mtp, starts, serving.flags,
                        chosen.speed if starts else "none", problems)
 
 
-def tp_problems(model: ModelSpec, engine: EngineRules, candidate: Candidate, tp: int, ep: int) -> list[str]:
-    """Why the experts cannot be split over `tp` ranks (EP keeps experts whole)."""
+def tp_problems(model: ModelSpec, engine: EngineRules, candidate: Candidate, gpu: str, tp: int, ep: int) -> list[str]:
+    """Why the experts cannot be split over `tp` ranks (EP keeps experts whole): a scale block split
+    between ranks (vLLM's create_weights refuses it; SGLang's loader silently drops the w2 scales,
+    compressed_tensors_wNa16_moe.py), then the release's own TP rules (`tp` in its data)."""
     problems = []
     if ep > 1:
         experts = model.value("num_experts")
@@ -100,10 +102,15 @@ def tp_problems(model: ModelSpec, engine: EngineRules, candidate: Candidate, tp:
         problems.append(f"moe_intermediate_size {inter} over TP={tp} leaves {inter / tp:g} per rank, not a multiple "
                         f"of the {block}-element scale block: use a smaller --tp, or EP")
     for rule in engine.data.get("tp", []):
-        if rule["format"] == candidate.fmt and tp in rule["tp"] and (
-                rule.get("group_size") in (None, candidate.group_size)):
+        if rule["format"] == candidate.fmt and gpu in rule["gpus"] and TP_CONDITIONS[rule["when"]](inter, tp, block):
             problems.append(f"{engine.label} at TP={tp}: {rule['problem']}; {rule['works']}")
     return problems
+
+
+# The conditions a release's `tp` rules name, on (moe_intermediate_size, TP, scale block).
+TP_CONDITIONS = {
+    "intermediate_per_rank_at_most_group": lambda inter, tp, block: tp > 1 and inter // tp <= block,
+}
 
 
 SPEED_RANK = {name: i for i, name in enumerate(SPEED_CLASSES)}

@@ -29,7 +29,7 @@ from dataclasses import replace
 
 from requant.errors import RequantError
 from requant import formats
-from requant.formats import engine_numerics
+from requant.formats import engine_numerics, mxfp4
 
 MODES = ("nvfp4-w4a4", "marlin-w4a16", "mxfp4-w4a8", "bf16")
 W4A8 = "mxfp4-w4a8"
@@ -74,7 +74,7 @@ def _w4a4(fmt: str) -> bool:
 
 def _mxfp4(fmt: str) -> bool:
     """Whether the experts are MXFP4 (E2M1 under E8M0 block scales), which W4A8 engines take as stored."""
-    return fmt == "mxfp4"
+    return fmt == mxfp4.CODEC.name
 
 
 def applies(mode: str, dst_format: str) -> bool:

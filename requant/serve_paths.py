@@ -43,6 +43,8 @@ from requant.formats import engine_numerics as en, int4, mxfp4, nvfp4
 from requant.io.checkpoint import Checkpoint
 from requant.moe import MoEConfig, expert_forward, route
 
+MX, NV, W4 = mxfp4.CODEC.name, nvfp4.CODEC.name, int4.CODEC.name   # the weights each path stores
+
 REFERENCE = "mxfp4:bf16"
 POLICIES = ("written", "1.0", "calibrated")
 INT4_DEFAULT = ((32, "sym"), (128, "sym"))
@@ -52,7 +54,7 @@ ENGINES = {
     "nvfp4:bf16": "NVFP4 conversion, weight-only, weights decoded exactly",
     "nvfp4:nvfp4-w4a4": "NVFP4 conversion on Blackwell FP4 tensor cores (NVFP4 activations)",
     "nvfp4:marlin-w4a16": "NVFP4 conversion through vLLM's Marlin (Hopper/Ampere)",
-    "w4a16": "INT4 W4A16 conversion through Marlin (BF16 activations)",
+    W4: "INT4 W4A16 conversion through Marlin (BF16 activations)",
 }
 
 
@@ -94,7 +96,7 @@ def compare_paths(checkpoint: str, layers: str | list[str] | None = None, tokens
         out_layers = []
         for block in blocks:
             fmt = kernel_format(side, block)
-            if fmt != "mxfp4":
+            if fmt != MX:
                 raise UnsupportedError(f"{block}: compare_paths starts from MXFP4 experts, not {fmt}")
             x, token_ids = _inputs(ck, side, block, cfg, tokens, gen, acts, hidden_states)
             router = _router(side, block, "cpu")
@@ -107,7 +109,7 @@ def compare_paths(checkpoint: str, layers: str | list[str] | None = None, tokens
             "reference": REFERENCE + ": the source's experts decoded exactly, BF16 activations, FP32 compute, "
                                      "BF16 layer output",
             "paths": [{"path": n, "engines": ENGINES.get(n) or ENGINES.get(n.rsplit(":", 1)[0])
-                       or ENGINES["w4a16"]} for n in names],
+                       or ENGINES[W4]} for n in names],
             "layers": out_layers, "overall": _verdict(_totals(out_layers, names)),
             "seconds": time.monotonic() - started}
 
@@ -148,7 +150,7 @@ def _weights(stored, int4_variants, fused_max: bool = True) -> dict[str, tuple]:
     LayerExperts whose expert 0 is it, as stored in MXFP4)."""
     raw = [(w.packed[0].view(torch.uint8), w.scale[0].view(torch.uint8)) for w in stored.weights]
     biases = tuple(b[0].float() for b in stored.biases) if stored.biases else ()
-    found = {"mxfp4": tuple(mxfp4.decode(w, s) for w, s in raw) + biases}
+    found = {MX: tuple(mxfp4.decode(w, s) for w, s in raw) + biases}
     k_max = [mxfp4.max_exponent(s.numpy()) for _, s in raw]
     pair = [k for k in k_max[:2] if k is not None]   # gate and up share one global scale (engines fuse them)
     nv, marlin = [], []
@@ -160,7 +162,7 @@ def _weights(stored, int4_variants, fused_max: bool = True) -> dict[str, tuple]:
         nv.append(nvfp4.decode(codes, scales, cast.weight_scale_2))
         flushed, n = en.marlin_flush(scales, factor)
         marlin.append(nvfp4.decode(codes, flushed, cast.weight_scale_2) if n else nv[-1])
-    found["nvfp4"], found["nvfp4-marlin"] = tuple(nv) + biases, tuple(marlin) + biases
+    found[NV], found[f"{NV}-marlin"] = tuple(nv) + biases, tuple(marlin) + biases
     for group, scheme in int4_variants:
         dense = []
         for w, s in raw:
@@ -194,12 +196,12 @@ def _layer(side, block, cfg, x, token_ids, router, limit, names, int4_variants, 
     x8 = en.fake_quantize_mxfp8(x)
     x4 = {p: en.fake_quantize_activations(x, s[0]).float() for p, s in scales.items()}
     # path -> (weights key, GEMM1 input, intermediate hook)
-    plan = {REFERENCE: ("mxfp4", xf, None),
-            "mxfp4:mxfp4-w4a8": ("mxfp4", x8, lambda h: en.fake_quantize_mxfp8(h.bfloat16())),
-            "nvfp4:bf16": ("nvfp4", xf, None),
-            "nvfp4:marlin-w4a16": ("nvfp4-marlin", xf, None)}
+    plan = {REFERENCE: (MX, xf, None),
+            "mxfp4:mxfp4-w4a8": (MX, x8, lambda h: en.fake_quantize_mxfp8(h.bfloat16())),
+            "nvfp4:bf16": (NV, xf, None),
+            "nvfp4:marlin-w4a16": (f"{NV}-marlin", xf, None)}
     for p, (_, a2) in scales.items():
-        plan[f"nvfp4:nvfp4-w4a4:{p}"] = ("nvfp4", x4[p], lambda h, a2=a2: en.fake_quantize_activations(h.bfloat16(), a2).float())
+        plan[f"nvfp4:nvfp4-w4a4:{p}"] = (NV, x4[p], lambda h, a2=a2: en.fake_quantize_activations(h.bfloat16(), a2).float())
     for g, s in int4_variants:
         plan[f"{_int4_name(g, s)}:bf16"] = (_int4_name(g, s), xf, None)
     ys = {n: torch.zeros_like(xf) for n in names}

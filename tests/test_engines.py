@@ -34,7 +34,8 @@ def test_every_release_file_loads_with_rules_for_each_gpu():
         for version in engines.releases(name):
             rules = engines.rules_for(DSV4, name, version)
             assert rules.checked and rules.version == version and not rules.caveat
-            for fmt in table.FORMATS:
+            assert rules.data["kernels"], (name, version)
+            for fmt in rules.data["kernels"]:
                 for gpu in engines.GPU_FAMILIES:
                     kernel = rules.kernel(fmt, gpu)
                     assert kernel.speed in engines.SPEED_CLASSES, (name, version, fmt, gpu)
@@ -151,3 +152,21 @@ def test_advise_names_an_unchecked_release_and_the_tp_limit(sglang_pair):
     assert "over TP=64 leaves" in text.stdout
     bad = run_cli("advise", src, "--gpu", "sm_75")
     assert bad.returncode == 2
+
+
+def test_the_installed_release_is_the_one_judged(monkeypatch):
+    """With an engine importable here, a bare --engine NAME means its installed release (a local
+    build's +suffix included); without one, the newest release requant has checked."""
+    newest = engines.releases("vllm")[-1]
+    monkeypatch.setattr(engines.metadata, "version", lambda dist: {"vllm": newest + "+cu130"}[dist])
+    assert engines.resolve("vllm") == ("vllm", newest + "+cu130", "installed")
+    rules = engines.rules_for(DSV4, "vllm")
+    assert rules.checked and rules.version == newest
+    monkeypatch.setattr(engines.metadata, "version", lambda dist: "0.99.1")
+    assert not engines.rules_for(DSV4, "vllm").checked
+
+    def missing(dist):
+        raise engines.metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(engines.metadata, "version", missing)
+    assert engines.resolve("sglang") == ("sglang", engines.releases("sglang")[-1], "newest checked")

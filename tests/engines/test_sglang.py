@@ -2,7 +2,7 @@
 sglang_harness.py, executed from the release wheel) over requant's outputs.
 
 Positive: every layout requant writes for --engine sglang loads with no problem, each routed-expert
-layer gets the method requant's rules name (recipes/deepseek_v4.json engines.sglang), and the NextN
+layer gets the method requant's rules name (requant/engines/releases/sglang-*.json), and the NextN
 block's experts load in the format the rules say. Negative: each broken layout of issue 9 that
 concerns SGLang (M2, M3, the top-level format refusal, M5, M7) is reproduced and the specific
 problem found.
@@ -63,7 +63,7 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def rules(ckpts):
     with open(f"{ckpts['src']}/config.json") as f:
-        return ModelSpec.for_config(json.load(f)).engine("sglang")
+        return ModelSpec.for_config(json.load(f)).engine("sglang", wheels.version("sglang"))
 
 
 def variant(ckpts, tmp_path, base, edit):
@@ -92,16 +92,18 @@ SERVED = [(fmt, gpu) for fmt in ("mxfp4", "nvfp4", "w4a16") for gpu in GPUS]
 
 
 def served_backend(rules, fmt, gpu):
-    fix = rules.kernel(fmt, gpu).fix
-    return re.search(r"--moe-runner-backend (\S+)", fix).group(1) if not rules.kernel(fmt, gpu).runs else "auto"
+    """(the --moe-runner-backend requant's serve command passes, the method it then gives the main layers)."""
+    how = rules.serving(fmt, gpu)
+    return (re.search(r"--moe-runner-backend (\S+)", how.flags).group(1) if how.flags else "auto"), how.kernel.method
 
 
 @pytest.mark.parametrize("fmt,gpu", SERVED)
 def test_sglang_output_loads_completely(ckpts, rules, fmt, gpu):
     path = ckpts["src" if fmt == "mxfp4" else fmt]
-    report = sglang_load_report(path, gpu, served_backend(rules, fmt, gpu))
+    backend, method = served_backend(rules, fmt, gpu)
+    report = sglang_load_report(path, gpu, backend)
     assert report.problems == []
-    assert main_methods(report) == {rules.kernel(fmt, gpu).method}
+    assert main_methods(report) == {method}
     assert nextn_format(report) == rules.mtp_format(fmt)
     for prefix, params in report.params.items():
         if not prefix.startswith("model.decoder."):
@@ -223,21 +225,5 @@ def test_m5_converted_mtp_experts_are_skipped(ckpts, rules):
     assert not any(p.startswith(("layers.", "model.layers.")) for p in report.problems)   # main layers fine
 
 
-# ---------------------------------------------------------------------------------------------
-# M7: MoE method per GPU family, with the DeepSeek-V4 override executed, against requant's table
-# ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt,gpu", SERVED)
-def test_default_flags_select_what_the_kernel_table_says(ckpts, rules, fmt, gpu):
-    kernel = rules.kernel(fmt, gpu)
-    report = sglang_load_report(ckpts["src" if fmt == "mxfp4" else fmt], gpu, "auto", load=False)
-    refusals = [p for p in report.problems if "refuses to start" in p]
-    if kernel.runs:
-        assert refusals == [] and main_methods(report) == {kernel.method}
-    else:
-        assert len(refusals) == 3 and all("moe_runner_backend=marlin" in p for p in refusals)
-        assert report.backend == "flashinfer_trtllm_routed"   # the DeepSeek-V4 override's choice
-    if kernel.fix:   # the flag the table names gives the method it names
-        flag = re.search(r"--moe-runner-backend (\S+)", kernel.fix).group(1)
-        fixed = sglang_load_report(ckpts["src" if fmt == "mxfp4" else fmt], gpu, flag, load=False)
-        named = re.findall(r"\b\w+MoEMethod\b", kernel.fix)
-        assert fixed.problems == [] and main_methods(fixed) == set(named or [kernel.method])
+# M7 (NVFP4 refused on Hopper/Ampere without --moe-runner-backend marlin) and every other kernel
+# choice: tests/engines/test_sglang_kernels.py, against the engine answers requant's release data records.
