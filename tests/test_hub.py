@@ -395,3 +395,12 @@ def test_dry_run_reads_only_headers_from_the_hub(hub, tmp_path):
     assert plan["source"] == REPO and plan["shards"] == len(shard_names(server))
     assert not [n for n in server.gets if n.endswith(".safetensors")], "a dry run downloaded a shard"
     assert not os.path.exists(tmp_path / "dst") and not os.path.exists(tmp_path / "cache")
+
+
+def test_advise_reads_only_headers_from_the_hub(hub):
+    server, _ = hub
+    result = CliRunner().invoke(cli, ["advise", REPO, "--engine", "sglang==0.5.23", "--gpu", "sm_120", "--json"])
+    assert result.exit_code == 0, result.stderr
+    answer = json.loads(result.stdout)
+    assert answer["source_format"] == "mxfp4" and answer["answers"][0]["paths"][0]["starts"]
+    assert not [n for n in server.gets if n.endswith(".safetensors")], "advise downloaded a shard"
