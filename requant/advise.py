@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 from requant import engines, formats, sources
 from requant.engines import GPU_FAMILIES, SPEED_CLASSES, EngineRules
-from requant.errors import UnsupportedError
+from requant.errors import UnsupportedCheckpoint
 from requant.io.checkpoint import Checkpoint
 from requant.model import ModelSpec
 from requant.plan import expert_codec
@@ -174,7 +174,7 @@ def advise(ck: Checkpoint, engine_specs: list[str], gpu: str, tp: int = 1, ep: i
     experts = sources.reader(model).experts(ck.names)
     source = expert_codec(model, ck, experts)
     if source is None:
-        raise UnsupportedError(f"{ck.path}: no routed experts in a format requant knows")
+        raise UnsupportedCheckpoint(f"{ck.path}: no routed experts in a format requant knows")
     mtp_blocks = {e.block for e in experts if model.is_mtp(e.block)}
     mtp_fmt = expert_codec(model, ck, [e for e in experts if e.block in mtp_blocks]) if mtp_blocks else None
     answers = []

@@ -5,15 +5,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import shlex
+import signal
 import sys
 
 import click
 
 from requant import __version__, formats
 from requant.engines import GPU_FAMILIES
-from requant.errors import RequantError, describe_os_error
+from requant.errors import (EXIT_BUG, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_SHORT_OF_SPACE, EXIT_USAGE, RequantError,
+                            UsageError, describe_os_error)
 from requant.serve import HELP as SERVE_HELP
 from requant.targets import TARGETS
 
@@ -60,42 +63,128 @@ def _model_names() -> list[str]:
     return sorted(named_models())
 
 
+def _reduced_default(dim: str) -> str:
+    """synth's default for one dimension, per model where the recipes differ (e.g. "5; gpt-oss-*: 2")."""
+    from requant.model import named_models
+
+    by_value: dict = {}
+    for name, (recipe, _) in sorted(named_models().items()):
+        by_value.setdefault(recipe["synth"]["reduced"].get(dim), []).append(name)
+    if len(by_value) == 1:
+        return str(next(iter(by_value)))
+    default = next(v for v, names in by_value.items() if _default_model_name() in names)
+    others = "; ".join(f"{', '.join(names)}: {v}" for v, names in by_value.items() if v != default)
+    return f"{default}; {others}"
+
+
 def _default_model_name() -> str:
     from requant.model import default_model_name
 
     return default_model_name()
 
 
-DRY_RUN_SHORT_OF_SPACE = 3   # convert --dry-run: the plan is fine, the disk is too small for it
+DRY_RUN_SHORT_OF_SPACE = EXIT_SHORT_OF_SPACE   # convert --dry-run: the plan is fine, the disk is too small
+
+# One text for the README's table and every command's --help.
+EXIT_STATUS_HELP = f"""\b
+Exit status: 0 done; {EXIT_INPUT} bad input or I/O (a checkpoint or file requant cannot use, a
+failed read or write; verify and validate: checks failed); {EXIT_USAGE} bad usage (an option
+value or combination refused, a missing pip extra); {EXIT_SHORT_OF_SPACE} convert --dry-run: too
+little free disk; {EXIT_BUG} a bug in requant (REQUANT_DEBUG=1 prints the traceback);
+{EXIT_INTERRUPTED} interrupted before the command finished. An error is one line on stderr; with
+--json it is also printed on stdout as {{"error": {{"code": N, "message": "..."}}}}.
+-q/--quiet: no progress bars, library warnings off; -v/--verbose: log INFO (-vv DEBUG).
+Progress bars are drawn only when stderr is a terminal."""
+
+# Set by main(): the command runs as its own process (not in a test's CliRunner), so once it has
+# finished a late Ctrl-C may be ignored instead of turning a finished job into "interrupted".
+_OWN_PROCESS = False
 
 
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int, as_json: bool = False) -> None:
+    """One line on stderr (and, with --json, the error as a JSON object on stdout); exit `code`."""
+    message = " ".join(str(message).split()) or "error"
+    if as_json:
+        click.echo(json.dumps({"error": {"code": code, "message": message}}))
     click.echo(f"requant: error: {message}", err=True)
     sys.exit(code)
 
 
+def _finished_quietly() -> None:
+    """The command's work is done: a Ctrl-C from now on must not turn it into a failure."""
+    if _OWN_PROCESS:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _set_verbosity(quiet: bool, verbose: int) -> None:
+    level = logging.ERROR if quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
+    logging.basicConfig(level=level, format="requant: %(levelname)s: %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger().setLevel(level)
+
+
+def progress_shown(quiet: bool) -> bool:
+    """Progress bars only for a person watching: never with --quiet, never into a pipe or a log."""
+    return not quiet and sys.stderr.isatty()
+
+
 def reports_errors(fn):
-    """Turn library failures into one line on stderr and a non-zero exit status."""
+    """Turn library failures into one line on stderr and the exit status of the table above;
+    apply -q/-v."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        as_json = bool(kwargs.get("as_json"))
+        _set_verbosity(kwargs.get("quiet", False), kwargs.pop("verbose", 0))
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         except RequantError as e:
-            _fail(str(e), e.exit_code)
+            _fail(str(e), e.exit_code, as_json)
         except KeyboardInterrupt:
-            _fail("interrupted; no finished output was left behind", 130)
+            _fail("interrupted; no finished output was left behind", EXIT_INTERRUPTED, as_json)
         except OSError as e:
-            _fail(describe_os_error(e), 1)
+            _fail(describe_os_error(e), EXIT_INPUT, as_json)
+        except click.ClickException:
+            raise
         except Exception as e:   # a bug: still one line, with the way to the traceback
             if os.environ.get("REQUANT_DEBUG"):
                 raise
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             _fail(f"internal error ({type(e).__name__}: {first}); please report it, with the traceback that "
-                  "REQUANT_DEBUG=1 prints", 70)
+                  "REQUANT_DEBUG=1 prints", EXIT_BUG, as_json)
+        _finished_quietly()
+        return result
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+def verbosity_options(fn):
+    """-q/--quiet and -v/--verbose, the same on every command."""
+    fn = click.option("-v", "--verbose", count=True, help="Log more: -v INFO, -vv DEBUG (to stderr).")(fn)
+    return click.option("-q", "--quiet", is_flag=True, help="No progress bar; library warnings off.")(fn)
+
+
+class RequantGroup(click.Group):
+    """click's own usage errors (exit 2) follow requant's error format: with --json, also a JSON
+    object on stdout; Ctrl-C outside a command is 130, as inside."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            code = super().main(argv, prog_name, complete_var, False, **extra)
+        except click.ClickException as e:   # one line, as requant's own errors
+            if type(e).__name__ == "NoArgsIsHelpError":   # a bare `requant`: the help, as click shows it
+                e.show()
+                sys.exit(e.exit_code)
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see '{ctx.command_path} --help')" if isinstance(e, click.UsageError) and ctx else ""
+            _fail(e.format_message() + hint, e.exit_code, "--json" in argv)
+        except click.Abort:
+            _fail("interrupted", EXIT_INTERRUPTED)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=RequantGroup, epilog=EXIT_STATUS_HELP,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="requant")
 def cli():
     """requant: convert mixture-of-experts checkpoints between 4-bit formats, offline, on a CPU.
@@ -108,53 +197,59 @@ def cli():
     """
 
 
-@cli.command()
+@cli.command(epilog=EXIT_STATUS_HELP)
 @click.argument("dest", type=click.Path(file_okay=False))
 @click.option("--model", "model_name", type=click.Choice(_model_names()), default=_default_model_name(),
               show_default=True, help="Named model (from the recipes) whose layout and dimensions to build.")
-@click.option("--layers", type=int, help="Transformer layers (default 5; the model's own at full scale).")
-@click.option("--experts", type=int, help="Routed experts per layer (default 8; the model's own at full scale).")
-@click.option("--hidden", type=int, help="hidden_size, a multiple of 128 (default 256; the model's own at full scale).")
-@click.option("--intermediate", type=int,
-              help="moe_intermediate_size, a multiple of 128 (default 128; the model's own at full scale).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Random seed; same seed, same bytes.")
+@click.option("--layers", type=click.IntRange(1, 1024),
+              help=f"Transformer layers (default {_reduced_default('layers')}; the model's own at full scale).")
+@click.option("--experts", type=click.IntRange(1, 4096),
+              help=f"Routed experts per layer (default {_reduced_default('experts')}; the model's own at full scale).")
+@click.option("--hidden", type=click.IntRange(1, 65536),
+              help=f"hidden_size, a multiple of 128 (gpt-oss: of 32) (default {_reduced_default('hidden')}; the "
+                   "model's own at full scale).")
+@click.option("--intermediate", type=click.IntRange(1, 65536),
+              help=f"moe_intermediate_size, a multiple of 128 (gpt-oss: of 32) (default "
+                   f"{_reduced_default('intermediate')}; the model's own at full scale).")
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Random seed; same seed, same bytes.")
 @click.option("--full-scale", is_flag=True, help="The named model's own dimensions, as released "
               "(hundreds of GB; --sparse writes the layout alone).")
 @click.option("--sparse", is_flag=True, help="Leave tensor data as holes (zeros): the layout costs almost no disk.")
-@click.option("--out-of-window", type=int, default=0, show_default=True,
+@click.option("--out-of-window", type=click.IntRange(0), default=0, show_default=True,
               help="Per expert projection, scale blocks whose exponent lies below NVFP4's lossless window.")
-@click.option("--zero-blocks", type=int, default=0, show_default=True, help="Per projection, all-zero scale blocks.")
-@click.option("--neg-zero-blocks", type=int, default=0, show_default=True,
-              help="Per projection, scale blocks made only of -0 codes.")
+@click.option("--zero-blocks", type=click.IntRange(0), default=0, show_default=True,
+              help="Per projection, all-zero scale blocks.")
+@click.option("--neg-zero-blocks", type=click.IntRange(0), default=0, show_default=True,
+              help="Per projection, scale blocks made only of -0 codes. The three together fit in a projection's "
+                   "hidden x intermediate / 32 blocks.")
+@verbosity_options
 @reports_errors
 def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_scale, sparse, out_of_window,
-          zero_blocks, neg_zero_blocks):
+          zero_blocks, neg_zero_blocks, quiet):
     """Write a synthetic checkpoint of a named model (MXFP4 experts) to DEST.
 
     The layout is the release's, from the model's recipe: tensor names, dtypes, shapes, shard and
     index layout, config.json and the other metadata files, a tokenizer. Expert weights are MXFP4
     encodings of heavy-tailed continuous weights, so block exponents spread as in a trained model.
+    DEST must be absent or empty; it is written under a hidden name and renamed at the end, so a
+    failure leaves nothing behind.
     """
+    from tqdm import tqdm
+
     from requant import synth as synth_lib
 
-    if os.path.exists(dest) and os.listdir(dest):
-        raise RequantError(f"{dest} exists and is not empty")
     dims = synth_lib.Dims(model_name, full_scale, layers=layers, experts=experts, hidden=hidden,
                           intermediate=intermediate)
-    try:
-        dims.check()
-    except ValueError as e:
-        raise RequantError(str(e)) from None
     hard = synth_lib.HardCases(out_of_window, zero_blocks, neg_zero_blocks)
-    from tqdm import tqdm
-    with tqdm(total=len(synth_lib.layout(dims)), unit="shard", desc="synth") as bar:
-        shards = synth_lib.write_checkpoint(dest, dims, seed, hard, sparse,
-                                            progress=lambda done, total: bar.update(1))
+    synth_lib.check_request(dims, hard)
+    with tqdm(total=len(synth_lib.layout(dims)), unit="shard", desc="synth", disable=not progress_shown(quiet)) as bar:
+        shards = synth_lib.write_new_checkpoint(dest, dims, seed, hard, sparse,
+                                                progress=lambda done, total: bar.update(1))
     click.echo(f"wrote {dest}: {dims.model}, {len(shards)} shards, {dims.layers} layers x {dims.experts} experts, "
                f"hidden {dims.hidden}, intermediate {dims.intermediate}{' (sparse)' if sparse else ''}")
 
 
-@cli.command()
+@cli.command(epilog=EXIT_STATUS_HELP)
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path(), required=False)
 @click.option("--in", "in_format", type=click.Choice(SOURCE_FORMATS), default=None,
@@ -169,8 +264,9 @@ def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_sc
               help="keep: the MTP block's experts stay MXFP4 (as in NVIDIA's release); convert: them too. "
                    "Default: what --engine loads them as (vllm: convert; sglang: keep). A choice the engine "
                    "would load as garbage is refused unless --force.")
-@click.option("--force", is_flag=True, help="Write a layout that --engine would load wrongly (MTP experts in the "
-              "other format, W4A16 for SGLang); the card and requant.json record why.")
+@click.option("--force", is_flag=True, help="Write a layout that --engine would load wrongly or cannot serve (MTP "
+              "experts in the other format than it loads them as; gpt-oss NVFP4 for vLLM); the card and requant.json "
+              "record why.")
 @click.option("--input-scale", type=float, default=None, help=INPUT_SCALE_HELP)
 @click.option("--scale-headroom", type=click.IntRange(0, 8), default=0, show_default=True,
               help="NVFP4: place the largest block scale at 2^(8-N) instead of 2^8, at the cost of an N-step "
@@ -201,7 +297,7 @@ def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_sc
 @click.option("--dry-run", is_flag=True, help="Read headers only and print the plan; write nothing. Exits 3 when the "
               "target's disk lacks the free space the plan needs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary (or plan) as JSON.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@verbosity_options
 @reports_errors
 def convert(src, dst, in_format, out_format, engine, mtp, force, input_scale, scale_headroom, group_size, scheme,
             workers, device, in_place, resume, revision, cache_dir, token, stream_source, dry_run, as_json, quiet):
@@ -223,28 +319,57 @@ def convert(src, dst, in_format, out_format, engine, mtp, force, input_scale, sc
     from requant.targets import Options
     from requant.compute import compute_device
 
-    if input_scale is not None and not (0 < input_scale < float("inf")):
-        raise RequantError(f"--input-scale must be a finite positive number, got {input_scale}")
+    # Stored as FP32, and divided by: a normal FP32 number, so neither it nor its reciprocal overflows.
+    if input_scale is not None and not (1.1754943508222875e-38 <= input_scale <= 3.4028234663852886e38):
+        raise UsageError(f"--input-scale must be a positive number an FP32 scale can hold (1.2e-38 to 3.4e38), "
+                         f"got {input_scale}")
     given = {"scale_headroom": scale_headroom, "group_size": group_size and int(group_size), "scheme": scheme}
     target_options = TARGETS[out_format].options_from({k: v for k, v in given.items() if v})
     if in_place == (dst is not None):
-        raise RequantError("give DST, or --in-place to convert SRC inside its own directory (not both)")
+        raise UsageError("give DST, or --in-place to convert SRC inside its own directory (not both)")
     # Only the heavy encoders (the W4A16 search) are worth a GPU.
     options = Options(mtp=mtp, input_scale=input_scale, target=target_options, engine=engine, force=force,
                       device=compute_device(device) if TARGETS[out_format].cpu_heavy else "cpu")
     if dry_run:
         plan = convert_lib.plan_conversion(src, out_format, options, in_format, in_place, revision, token, cache_dir)
         summary = convert_lib.describe_plan(plan, dst, in_place, source=src)
-        click.echo(json.dumps(summary, indent=2) if as_json else convert_lib.format_plan(summary))
+        short = None
         if summary["free_bytes_available"] < summary["free_bytes_needed"]:
-            _fail(f"not enough free space for this conversion: need {summary['free_bytes_needed']:,} bytes, "
-                  f"{summary['free_bytes_available']:,} available", DRY_RUN_SHORT_OF_SPACE)
+            short = (f"not enough free space for this conversion: need {summary['free_bytes_needed']:,} bytes, "
+                     f"{summary['free_bytes_available']:,} available")
+            summary["error"] = {"code": DRY_RUN_SHORT_OF_SPACE, "message": short}   # one JSON document
+        click.echo(json.dumps(summary, indent=2) if as_json else convert_lib.format_plan(summary))
+        if short:
+            _fail(short, DRY_RUN_SHORT_OF_SPACE)
         return
-    result = convert_lib.convert(src, dst, out_format, options, in_format, workers, progress=not quiet, resume=resume,
-                                 resume_hint=_resume_command(click.get_current_context()), revision=revision,
-                                 stream=stream_source, token=token, cache_dir=cache_dir)
+    target = src if in_place else dst
+    try:
+        result = convert_lib.convert(src, dst, out_format, options, in_format, workers, progress=progress_shown(quiet),
+                                     resume=resume, resume_hint=_resume_command(click.get_current_context()),
+                                     revision=revision, stream=stream_source, token=token, cache_dir=cache_dir)
+    except (KeyboardInterrupt, RequantError) as e:
+        # Ctrl-C after the last step (the journal removed, config.json and the index written): the
+        # output is finished and valid, so the command succeeded.
+        if (isinstance(e, KeyboardInterrupt) or e.exit_code == EXIT_INTERRUPTED) and _finished(target, e):
+            _finished_quietly()
+            click.echo(f"requant: note: interrupted after the conversion had finished; {target} is complete "
+                       f"(requant verify {shlex.quote(target)} checks it)", err=True)
+            return
+        raise
+    _finished_quietly()
     summary = convert_lib.describe_result(result)
     click.echo(json.dumps(summary, indent=2) if as_json else convert_lib.format_result(summary))
+
+
+def _finished(target: str, e: BaseException) -> bool:
+    """Whether the conversion into `target` that `e` interrupted had finished: it had journaled
+    (a Stopped error, not a bare interrupt from before anything was written) and the journal is
+    gone, config.json and the index in place."""
+    from requant.io import journal
+    from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME
+
+    return (isinstance(e, RequantError) and not journal.exists(target)
+            and all(os.path.isfile(os.path.join(target, n)) for n in (CONFIG_NAME, INDEX_NAME)))
 
 
 def _resume_command(ctx: click.Context) -> str:
@@ -253,18 +378,19 @@ def _resume_command(ctx: click.Context) -> str:
     args = ["requant", "convert", ctx.params["src"]] + ([ctx.params["dst"]] if ctx.params["dst"] else [])
     for param in ctx.command.params:
         value = ctx.params.get(param.name)
-        if (not isinstance(param, click.Option) or param.name in ("resume", "dry_run", "as_json", "quiet", "token")
+        if (not isinstance(param, click.Option) or param.name in ("resume", "dry_run", "as_json", "quiet", "verbose", "token")
                 or value in (None, False) or value == param.default):
             continue
         args += [param.opts[0]] if param.is_flag else [param.opts[0], str(value)]
     return shlex.join(args + ["--resume"])
 
 
-@cli.command()
+@cli.command(epilog=EXIT_STATUS_HELP)
 @click.argument("path", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@verbosity_options
 @reports_errors
-def inspect(path, as_json):
+def inspect(path, as_json, quiet):
     """Describe checkpoint PATH: model, expert format, tensors per dtype, shards, quantization."""
     from requant.inspect import format_report, inspect_checkpoint
 
@@ -272,7 +398,7 @@ def inspect(path, as_json):
     click.echo(json.dumps(info, indent=2) if as_json else format_report(info))
 
 
-@cli.command()
+@cli.command(epilog=EXIT_STATUS_HELP)
 @click.argument("path", type=click.Path())
 @click.option("--deep", is_flag=True, help="Also decode every scale block (reads all expert bytes).")
 @click.option("--source", type=click.Path(), help="With --deep: count exact vs re-quantized scale blocks against this checkpoint.")
@@ -287,7 +413,7 @@ def inspect(path, as_json):
               help="Also name the MoE method and kernel each judged engine selects on this GPU family "
                    "(sm_80 Ampere, sm_90 Hopper, sm_100/sm_120 Blackwell), or the flag it needs to start.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@verbosity_options
 @reports_errors
 def verify(path, deep, source, device, engine, gpu, as_json, quiet):
     """Lint FP4 MoE checkpoint PATH (NVFP4, W4A16, MXFP4): completeness, scales, config dispatch, and
@@ -295,14 +421,14 @@ def verify(path, deep, source, device, engine, gpu, as_json, quiet):
     Exits 1 when it finds errors."""
     from requant.verify import format_findings, verify as verify_lib
 
-    result = verify_lib(path, deep=deep or source is not None, source=source, progress=not quiet, engine=engine,
+    result = verify_lib(path, deep=deep or source is not None, source=source, progress=progress_shown(quiet), engine=engine,
                         gpu=gpu, device=device)
     click.echo(json.dumps(result, indent=2) if as_json else format_findings(result))
     if not result["ok"]:
         sys.exit(1)
 
 
-@cli.command()
+@cli.command(epilog=EXIT_STATUS_HELP)
 @click.argument("checkpoint")
 @click.option("--engine", "engine_specs", type=EngineSpec(), multiple=True,
               help="Engine release to answer for, NAME or NAME==VERSION (repeatable; NAME alone: the release "
@@ -317,8 +443,9 @@ def verify(path, deep, source, device, engine, gpu, as_json, quiet):
 @click.option("--token", help="CHECKPOINT as a Hub repository: access token (default: HF_TOKEN, else the saved login).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="CHECKPOINT as a Hub repository: the Hugging Face cache.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@verbosity_options
 @reports_errors
-def advise(checkpoint, engine_specs, gpu, tp, ep, revision, token, cache_dir, as_json):
+def advise(checkpoint, engine_specs, gpu, tp, ep, revision, token, cache_dir, as_json, quiet):
     """Should CHECKPOINT (a directory or Hub id) be converted at all, for this engine and GPU?
 
     For the checkpoint as it is and each output requant could write from it: the MoE method and
@@ -336,7 +463,7 @@ def advise(checkpoint, engine_specs, gpu, tp, ep, revision, token, cache_dir, as
     click.echo(json.dumps(result, indent=2) if as_json else format_advice(result))
 
 
-@cli.command()
+@cli.command(epilog=EXIT_STATUS_HELP)
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
 @click.option("--out-dir", "out_dir", type=click.Path(file_okay=False),
@@ -354,7 +481,7 @@ def advise(checkpoint, engine_specs, gpu, tp, ep, revision, token, cache_dir, as
               "selected layer on a GPU, the first one only on a CPU).")
 @click.option("--serve", help=SERVE_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print report.json instead of the summary.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@verbosity_options
 @reports_errors
 def report(src, dst, out_dir, old_out_dir, layers, workers, device, no_forward, serve, as_json, quiet):
     """Accuracy difference of DST's routed experts against SRC's (MXFP4, NVFP4 or W4A16):
@@ -364,11 +491,11 @@ def report(src, dst, out_dir, old_out_dir, layers, workers, device, no_forward, 
     from requant.serve import parse_modes
 
     if out_dir and old_out_dir and out_dir != old_out_dir:
-        raise RequantError("give the report directory once: --out-dir DIR")
+        raise UsageError("give the report directory once: --out-dir DIR")
     out_dir = out_dir or old_out_dir
     if not out_dir:
-        raise RequantError("give the report directory: --out-dir DIR")
-    result = make_report(src, dst, out_dir, layers, workers, progress=not quiet, forward=not no_forward,
+        raise UsageError("give the report directory: --out-dir DIR")
+    result = make_report(src, dst, out_dir, layers, workers, progress=progress_shown(quiet), forward=not no_forward,
                          serve_modes=parse_modes(serve), device=device)
     comparison = result["timing"].get("comparison", "")
     if comparison.startswith("torch:") and not quiet:
@@ -377,13 +504,13 @@ def report(src, dst, out_dir, old_out_dir, layers, workers, device, no_forward, 
     click.echo(json.dumps(result, indent=2) if as_json else terminal(result, out_dir, html.plots_missing()))
 
 
-@cli.command()
+@cli.command(epilog=EXIT_STATUS_HELP)
 @click.argument("dst", type=click.Path(file_okay=False))
 @click.argument("repo_id")
 @click.option("--private", is_flag=True, help="Create the repository private (when it does not exist yet).")
 @click.option("--message", help="Commit message.")
 @click.option("--token", help="Access token with write permission (default: HF_TOKEN, else the saved login).")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@verbosity_options
 @reports_errors
 def upload(dst, repo_id, private, message, token, quiet):
     """Upload finished conversion DST (shards, index, configs and every other file the conversion
@@ -395,11 +522,11 @@ def upload(dst, repo_id, private, message, token, quiet):
     """
     from requant.io.hub import upload as upload_folder
 
-    url = upload_folder(dst, repo_id, token=token, private=private, message=message, progress=not quiet)
+    url = upload_folder(dst, repo_id, token=token, private=private, message=message, progress=progress_shown(quiet))
     click.echo(f"uploaded {dst} to {repo_id}: {url}")
 
 
-@cli.command()
+@cli.command(epilog=EXIT_STATUS_HELP)
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
 @click.option("--layers", help="Layer numbers and ranges (0,5,10-12) or MTP layer names (mtp.0); default all.")
@@ -410,7 +537,7 @@ def upload(dst, repo_id, private, message, token, quiet):
               "also calibrate an input_scale from them for nvfp4-w4a4.")
 @click.option("--serve", help=SERVE_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@verbosity_options
 @reports_errors
 def validate(src, dst, layers, tokens, device, activations, serve, as_json, quiet):
     """Run the same hidden states through each MoE layer of SRC and DST with requant's fused-MoE
@@ -421,11 +548,13 @@ def validate(src, dst, layers, tokens, device, activations, serve, as_json, quie
     from requant.serve import parse_modes
     from requant.validate import format_table, validate as run_validation
 
-    result = run_validation(src, dst, layers, tokens, device, activations, progress=not quiet,
+    result = run_validation(src, dst, layers, tokens, device, activations, progress=progress_shown(quiet),
                             notice=lambda line: click.echo(line, err=True), serve_modes=parse_modes(serve))
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_table(result))
     sys.exit(0 if result.passed else 1)
 
 
 def main():
+    global _OWN_PROCESS
+    _OWN_PROCESS = True
     cli(prog_name="requant")

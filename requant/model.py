@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from requant import engines, expressions, moe
-from requant.errors import FormatError, RequantError, UnsupportedError
+from requant.errors import FormatError, RequantError, UnsupportedCheckpoint, UnsupportedError
 
 
 def _recipe_files():
@@ -94,7 +94,7 @@ class ModelSpec:
             if recipe["model_type"] == model_type:
                 return cls(recipe, config)
         known = ", ".join(r["model_type"] for r in load_recipes())
-        raise UnsupportedError(f"{where}: model_type {model_type!r} has no recipe (supported: {known})")
+        raise UnsupportedCheckpoint(f"{where}: model_type {model_type!r} has no recipe (supported: {known})")
 
     @property
     def name(self) -> str:
@@ -122,7 +122,7 @@ class ModelSpec:
         """A config value by its recipe role (e.g. "hidden_size")."""
         config_key = self.recipe["config_keys"][key]
         if config_key not in self.config:
-            raise UnsupportedError(f"config.json lacks {config_key!r}, which a {self.name} model must have")
+            raise UnsupportedCheckpoint(f"config.json lacks {config_key!r}, which a {self.name} model must have")
         return self.config[config_key]
 
     def expert_tensor(self, name: str) -> ExpertTensor | None:

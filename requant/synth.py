@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
 from requant import expressions, formats, model as model_lib, sources
-from requant.errors import UnsupportedError
+from requant.errors import RequantError, UnsupportedError, UsageError
 from requant.formats import fp8_block, mxfp4
-from requant.io.fsutil import atomic_write_json
+from requant.io.fsutil import atomic_write_json, free_bytes
 from requant.io.safetensors import DTYPES, ShardWriter, TensorSpec
 
 
@@ -205,6 +206,67 @@ class _Values:
         return w, s
 
 
+# Bounds on the dimensions synth accepts (the largest named model is well inside them): past them a
+# layout alone would take minutes and gigabytes of memory to plan.
+DIM_LIMITS = {"layers": 1024, "experts": 4096, "hidden": 65536, "intermediate": 65536}
+MAX_ROUTED_EXPERTS = 1 << 18   # layers x experts
+
+
+def blocks_per_projection(d: Dims) -> int:
+    """MXFP4 scale blocks in the smallest routed-expert projection (hidden x intermediate)."""
+    return d.hidden * d.intermediate // mxfp4.BLOCK
+
+
+def check_request(d: Dims, hard: HardCases) -> None:
+    """Refuse, as a usage error naming the option, dimensions or hard cases that cannot be built."""
+    try:
+        d.check()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    for name, limit in DIM_LIMITS.items():
+        if not 1 <= getattr(d, name) <= limit:
+            raise UsageError(f"--{name} must be between 1 and {limit}, got {getattr(d, name)}")
+    if d.layers * d.experts > MAX_ROUTED_EXPERTS:
+        raise UsageError(f"--layers x --experts is {d.layers * d.experts:,} routed experts; synth writes at most "
+                         f"{MAX_ROUTED_EXPERTS:,}")
+    for name, n in asdict(hard).items():
+        if n < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be 0 or more, got {n}")
+    planted, room = sum(asdict(hard).values()), blocks_per_projection(d)
+    if planted > room:
+        raise UsageError(f"--out-of-window, --zero-blocks and --neg-zero-blocks plant {planted:,} blocks in each expert "
+                         f"projection, which has {room:,} (hidden {d.hidden} x intermediate {d.intermediate} / "
+                         f"{mxfp4.BLOCK})")
+
+
+def write_new_checkpoint(dest: str, dims: Dims, seed: int = 0, hard: HardCases = HardCases(), sparse: bool = False,
+                         progress=None) -> list[str]:
+    """write_checkpoint() for the command line: options checked first, the checkpoint written into a
+    hidden sibling of `dest` and renamed onto it at the end, so a failure (or Ctrl-C) leaves no
+    partial directory that would block the same command's rerun. `dest` must be absent or empty."""
+    check_request(dims, hard)
+    dest = os.path.abspath(dest)
+    if os.path.lexists(dest) and not (os.path.isdir(dest) and not os.path.islink(dest) and not os.listdir(dest)):
+        raise RequantError(f"{dest} exists and is not an empty directory")
+    if not sparse:
+        need = sum(s.nbytes for specs in layout(dims) for s in specs)
+        have = free_bytes(os.path.dirname(dest))
+        if need > have:
+            raise RequantError(f"not enough free space for {dest}: the checkpoint needs {need:,} bytes, {have:,} "
+                               "available (--sparse writes the layout alone)")
+    parent = os.path.dirname(dest)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(dest)}.synth-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        names = write_checkpoint(tmp, dims, seed, hard, sparse, progress=progress)
+        os.replace(tmp, dest)   # onto an absent or empty directory
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return names
+
+
 def write_checkpoint(dest: str, dims: Dims | None = None, seed: int = 0, hard: HardCases = HardCases(),
                      sparse: bool = False, data_shards: set[int] | None = None, progress=None) -> list[str]:
     """Write a synthetic checkpoint (default: the default model's reduced dimensions); return its
@@ -214,6 +276,7 @@ def write_checkpoint(dest: str, dims: Dims | None = None, seed: int = 0, hard: H
     `data_shards` fills only those shard indices (0-based) and leaves the rest as holes.
     """
     dims = dims or Dims()
+    check_request(dims, hard)
     shards = layout(dims)
     names = [shard_name(i, len(shards)) for i in range(len(shards))]
     os.makedirs(dest, exist_ok=True)

@@ -400,7 +400,8 @@ def cpu_notice(cfg: MoEConfig, layers: int, tokens: int | None) -> str:
     used = cfg.n_routed_experts * (1 - (1 - 1 / cfg.n_routed_experts) ** pairs)   # expected distinct experts
     weights = 2 * layers * used * 3 * cfg.hidden_size * cfg.intermediate_size
     seconds = weights * _CPU_SECONDS_PER_WEIGHT * 2 / max(1, min(default_workers(), 16))
-    return (f"validate: no GPU in use; running the torch reference on the CPU, about {seconds:.0f} s for {layers} "
+    estimate = f"about {math.ceil(seconds)} s" if seconds >= 1 else "about 1 s or less"   # never "about 0 s"
+    return (f"validate: no GPU in use; running the torch reference on the CPU, {estimate} for {layers} "
             f"layer(s) x {tokens if tokens else 'the given'} tokens (--layers and --tokens choose fewer)")
 
 

@@ -903,13 +903,22 @@ def _bias(b_ptr, e, stride_be, stride_bn, offs_n, n_mask, pid_k, SPLIT_K: tl.con
 
 
 @triton.jit
+def _sigmoid(x):
+    """1 / (1 + exp(-x)) without exp of a large positive number: exp(-|x|) never overflows (the
+    plain form overflows for x below about -88, which Triton's interpreter reports as a
+    RuntimeWarning; the value is the same)."""
+    e = tl.exp(-tl.abs(x))
+    return tl.where(x >= 0, 1 / (1 + e), e / (1 + e))
+
+
+@triton.jit
 def _swiglu(g, u, ACTIVATION: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
     g = tl.minimum(g, LIMIT)
     u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
     if ACTIVATION == SWIGLU_OAI:
-        h = (u + 1) * (g * tl.sigmoid(ALPHA * g))
+        h = (u + 1) * (g * _sigmoid(ALPHA * g))
     else:
-        h = g * tl.sigmoid(g) * u
+        h = g * _sigmoid(g) * u
     return h
 
 

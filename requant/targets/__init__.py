@@ -128,6 +128,9 @@ class Target:
     def check_engine(self) -> None:
         """Refuse (once the target knows its options) a layout the engine would load wrongly,
         unless --force; then remember why, for the card."""
+        if self.options.mtp and not any(self.model.is_mtp(e.block) for e in self.reader.experts(self.source.names)):
+            raise UnsupportedError(f"--mtp {self.options.mtp}: {self.source.path} has no MTP block "
+                                   f"({self.model.name}); leave --mtp out")
         self.forced_problems = self._engine_problems()
         if self.forced_problems and not self.options.force:
             raise UnsupportedError(f"{self.forced_problems[0]} (--force writes it anyway)")
