@@ -20,7 +20,6 @@ Runtime outcomes (a kernel missing at the first forward) are inferred from code,
 from __future__ import annotations
 
 import ast
-import glob
 import re
 import zipfile
 from functools import lru_cache
@@ -54,8 +53,8 @@ def flashinfer_pin() -> str:
 
 @lru_cache(maxsize=None)
 def _fi_zip(version: str) -> zipfile.ZipFile | None:
-    hits = sorted(glob.glob(str(wheels.CACHE / f"flashinfer_python-{version}-*.whl")))
-    return zipfile.ZipFile(hits[0]) if hits else None
+    path = wheels.wheel("flashinfer-python", version)
+    return zipfile.ZipFile(path) if path else None
 
 
 def flashinfer_available() -> bool:

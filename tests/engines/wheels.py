@@ -85,23 +85,25 @@ class _InUse(Mapping):
 ENGINES = _InUse()
 
 
-def _find(engine: str) -> Path | None:
-    hits = sorted(glob.glob(str(CACHE / f"{engine}-{version(engine)}-*.whl")))
+def wheel(distribution: str, release: str) -> Path | None:
+    """The wheel of `distribution`==`release` (an engine, or a library it pins, such as
+    flashinfer-python), downloaded into CACHE on first use; None when it cannot be had (no network,
+    registry refusing), with the reason on stderr."""
+    pattern = str(CACHE / f"{distribution.replace('-', '_')}-{release}-*.whl")
+    hits = sorted(glob.glob(pattern))
+    if not hits and not os.environ.get("REQUANT_NO_WHEEL_FETCH"):
+        CACHE.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(CACHE),
+                               f"{distribution}=={release}"], capture_output=True, text=True, timeout=1800)
+        if done.returncode:
+            print(f"pip download {distribution}=={release} failed: {done.stderr.strip()[-500:]}", file=sys.stderr)
+        hits = sorted(glob.glob(pattern))
     return Path(hits[0]) if hits else None
 
 
 def fetch(engine: str) -> Path | None:
-    """The wheel of `engine`'s release in use, downloaded into CACHE on first use; None when it
-    cannot be had (no network, registry refusing), with the reason on stderr."""
-    found = _find(engine)
-    if found is None and not os.environ.get("REQUANT_NO_WHEEL_FETCH"):
-        CACHE.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(CACHE),
-                               f"{engine}=={version(engine)}"], capture_output=True, text=True, timeout=1800)
-        if done.returncode:
-            print(f"pip download {engine}=={version(engine)} failed: {done.stderr.strip()[-500:]}", file=sys.stderr)
-        found = _find(engine)
-    return found
+    """The wheel of `engine`'s release in use (see `wheel`)."""
+    return wheel(engine, version(engine))
 
 
 @lru_cache(maxsize=None)
