@@ -134,7 +134,10 @@ def recommend(paths: list[PathVerdict], errors: dict[str, dict]) -> dict:
             verdict = "do not convert: your checkpoint already runs on FP4 tensor cores here" + (
                 f" (serve with {as_is.flags})" if as_is.flags else "")
         elif as_is.starts:
-            verdict = "do not convert: no output requant can write runs in a faster class here"
+            verdict = ("do not convert: no output requant can write runs in a faster class here"
+                       + (f" (serve with {as_is.flags})" if as_is.flags else "")
+                       + "; the conversions run the same class of kernel with no smaller error (requant's rules "
+                         "rank kernels by class, not by measured speed within one)")
         else:
             verdict = "nothing requant can write starts here"
         reasons.append(f"as it is: {_says(as_is)}")
