@@ -10,6 +10,7 @@ journal exists the directory has no config.json/index of either format, so nothi
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import os
@@ -22,7 +23,8 @@ from tqdm import tqdm
 
 from requant import __version__, card
 from requant.compute import default_workers
-from requant.errors import CheckpointError, RequantError, describe_os_error
+from requant.errors import CheckpointError, FormatError, RequantError, describe_os_error
+from requant.formats import mxfp4
 from requant.io import hub as hub_lib
 from requant.io import journal
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, read_json, resolve_inside
@@ -43,6 +45,9 @@ class Result:
     bytes_in: int
     bytes_out: int
     seconds: float
+    shards_kept: int = 0            # finished by an earlier run (--resume) and kept
+    shards_converted: int = 0       # written by this run
+    bytes_converted: int | None = None   # output bytes this run wrote (None: bytes_out)
 
 
 class Stopped(RequantError):
@@ -51,6 +56,16 @@ class Stopped(RequantError):
     def __init__(self, message: str, exit_code: int = 1):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class SourceDamaged(RequantError):
+    """Source bytes that are no valid encoding (a FormatError while encoding a unit): resuming reads
+    the same bytes again, so the advice is to replace the shard, never to resume as it is.
+    `damage` says where (journal.describe_damage)."""
+
+    def __init__(self, message: str, damage: dict | None = None):
+        super().__init__(message)
+        self.damage = damage
 
 
 def refuse_in_place_on_cache(src: str, repo: str | None) -> None:
@@ -120,7 +135,8 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
         os.makedirs(dst)
     locks, plan, journaled = [], None, False
     try:
-        locks.append(DirLock(target, exclusive=True, what="a conversion writes there"))
+        locks.append(DirLock(target, exclusive=True, what="a conversion writes there",
+                             record=journal.path_of(target, journal.LOCK)))
         if not in_place and hub is None:   # an in-place conversion would pull the source from under us
             locks.append(DirLock(src, exclusive=False, what="an in-place conversion of it"))
         resume = resume and journal.exists(target)   # nothing journaled yet: --resume starts afresh
@@ -144,11 +160,15 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
         if in_place:
             _set_aside_source_metadata(target, source)
         return _run(plan, target, in_place, record, entries, ancillary, hub, workers or default_workers(), progress,
-                    started)
+                    started, resumed=resume)
     except KeyboardInterrupt:
         if journaled:
             raise Stopped(_stopped("interrupted", target), 130) from None
         raise
+    except SourceDamaged as e:
+        if not journaled or e.damage is None:
+            raise
+        raise _stop_damaged(e, target, in_place, created) from None
     except (RequantError, OSError) as e:
         if not journaled or isinstance(e, Stopped):
             raise
@@ -165,6 +185,67 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
 
 def _stopped(why: str, target: str) -> str:
     return f"{why}; {journal.progress_message(target)} (finished shards are kept)"
+
+
+def _stop_damaged(e: SourceDamaged, target: str, in_place: bool, created: bool) -> SourceDamaged:
+    """A conversion stopped on damaged source bytes. Out of place with no shard finished, what
+    this run wrote goes (nothing is left that looks resumable); otherwise the journal is marked
+    damaged, so a resume refuses until that file is replaced and then goes on. In place nothing is
+    removed: the converted shards are valid, the others still the source's."""
+    what = journal.describe_damage(e.damage)
+    try:
+        record = journal.load(target)[0]
+    except ValueError:
+        return SourceDamaged(f"the source is damaged: {what}; resuming will not help until that shard is replaced "
+                             f"(re-download it); {journal.progress_message(target)}", e.damage)
+    done, total = sum(1 for s in record["shards"] if s["done"]), len(record["shards"])
+    folder = os.path.dirname(e.damage["file"]) or "."
+    encoded = sum(1 for s in record["shards"] if s["done"] and (s.get("stats") or {}).get("tensors_converted"))
+    if not in_place and not encoded:   # only copies done, if anything: cheap to redo, not worth a journal
+        shutil.rmtree(target if created else journal.path_of(target), ignore_errors=True)
+        left = "removed" if created else "left empty"
+        return SourceDamaged(f"the source is damaged: {what}; converting it again would stop here again, so "
+                             f"nothing was kept ({target} {left}): re-download that shard, check the source with "
+                             f"`requant verify {folder}`, then convert again", e.damage)
+    record["damaged"] = e.damage
+    journal.save(target, record)
+    if not in_place:
+        kept = f"the {done} of {total} shards converted so far are kept"
+    elif done:
+        kept = (f"the {done} shards converted so far are valid and kept, the other {total - done} are still the "
+                "source's (nothing is lost: resuming goes on from there)")
+    else:
+        kept = (f"no shard was converted yet: the shards are still the source's, and its config.json and index are "
+                f"kept in {journal.path_of(target)} until the conversion finishes")
+    return SourceDamaged(f"the source is damaged: {what}; {kept}; "
+                         f"{journal.damage_advice(record).split('; ', 1)[1]}", e.damage)
+
+
+def _accept_replaced(target: str, record: dict, snapshot: dict) -> None:
+    """Resuming a conversion that stopped on a damaged source shard: refused while that file is
+    the one found damaged; a replacement with the recorded size and header (re-downloaded) is
+    recorded as the source from now on."""
+    d = record["damaged"]
+    entry = next((s for s in snapshot["shards"] if s["name"] == d.get("shard")), None)
+    try:
+        st = os.stat(d["file"])
+    except FileNotFoundError:
+        if entry is not None and entry["mtime_ns"] is None:   # a streamed download: fetched again
+            st = None
+        else:
+            raise SourceDamaged(f"cannot resume: {d['file']}, the damaged source shard, is missing; put the "
+                                f"re-downloaded shard there, then resume with `{record['resume']}`", d) from None
+    if st is not None and (st.st_size, st.st_mtime_ns) == (d.get("size"), d.get("mtime_ns")):
+        raise SourceDamaged(f"cannot resume: the source is damaged and has not changed since: "
+                            f"{journal.damage_advice(record)}", d)
+    if st is not None and entry is not None and entry["mtime_ns"] is not None:
+        if not _matches(d["file"], entry["size"], base64.b64decode(entry["header"])):
+            raise CheckpointError("cannot resume: this replacement of the damaged source shard differs in size or "
+                                  "header from the shard the conversion began with (another revision?); download "
+                                  "the same revision's shard", file=d["file"])
+        record.setdefault("replaced", {})[entry["name"]] = entry["mtime_ns"] = st.st_mtime_ns
+    del record["damaged"]
+    journal.save(target, record)
 
 
 def _jsonable(obj):
@@ -205,6 +286,8 @@ def _open_source(src: str, target: str, in_place: bool, resume: bool, request: d
         raise RequantError(f"cannot resume: the conversion in {target} was started differently ({'; '.join(differences)}); "
                            f"rerun with the original settings ({record.get('resume') or 'see the journal'}), or delete "
                            f"{journal.path_of(target)} and its shards to start over")
+    if record.get("damaged"):
+        _accept_replaced(target, record, snapshot)
     if hub:
         source = Checkpoint.from_snapshot(staging, snapshot)
         source.reads.clear()
@@ -332,8 +415,9 @@ def _set_aside_source_metadata(target: str, source: Checkpoint) -> None:
 
 
 def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, ancillary: list[str],
-         hub: hub_lib.HubSource | None, workers: int, progress: bool, started: float) -> Result:
+         hub: hub_lib.HubSource | None, workers: int, progress: bool, started: float, resumed: bool = False) -> Result:
     stats = Stats()
+    kept = {shard.name for shard, state in zip(plan.shards, record["shards"]) if state["done"]}   # nothing to write
     with tqdm(total=plan.output_bytes, unit="B", unit_scale=True, unit_divisor=1024,
               desc="converting", disable=not progress, dynamic_ncols=True) as bar, \
             Encoders.for_plan(plan, workers) as encoders:
@@ -367,7 +451,10 @@ def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, a
         _set_aside_source_card(target)
     finish_metadata(target, final_metadata(plan, stats))   # after the shards: a target may summarise them
     journal.remove(target)
-    return Result(plan, stats, plan.input_bytes, _dir_tensor_bytes(target, plan), time.monotonic() - started)
+    converted = [shard for shard in plan.shards if shard.name not in kept]
+    return Result(plan, stats, plan.input_bytes, _dir_tensor_bytes(target, plan), time.monotonic() - started,
+                  shards_kept=len(kept) if resumed else 0, shards_converted=len(converted),
+                  bytes_converted=sum(shard.file_size for shard in converted))
 
 
 def _fetch(plan: Plan, shard: ShardPlan, hub: hub_lib.HubSource, entry: dict) -> None:
@@ -397,12 +484,17 @@ def write_shard(plan: Plan, shard: ShardPlan, target: str, encoders: Encoders, b
     half = len(shard.units) // 2
     shard_index = plan.shards.index(shard)
     pending: dict = {}   # future -> output bytes
+    units: dict = {}     # future -> its unit
 
     def drain(mode):
         done, _ = wait(pending, return_when=mode)
         for future in done:
-            stats.add(future.result())
+            try:
+                stats.add(future.result())
+            except FormatError as e:   # the source's bytes: the same bytes would fail a resume too
+                raise SourceDamaged(str(e), _damage(source, units[future], e, source_path)) from None
             bar.update(pending.pop(future))
+            units.pop(future)
 
     try:
         fault_point()
@@ -418,6 +510,7 @@ def write_shard(plan: Plan, shard: ShardPlan, target: str, encoders: Encoders, b
             offsets = {spec.name: writer.offsets[spec.name] for spec in unit.outputs}
             future = encoders.submit(shard_index, i, unit, reads, partial, offsets)
             pending[future] = sum(s.nbytes for s in unit.outputs)
+            units[future] = unit
             if len(pending) > encoders.window:  # bounded: memory stays a few experts deep
                 drain(FIRST_COMPLETED)
         drain(ALL_COMPLETED)
@@ -441,6 +534,38 @@ def write_shard(plan: Plan, shard: ShardPlan, target: str, encoders: Encoders, b
     fault_point()
     bar.update(shard.file_size - sum(s.nbytes for s in shard.specs))  # header bytes
     return stats
+
+
+def _damage(source: Checkpoint, unit, e: FormatError, shard_path: str) -> dict:
+    """Where a unit's source bytes are damaged, for the message and the journal: the file, the
+    tensor, the byte offset in the file of the first NaN E8M0 scale byte among the unit's scale
+    inputs (None when the error is another), the file's size and mtime now."""
+    path, tensor, offset = e.file, e.tensor, None
+    for name in unit.inputs:
+        try:
+            where, info = source.where(name)
+        except CheckpointError:
+            continue
+        if info.spec.dtype not in ("F8_E8M0", "U8") or "scale" not in name or info.nbytes > 1 << 28:
+            continue
+        try:
+            with open(where, "rb") as f:
+                f.seek(info.start)
+                at = f.read(info.nbytes).find(bytes([mxfp4.E8M0_NAN]))
+        except OSError:
+            continue
+        if at >= 0:
+            path, tensor, offset = where, name, info.start + at
+            break
+    if path is None and tensor in unit.inputs:
+        with contextlib.suppress(CheckpointError):
+            path = source.where(tensor)[0]
+    path = path or shard_path
+    where = ", ".join(p for p in (f"file {e.file}" if e.file else "", f"tensor {e.tensor}" if e.tensor else "") if p)
+    reason = str(e)[len(where) + 2:] if where and str(e).startswith(where + ": ") else str(e)
+    st = os.stat(path)
+    return {"file": path, "shard": os.path.basename(path), "tensor": tensor, "offset": offset, "reason": reason,
+            "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def _check_unchanged(path: str, entry: dict) -> None:
@@ -535,8 +660,10 @@ def describe_plan(plan: Plan, dst: str | None, in_place: bool = False, source: s
         "converted_blocks": plan.blocks,
         "tensors": dict(plan.counts),
         "output_tensors": sum(len(s.specs) for s in plan.shards),
-        "input_bytes": plan.input_bytes,
+        "input_bytes": plan.input_bytes,              # shard file sizes (headers included)
         "output_bytes": plan.output_bytes,
+        "input_tensor_bytes": plan.source.tensor_bytes,   # tensor data alone (inspect's figure)
+        "output_tensor_bytes": plan.total_size,
         "free_bytes_needed": space_needed(plan, in_place)[0],
         "free_bytes_available": free_bytes(plan.source.path if in_place else dst),
     }
@@ -549,7 +676,8 @@ def format_plan(d: dict) -> str:
         f"plan: {d['source_format']} -> {d['target']} for {d['engine']}, {d['shards']} shards, "
         f"{len(d['converted_blocks'])} MoE layers converted (MTP experts: {d['mtp']})",
         f"  tensors   {counts}; {d['output_tensors']:,} written",
-        f"  bytes     in {d['input_bytes']:,}, out {d['output_bytes']:,}",
+        f"  files     in {d['input_bytes']:,} bytes, out {d['output_bytes']:,} (shard file sizes)",
+        f"  data      in {d['input_tensor_bytes']:,} bytes, out {d['output_tensor_bytes']:,} (tensor data)",
         f"  disk      needs {d['free_bytes_needed']:,} free, {d['free_bytes_available']:,} available"
         + ("" if ok else "  (NOT ENOUGH)"),
     ])
@@ -568,10 +696,19 @@ def describe_result(r: Result) -> dict:
         "bytes_out": r.bytes_out,
         "seconds": round(r.seconds, 3),
         "summary": r.plan.target.summary(s),
+        "shards_kept": r.shards_kept,             # finished by an earlier run (--resume)
+        "shards_converted": r.shards_converted,   # written now
+        "bytes_converted": r.bytes_out if r.bytes_converted is None else r.bytes_converted,   # by this run
     }
 
 
 def format_result(d: dict) -> str:
-    rate = d["bytes_out"] / d["seconds"] / 2**20 if d["seconds"] else 0.0
+    """The summary line; after a resume the rate is over what this run converted, and the line says
+    how many shards were kept from the earlier run."""
+    kept, now = d.get("shards_kept", 0), d.get("shards_converted")
+    rate = d.get("bytes_converted", d["bytes_out"]) / d["seconds"] / 2**20 if d["seconds"] else 0.0
+    speed = (f"{rate:,.0f} MiB/s" if not kept else f"{rate:,.0f} MiB/s over the shards converted now" if now
+             else "nothing left to convert")
+    resumed = f"; {kept} shards kept from the earlier run, {now} converted now" if kept else ""
     return (f"converted {d['tensors_converted']:,} expert tensors to {d['target']} for {d['engine']} in {d['seconds']:.1f} s "
-            f"({rate:,.0f} MiB/s): {d['summary']}; bytes in {d['bytes_in']:,}, out {d['bytes_out']:,}")
+            f"({speed}): {d['summary']}{resumed}; shard file sizes in {d['bytes_in']:,} bytes, out {d['bytes_out']:,}")

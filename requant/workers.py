@@ -21,6 +21,12 @@ Processes are forked once, when the pool is made (after planning, before any sha
 writing or copying), and look their unit up in the inherited plan (an encoder is a closure, which
 does not pickle). They open files by path per task and keep no descriptor: a source shard that an
 in-place conversion replaces is freed at once, not held open by a worker.
+
+Worker processes die with their parent, whatever kills it (`die_with_parent`: the kernel's
+parent-death signal on Linux, a watch on the parent elsewhere): a parent killed with SIGKILL (the
+OOM killer) would otherwise leave them waiting on its task queue for good, holding files open. Nor
+do they keep the target's lock (fsutil.DirLock drops it in every forked child), so a resume can
+always take it once the parent is gone.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ import ctypes
 import multiprocessing
 import os
 import signal
+import sys
 import threading
+import time
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 
 import torch
@@ -129,7 +137,7 @@ def forked_pool(workers: int, context: object, spares: int = 0) -> "_ForkedPool"
     _INHERITED = context
     fork = multiprocessing.get_context("fork")
     _COMPUTE_SLOTS = fork.BoundedSemaphore(workers) if spares else None
-    pool = _ForkedPool(workers + spares, mp_context=fork, initializer=_init_process)
+    pool = _ForkedPool(workers + spares, mp_context=fork, initializer=_init_process, initargs=(os.getpid(),))
     pool.submit(int).result()   # a fork pool forks every worker on its first task: now
     return pool
 
@@ -159,9 +167,41 @@ def _init_gpu_thread(device: str) -> None:
     _scratch.pinned = True
 
 
-def _init_process() -> None:
+def _init_process(parent: int | None = None) -> None:
+    if parent is not None:   # a forked worker (None: a stand-alone probe, scripts/bench_throughput.py)
+        die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle, once
     worker_settings()
+
+
+_PR_SET_PDEATHSIG = 1   # linux/prctl.h
+PARENT_POLL_S = 0.5     # the portable watch's period
+
+
+def die_with_parent(parent: int) -> None:
+    """End this forked process when `parent` (the PID that forked it) dies, however it dies.
+
+    On Linux the kernel sends SIGKILL on the parent's death (prctl PR_SET_PDEATHSIG; it fires when
+    the forking thread ends, and pools are made and shut down by the conversion's own thread).
+    Elsewhere, or where prctl fails, a daemon thread polls for the parent. Either way, a parent
+    that died before this ran is seen at once: this process was re-parented already."""
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+            armed = prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if not armed:
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="requant-parent-watch").start()
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
 
 
 # glibc mallopt parameters (malloc.h)

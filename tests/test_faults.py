@@ -259,3 +259,86 @@ def test_in_place_refuses_symlinked_shards(tiny, tmp_path):
     os.rename(os.path.join(src, shard), os.path.join(src, ".blob"))
     os.symlink(".blob", os.path.join(src, shard))
     assert "symbolic link" in one_line(invoke(src))
+
+
+# -- a damaged source: resuming would read the same bytes again ------------------------------------
+
+def expert_shards(ck: str) -> list[str]:
+    return [n for n in sorted(os.listdir(ck)) if n.endswith(".safetensors")
+            and any(".experts." in t and i.spec.dtype == "F8_E8M0"
+                    for t, i in safetensors.read_header(os.path.join(ck, n)).tensors.items())]
+
+
+def plant_nan(ck: str, shard: str) -> tuple[str, str, int]:
+    """A NaN E8M0 byte (0xFF) in the third expert's w3 scale of `shard`: (file, tensor, byte offset)."""
+    path = os.path.join(ck, shard)
+    tensor, info = [(n, i) for n, i in safetensors.read_header(path).tensors.items()
+                    if i.spec.dtype == "F8_E8M0" and ".experts." in n][7]
+    offset = info.start + 5
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\xff")
+    return path, tensor, offset
+
+
+def run(src, dst, out, *extra):
+    args = ["convert", src, *([dst] if dst else ["--in-place"]), "--out", out, "--quiet",
+            *(["--device", "cpu", "--workers", "2"] if out == "w4a16" else []), *extra]
+    result = CliRunner().invoke(cli, args)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    return result
+
+
+def test_damaged_source_with_nothing_converted_leaves_nothing(tiny, tmp_path):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    shutil.copytree(tiny[0], src)
+    path, tensor, offset = plant_nan(src, expert_shards(src)[0])
+    for extra in ((), ("--resume",)):   # a --resume finds nothing to resume and says the same
+        line = one_line(run(src, dst, "nvfp4", *extra))
+        assert f"the source is damaged: file {path}, tensor {tensor}, byte offset {offset:,}: E8M0 scale is NaN" in line
+        assert "nothing was kept" in line and f"requant verify {src}" in line and "--resume" not in line, line
+        assert not os.path.exists(dst)
+
+
+@pytest.mark.parametrize("out,in_place", [("nvfp4", False), ("w4a16", False), ("nvfp4", True)],
+                         ids=["nvfp4", "w4a16-processes", "nvfp4-in-place"])
+def test_damaged_source_is_not_resumed_until_replaced(tiny, tmp_path, out, in_place):
+    src = str(tmp_path / "src")
+    shutil.copytree(tiny[0], src)
+    dst = None if in_place else str(tmp_path / "dst")
+    target = dst or src
+    shard = expert_shards(src)[-1]
+    good = os.path.join(tmp_path, "good.safetensors")
+    shutil.copyfile(os.path.join(src, shard), good)
+    path, tensor, offset = plant_nan(src, shard)
+
+    line = one_line(run(src, dst, out))
+    assert f"the source is damaged: file {path}, tensor {tensor}, byte offset {offset:,}: E8M0 scale is NaN" in line
+    assert f"resuming will not help until {path} is replaced: re-download that shard" in line, line
+    assert ("valid and kept" in line) == in_place, line
+    assert journal.load(target)[0]["damaged"]["offset"] == offset
+    before = tree(target)
+    again = one_line(run(src, dst, out, "--resume"))   # the same bytes: refused, nothing touched
+    assert "cannot resume: the source is damaged and has not changed since" in again and f"file {path}" in again
+    assert tree(target) == before
+    assert "damaged source" in one_line(CliRunner().invoke(cli, ["inspect", target]))
+
+    shutil.copyfile(good, path)   # re-downloaded: the same bytes as the release, a new mtime
+    assert run(src, dst, out, "--resume").exit_code == 0
+    clean = tiny[1]
+    if out != "nvfp4":
+        assert run(tiny[0], str(tmp_path / "clean"), out).exit_code == 0
+        clean = output_tree(str(tmp_path / "clean"))
+    assert output_tree(target) == clean
+
+
+def test_a_replacement_of_another_revision_is_refused(tiny, tmp_path):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    shutil.copytree(tiny[0], src)
+    shard = expert_shards(src)[-1]
+    path, _, _ = plant_nan(src, shard)
+    assert run(src, dst, "nvfp4").exit_code == 1
+    with open(path, "ab") as f:   # not the shard the conversion began with
+        f.write(b"\0")
+    line = one_line(run(src, dst, "nvfp4", "--resume"))
+    assert "differs in size or header" in line and journal.load(dst)[0].get("damaged"), line

@@ -128,3 +128,33 @@ def test_w4a16_resume_records_the_whole_conversion(tmp_path, monkeypatch):
     assert 0 < len(done) < len(journal.load(dst)[0]["shards"]), "the fault should fall between shards"
     convert(src, dst, "w4a16", Options(), progress=False, resume=True)
     assert output_tree(dst) == output_tree(clean)
+
+
+def test_resumed_summary_counts_kept_and_converted_shards(tiny, tmp_path, monkeypatch):
+    """After --resume the summary says how many shards the earlier run left and how many this one
+    converted, and its rate is over the bytes converted now, not the skipped shards'."""
+    from requant.convert import describe_result, format_result
+
+    src, clean = tiny
+    dst = str(tmp_path / "dst")
+    fresh = describe_result(convert(src, str(tmp_path / "fresh"), "nvfp4", Options(), progress=False))
+    shards = fresh["shards_converted"]
+    assert fresh["shards_kept"] == 0 and fresh["bytes_converted"] == fresh["bytes_out"]
+    assert "kept" not in format_result(fresh)
+
+    monkeypatch.setattr(fsutil, "_fault_steps", 0)
+    monkeypatch.setenv("REQUANT_TEST_FAULT", "enospc@20")   # a few shards in
+    with pytest.raises(RequantError, match="No space left"):
+        convert(src, dst, "nvfp4", Options(), progress=False)
+    monkeypatch.delenv("REQUANT_TEST_FAULT")
+    states = journal.load(dst)[0]["shards"]
+    kept = [s["name"] for s in states if s["done"]]
+    assert 0 < len(kept) < shards
+    d = describe_result(convert(src, dst, "nvfp4", Options(), progress=False, resume=True))
+    assert output_tree(dst) == clean
+    now = sum(os.path.getsize(os.path.join(dst, s["name"])) for s in states if not s["done"])
+    assert (d["shards_kept"], d["shards_converted"], d["bytes_converted"]) == (len(kept), shards - len(kept), now)
+    assert now < d["bytes_out"]
+    line = format_result({**d, "seconds": 2**-10})   # rates far apart: bytes now vs all
+    assert f"{len(kept)} shards kept from the earlier run, {shards - len(kept)} converted now" in line, line
+    assert f"({now * 2**10 / 2**20:,.0f} MiB/s over the shards converted now)" in line, line

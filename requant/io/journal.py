@@ -6,6 +6,13 @@ fingerprint and, for in-place and streamed conversions whose source shards disap
 plan needs to be rebuilt. `journal.json` beside it is small and rewritten atomically after each
 step: mode, options, requant version, the digest of source.json and each shard's state.
 While this folder exists the directory is an unfinished conversion, never a checkpoint.
+
+A conversion that stopped on damaged source bytes marks its journal `damaged` (which file,
+tensor, byte, and the file's size and mtime then): resuming is refused while that file is
+unchanged. A shard replaced since (same size and header, a new mtime: re-downloaded) is accepted
+through `replaced`, the new mtime that overrides the snapshot's (source.json itself is written
+once; one journal write records the change, so a crash leaves either state).
+`lock.json` is the conversion lock's holder (fsutil.DirLock), present while a run holds it.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from requant.io.fsutil import atomic_write, atomic_write_json, fsync_dir
 JOURNAL_DIR = ".requant-convert"
 JOURNAL = "journal.json"
 SNAPSHOT = "source.json"
+LOCK = "lock.json"
 FORMAT = 1
 
 
@@ -68,6 +76,9 @@ def load(target: str) -> tuple[dict, dict]:
         raise ValueError(f"{path_of(target, JOURNAL)} is not a requant journal of format {FORMAT}")
     if journal.get("snapshot_sha256") != digest(snapshot):
         raise ValueError(f"{path_of(target, SNAPSHOT)} does not match its journal")
+    for entry in snapshot.get("shards", []):   # source shards replaced after a damaged-source stop
+        if entry.get("name") in (journal.get("replaced") or {}):
+            entry["mtime_ns"] = journal["replaced"][entry["name"]]
     return journal, snapshot
 
 
@@ -77,6 +88,9 @@ def progress_message(target: str) -> str:
         with open(path_of(target, JOURNAL), "rb") as f:
             journal = json.load(f)
         done = sum(1 for s in journal["shards"] if s["done"])
+        if journal.get("damaged"):
+            return (f"conversion stopped on a damaged source: {done} of {len(journal['shards'])} shards done; "
+                    f"{damage_advice(journal)}")
         return (f"conversion in progress: {done} of {len(journal['shards'])} shards, "
                 f"resume with `{journal['resume']}`")
     except (OSError, ValueError, KeyError, TypeError):
@@ -86,3 +100,22 @@ def progress_message(target: str) -> str:
 def remove(target: str) -> None:
     shutil.rmtree(path_of(target))
     fsync_dir(target)
+
+
+def damage_advice(journal: dict) -> str:
+    """What to do about the damaged source shard a journal is marked with."""
+    d = journal["damaged"]
+    folder = os.path.dirname(d["file"]) or "."
+    if journal.get("mode") == "in-place":   # half converted: verify cannot open it until it is finished
+        check = (f"resume with `{journal['resume']}` (it reads the new file and stops here again if it is still "
+                 f"damaged), then check the result with `requant verify {folder}`")
+    else:
+        check = f"check it with `requant verify {folder}`, then resume with `{journal['resume']}`"
+    return (f"{describe_damage(d)}; resuming will not help until {d['file']} is replaced: re-download that "
+            f"shard (the same file name), {check}")
+
+
+def describe_damage(d: dict) -> str:
+    where = ", ".join(p for p in (f"file {d['file']}", f"tensor {d['tensor']}" if d.get("tensor") else "",
+                                  f"byte offset {d['offset']:,}" if d.get("offset") is not None else "") if p)
+    return f"{where}: {d['reason']}"

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from requant import __version__, formats, sources
-from requant.errors import FormatError, UnsupportedError
+from requant.errors import FormatError, RequantError, UnsupportedError
 from requant.io.checkpoint import Checkpoint
 from requant.io.safetensors import TensorSpec
 from requant.model import Expert, ModelSpec
@@ -240,11 +240,12 @@ class Target:
             if block not in self._bounds:
                 norm_name = self.model.moe_input_norm(block)
                 if norm_name not in self.source.locations:
-                    raise FormatError("needed for the data-free input_scale bound but missing "
+                    # not FormatError: the shards are not damaged, and --input-scale is the way on
+                    raise RequantError("needed for the data-free input_scale bound but missing "
                                       "(pass --input-scale VALUE to set a constant)", tensor=norm_name)
                 absmax = float(self.source.tensor(norm_name).float().abs().max())
                 if not (absmax > 0 and absmax < float("inf")):
-                    raise FormatError(f"max |weight| is {absmax}, which gives no usable input_scale bound "
+                    raise RequantError(f"max |weight| is {absmax}, which gives no usable input_scale bound "
                                       "(pass --input-scale VALUE)", tensor=norm_name)
                 self._bounds[block] = self.model.activation_bounds(absmax)
         return {p: b / (6.0 * 448.0) for p, b in self._bounds[block].items()}
