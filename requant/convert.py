@@ -301,10 +301,13 @@ def _open_source(src: str, target: str, in_place: bool, resume: bool, request: d
     return Checkpoint.from_snapshot(src, snapshot), snapshot
 
 
-# Journaled option -> the command-line flag that sets it, and how its value is spelled there.
-_OPTION_FLAGS = {"in": ("--in", str), "out": ("--out", str), "mtp": ("--mtp", str),
-                 "input_scale": ("--input-scale", str), "extra.group_size": ("--group-size", str),
-                 "extra.scheme": ("--scheme", str), "extra.top_exponent": ("--scale-headroom", lambda v: str(8 - v))}
+def _option_flag(path: str) -> str:
+    """The command-line flag of a journaled option: its field name, dashed (`target.group_size`:
+    the target options dataclass's field, `--group-size`), as the CLI names every option."""
+    return "--" + path.rsplit(".", 1)[-1].replace("_", "-")
+
+
+_OPTIONS_AT_TOP = ("in", "out", "mtp", "input_scale", "engine", "force")   # request["options"]' own keys
 
 
 def _differences(then, now, path: str = "") -> list[str]:
@@ -315,9 +318,9 @@ def _differences(then, now, path: str = "") -> list[str]:
                 for d in _differences(then.get(key), now.get(key), f"{path}.{key}" if path else str(key))]
     if then == now:
         return []
-    name, spell = _OPTION_FLAGS.get(path, (path, str))
+    name = _option_flag(path) if path in _OPTIONS_AT_TOP or path.startswith("target.") else path
     def shown(v):
-        return "default" if v is None else spell(v)
+        return "default" if v is None else str(v)
     return [f"{name + ' ' if name else ''}{shown(then)} then, {shown(now)} now"]
 
 

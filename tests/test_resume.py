@@ -158,3 +158,25 @@ def test_resumed_summary_counts_kept_and_converted_shards(tiny, tmp_path, monkey
     line = format_result({**d, "seconds": 2**-10})   # rates far apart: bytes now vs all
     assert f"{len(kept)} shards kept from the earlier run, {shards - len(kept)} converted now" in line, line
     assert f"({now * 2**10 / 2**20:,.0f} MiB/s over the shards converted now)" in line, line
+
+
+def test_resume_with_other_options_names_their_flags(tmp_path, monkeypatch):
+    """The refusal names each differing option by the flag that sets it, target options included."""
+    from requant.targets.w4a16 import W4A16Options
+
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    synth.write_checkpoint(src, synth.Dims(layers=2, experts=6), seed=5)
+    monkeypatch.setattr(fsutil, "_fault_steps", 0)
+    monkeypatch.setenv("REQUANT_TEST_FAULT", f"kill@{10**9}")   # counts the durable steps only
+    convert(src, str(tmp_path / "clean"), "w4a16", Options(target=W4A16Options(32, "sym")), progress=False)
+    steps = fsutil._fault_steps
+    monkeypatch.setattr(fsutil, "_fault_steps", 0)
+    monkeypatch.setenv("REQUANT_TEST_FAULT", f"enospc@{steps // 2}")
+    with pytest.raises(RequantError, match="No space left"):
+        convert(src, dst, "w4a16", Options(target=W4A16Options(32, "sym")), progress=False)
+    monkeypatch.delenv("REQUANT_TEST_FAULT")
+    with pytest.raises(RequantError, match="started differently") as refused:
+        convert(src, dst, "w4a16", Options(target=W4A16Options(128, "asym"), mtp="keep"), progress=False, resume=True)
+    message = str(refused.value)
+    for said in ("--group-size 32 then, 128 now", "--scheme sym then, asym now", "--mtp default then, keep now"):
+        assert said in message, message
