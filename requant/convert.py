@@ -33,6 +33,7 @@ from requant.io.fsutil import (DirLock, atomic_write, atomic_write_json, fault_p
 from requant.io.safetensors import ShardWriter, encode_header, read_header
 from requant.plan import Plan, ShardPlan, make_plan
 from requant.targets import Options, Stats
+from requant.verify import OutputRejected, check_written
 from requant.workers import Encoders
 
 PARTIAL_SUFFIX = ".partial"
@@ -105,6 +106,7 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
     `workers` (default: one per core) encode in parallel (workers.py); `options.device` says where.
     """
     started = time.monotonic()
+    given_src = src   # as the user named it, for the card's command line (a Hub source becomes a snapshot path)
     in_place = dst is None
     target = src if in_place else dst
     given_in = f" --in {in_format}" if in_format else ""
@@ -144,6 +146,7 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
         journaled = resume
         plan = make_plan(source, out_format, options, in_format)
         plan.label = request.get("source") or src
+        plan.run = {"source": given_src, "destination": dst, "in_place": in_place}
         entries = {e["name"]: e for e in snapshot["shards"]}
         _drop_leftovers(plan, target)
         done = [_shard_done(shard, target, in_place, entries[shard.name]) for shard in plan.shards]
@@ -169,6 +172,8 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
         if not journaled or e.damage is None:
             raise
         raise _stop_damaged(e, target, in_place, created) from None
+    except OutputRejected as e:   # resuming would write the same bytes and be rejected again
+        raise Stopped(f"{e}; delete {target} to start over", 1) from None
     except (RequantError, OSError) as e:
         if not journaled or isinstance(e, Stopped):
             raise
@@ -452,7 +457,10 @@ def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, a
         copy_ancillary(plan.source.path, target, ancillary)
     else:
         _set_aside_source_card(target)
-    finish_metadata(target, final_metadata(plan, stats))   # after the shards: a target may summarise them
+    files = final_metadata(plan, stats)
+    # verify's own checks on what was written, before config.json and the index make it loadable
+    check_written(target, files, force=plan.target.options.force)
+    finish_metadata(target, files)   # after the shards: a target may summarise them
     journal.remove(target)
     converted = [shard for shard in plan.shards if shard.name not in kept]
     return Result(plan, stats, plan.input_bytes, _dir_tensor_bytes(target, plan), time.monotonic() - started,

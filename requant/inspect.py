@@ -6,7 +6,8 @@ import os
 from collections import defaultdict
 
 from requant import sources
-from requant.errors import RequantError
+from requant.diagnosis import path_problem
+from requant.errors import CheckpointError, RequantError
 from requant.card import recorded_engine
 from requant.io.checkpoint import Checkpoint
 from requant.model import ModelSpec
@@ -14,6 +15,9 @@ from requant.plan import expert_codec
 
 
 def inspect_checkpoint(path: str) -> dict:
+    problem = path_problem(path)   # a missing path, a file, an unfinished conversion: verify's words
+    if problem is not None:
+        raise CheckpointError(problem, file=path)
     with Checkpoint.open(path) as ck:
         by_dtype: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         for header in ck.headers.values():
@@ -42,7 +46,8 @@ def inspect_checkpoint(path: str) -> dict:
             "routed_experts": sum(reader.expert_count(e, ck) for e in experts),
             "shards": len(ck.shard_names),
             "tensors": len(ck.locations),
-            "tensor_bytes": ck.tensor_bytes,
+            "tensor_bytes": ck.tensor_bytes,                                          # tensor data
+            "file_bytes": sum(h.file_size for h in ck.headers.values()),              # shard file sizes
             "index_total_size": ck.index_metadata.get("total_size"),
             "dtypes": {k: {"tensors": v[0], "bytes": v[1]} for k, v in sorted(by_dtype.items())},
             "quantization_config": {
@@ -67,13 +72,14 @@ def format_report(info: dict) -> str:
         f"model          {info['model'] or info['model_type']} (recipe: {info['recipe'] or 'none'})",
         f"experts        {info['routed_experts']:,} routed experts, format {info['expert_format'] or 'unknown'}"
         + "".join(f"; {n} layers {fmt}" for fmt, n in info["expert_blocks_by_format"].items()),
-        f"shards         {info['shards']}  tensors {info['tensors']:,}  bytes {info['tensor_bytes']:,}",
+        f"shards         {info['shards']}  tensors {info['tensors']:,}",
+        f"bytes          tensor data {info['tensor_bytes']:,}; shard file sizes {info['file_bytes']:,}",
     ]
     if info["index_total_size"] is not None and info["index_total_size"] != info["tensor_bytes"]:
-        lines.append(f"WARNING        index total_size {info['index_total_size']:,} differs from the shards")
+        lines.append(f"WARNING        index total_size {info['index_total_size']:,} differs from the shards' tensor data")
     lines.append("dtypes")
     for dtype, v in info["dtypes"].items():
-        lines.append(f"  {dtype:<9} {v['tensors']:>8,} tensors {v['bytes']:>18,} bytes")
+        lines.append(f"  {dtype:<9} {v['tensors']:>8,} tensors {v['bytes']:>18,} bytes of tensor data")
     qc = info["quantization_config"]
     lines.append("quantization   " + (", ".join(f"{k}={v}" for k, v in qc.items()) if qc else "none"))
     if info["made_for"]:

@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from requant import formats, sources
-from requant.errors import FormatError, UnsupportedError
+from requant.errors import FormatError, UnsupportedCheckpoint, UnsupportedError
 from requant.io.checkpoint import Checkpoint
 from requant.io.safetensors import TensorSpec, encode_header
 from requant.model import Expert, ModelSpec
@@ -40,6 +40,10 @@ class Plan:
     source_format: str                      # the source codec's name
     counts: Counter = field(default_factory=Counter)
     label: str = ""                         # how the output's card names the source (path or repo@commit)
+    in_format: str | None = None            # --in as given (None: not given)
+    # how convert was run, for the card's command line: {"source": SRC as given, "destination":
+    # DST (None in place), "in_place": bool}; empty: unknown (the card shows DST)
+    run: dict = field(default_factory=dict)
 
     @property
     def weight_map(self) -> dict[str, str]:
@@ -78,7 +82,7 @@ def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: 
     experts = reader.experts(source.names)
     found = expert_codec(model, source, experts)
     if found is None:
-        raise UnsupportedError(f"{source.path}: no routed experts in a known format were found")
+        raise UnsupportedCheckpoint(f"{source.path}: no routed experts in a known format were found")
     if in_format not in (None, found.name):
         raise UnsupportedError(f"{source.path}: routed experts are stored as {found.name}, not {in_format} "
                                f"(--in {in_format})")
@@ -123,7 +127,12 @@ def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: 
                 counts["passed through" if unit.encode is None else "rewritten"] += 1
                 units.append(unit)
         shards.append(ShardPlan(shard_name, units))
-    return Plan(source, model, target, shards, blocks, found.name, counts, label=source.path)
+    plan = Plan(source, model, target, shards, blocks, found.name, counts, label=source.path, in_format=in_format)
+    # verify's own checks on what this plan writes, before a byte is written: an output verify
+    # would reject is refused here, in one line (the same rules verify applies afterwards)
+    from requant.verify import check_conversion_plan
+    check_conversion_plan(plan)
+    return plan
 
 
 def _check_config_values(model: ModelSpec) -> None:

@@ -15,6 +15,10 @@ from requant.targets import Options
 from requant.verify import verify
 from tests.conftest import run_cli
 
+from requant import engines as _engines  # noqa: E402
+
+VLLM = f"vLLM {_engines.releases('vllm')[-1]}"   # the release a bare --engine vllm means here (none installed)
+
 DIMS = synth.Dims(layers=2, experts=6, hash_layers=1)
 UPSTREAM = "# DeepSeek-V4-Flash\n\nThe upstream card, with its license.\n"
 
@@ -34,9 +38,9 @@ def read(path, name):
 
 
 @pytest.mark.parametrize("args, engine, mtp_row", [
-    (["--out", "nvfp4"], "vLLM 0.33.0", "| routed experts (MTP block) | NVFP4"),
+    (["--out", "nvfp4"], VLLM, "| routed experts (MTP block) | NVFP4"),
     (["--out", "nvfp4", "--engine", "sglang"], "SGLang 0.5.23", "| routed experts (MTP block) | MXFP4 (kept"),
-    (["--out", "w4a16", "--group-size", "32"], "vLLM 0.33.0", "| routed experts (MTP block) | INT4 W4A16"),
+    (["--out", "w4a16", "--group-size", "32"], VLLM, "| routed experts (MTP block) | INT4 W4A16"),
     (["--out", "w4a16", "--group-size", "32", "--engine", "sglang"], "SGLang 0.5.23", "| routed experts (MTP block) | INT4 W4A16"),
 ])
 def test_card_and_record(source, tmp_path, args, engine, mtp_row):

@@ -38,9 +38,9 @@ def forward_section(src: str, dst: str, blocks: list[str], tokens: int = 64,
     device = f"cuda ({torch.cuda.get_device_name()})" if gpu else "cpu (torch reference, kernel not run)"
     return {
         "status": "run", "device": device,
-        "what": f"requant validate: {tokens} tokens through each MoE layer (router, routed experts in requant's "
-                f"fused-MoE kernel, shared expert), {len(chosen)} of {len(blocks)} selected layers"
-                + ("" if gpu else "; CPU subsample, no GPU used"),
+        "what": f"requant validate: {tokens} tokens through each MoE layer (router, routed experts "
+                + ("in requant's fused-MoE kernel" if gpu else "in the torch reference") + ", shared expert), "
+                f"{len(chosen)} of {len(blocks)} selected layers" + ("" if gpu else "; CPU subsample, no GPU used"),
         "passed": all(r.passed for r in result.layers),
         "by_layer": [{"block": r.layer, "rel_error": r.rel_err, "max_abs_error": r.max_abs_err, "cosine": r.cosine,
                       "routing_agreement": r.routing_agreement, "passed": r.passed,

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from requant import __version__, formats, sources, workers as worker_pools
 from requant.compute import compute_device, default_workers, torch_threads
-from requant.errors import UnsupportedError
+from requant.errors import UnsupportedCheckpoint
 from requant.io.checkpoint import Checkpoint
 from requant.model import Expert, ModelSpec
 from requant.report import native, weights
@@ -49,7 +49,7 @@ def _codecs(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, proj: str, w
     """The two sides' codecs of one projection; a one-line error when either is not recognised."""
     ca, cb = _codec_of(src, a.parts[proj]), _codec_of(dst, b.parts[proj])
     if ca is None or cb is None:
-        raise UnsupportedError(f"{where}, {proj}: format not recognised "
+        raise UnsupportedCheckpoint(f"{where}, {proj}: format not recognised "
                                f"({ca.name if ca else 'unknown'} vs {cb.name if cb else 'unknown'})")
     return ca, cb
 
@@ -164,7 +164,7 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
         blocks = model.select_blocks(layers, list(dict.fromkeys(b for b, _ in common)))
         selected = [k for k in common if k[0] in blocks]
         if not selected:
-            raise UnsupportedError(f"{src_path} and {dst_path} share no routed experts to compare")
+            raise UnsupportedCheckpoint(f"{src_path} and {dst_path} share no routed experts to compare")
         projections = model.projections
         per = {}   # (block, expert) -> {proj: ErrorSums}
         nbytes = sum(dst.info(n).nbytes for k in selected for p in dst_experts[k].parts.values() for n in p.values())
@@ -199,9 +199,11 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
                            "candidate": _codec_name(dst, dst_experts[k].parts[projections[0]])}
                        for k in selected for b in [k[0]]}
         n_experts = model.value("num_experts")
+        dst_config = dst.config
     report = _assemble(src_path, dst_path, model, blocks, per, codec_names, unmatched, n_experts,
                        layers, time.monotonic() - started, nbytes)
     report["timing"]["comparison"] = comparison
+    report["candidate"].update(format_params(dst_config))
     return report
 
 
@@ -251,6 +253,19 @@ def _assemble(src_path, dst_path, model, blocks, per, codec_names, unmatched, n_
         "forward": None,
         "timing": {"weights_seconds": seconds, "expert_bytes_read": nbytes},
     }
+
+
+def format_params(config: dict) -> dict:
+    """A lossy-by-design candidate's parameters its headline is judged by: W4A16's group size and
+    scheme (from config.json's INT4 config group); {} for the others."""
+    from requant.engine_check import int4_groups
+
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    for group in int4_groups(qc if isinstance(qc, dict) else {}).values():
+        weights = group.get("weights") or {}
+        if isinstance(weights.get("group_size"), int):
+            return {"group_size": weights["group_size"], "scheme": "sym" if weights.get("symmetric", True) else "asym"}
+    return {}
 
 
 def _main_format(by_layer, key):

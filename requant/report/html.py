@@ -13,7 +13,8 @@ import io
 import os
 
 from requant.extras import MissingExtra, install_hint, require
-from requant.report.render import (METRIC_COLUMNS, NOTE, forward_table, forward_verdict, is_exact, metric_rows,
+from requant.report.render import (METRIC_COLUMNS, NOTE, forward_table, forward_verdict, is_exact, lossy_standing,
+                                   metric_rows,
                                    paths_table, paths_verdict, served_table, verdict)
 
 PLOTS = {
@@ -171,7 +172,7 @@ def page(report: dict, pngs: dict[str, bytes], missing_plots: str | None = None)
 <html lang="en"><head><meta charset="utf-8"><title>requant accuracy report</title>
 <style>{STYLE}</style></head><body>
 <h1>requant accuracy report</h1>
-<p class="verdict {'exact' if exact else 'inexact'}"><b>{html.escape(verdict(report))}</b><br>
+<p class="verdict {'exact' if exact or lossy_standing(report) == 'as-expected' else 'inexact'}"><b>{html.escape(verdict(report))}</b><br>
 {html.escape(forward_verdict(forward))}</p>
 <p>source <code>{html.escape(src['path'])}</code> ({html.escape(str(src['format']))})<br>
 candidate <code>{html.escape(dst['path'])}</code> ({html.escape(str(dst['format']))})<br>

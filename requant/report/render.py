@@ -30,13 +30,51 @@ def is_exact(metrics: dict) -> bool:
     return bool(metrics["blocks"]) and metrics["exact_blocks"] == metrics["blocks"] and not metrics["nonfinite"]
 
 
+# The SQNR W4A16 INT4 reaches at best against an MXFP4 source, by group size and scheme: the exhaustive
+# scale search's optimum (the format's ceiling for round-to-nearest codes) on synthetic DeepSeek-V4-size
+# projections (docs/w4a16.md, scripts/bench_w4a16.py); README "Format facts" quotes them.
+W4A16_BEST_SQNR_DB = {(32, "sym"): 20.84, (32, "asym"): 23.24, (64, "sym"): 19.01, (64, "asym"): 20.55,
+                      (128, "sym"): 17.52, (128, "asym"): 18.81}
+# within this of the format's best: the conversion is as good as the format allows (synthetic
+# weights of another checkpoint land a few tenths of a dB either side)
+W4A16_TOLERANCE_DB = 1.0
+LOSSY_FORMATS = ("int4",)   # lossy by design against an FP4 source: judged against the format's best
+
+
+def lossy_standing(report: dict) -> str | None:
+    """For a candidate lossy by design: 'as-expected' when its SQNR is within tolerance of what its
+    format and group size reach at best (or above), 'below' when under it, None when it is not such
+    a format or requant has no figure for its parameters."""
+    cand, o = report["candidate"], report["overall"]
+    if cand.get("format") not in LOSSY_FORMATS or o["sqnr_db"] is None or o["nonfinite"]:
+        return None
+    best = W4A16_BEST_SQNR_DB.get((cand.get("group_size"), cand.get("scheme")))
+    if best is None:
+        return None
+    return "as-expected" if o["sqnr_db"] >= best - W4A16_TOLERANCE_DB else "below"
+
+
 def verdict(report: dict) -> str:
-    """One sentence up front: exact, or how far from it and where."""
+    """One sentence up front: for a lossless target, exact or how far from it and where; for a
+    format lossy by design (W4A16), its error against what that format and group size reach at best."""
     o, layers = report["overall"], report["by_layer"]
     scope = f"{report['selection']['experts_compared']:,} experts in {len(layers)} layers"
     if is_exact(o):
         return (f"Exact: every weight of the {scope} decodes identically to the source "
                 f"({o['blocks']:,} scale blocks, error 0).")
+    standing = lossy_standing(report)
+    if standing is not None:
+        cand = report["candidate"]
+        best = W4A16_BEST_SQNR_DB[(cand["group_size"], cand["scheme"])]
+        finite = [layer for layer in layers if layer["metrics"]["sqnr_db"] is not None]
+        worst = min(finite, key=lambda layer: layer["metrics"]["sqnr_db"], default=None)
+        head = ("As expected for the format" if standing == "as-expected"
+                else "Below what the format reaches")
+        return (f"{head}: W4A16 INT4 g{cand['group_size']} {cand['scheme']} is lossy by design; SQNR "
+                f"{o['sqnr_db']:.2f} dB against the source over the {scope}"
+                + (f" (lowest: {worst['block']} {worst['metrics']['sqnr_db']:.2f} dB)" if worst else "")
+                + f", where this format and group size reach {best:.2f} dB at best on DeepSeek-like weights "
+                f"({o['sqnr_db'] - best:+.2f} dB).")
     differ = o["blocks"] - o["exact_blocks"]
     inexact = [layer for layer in layers if not is_exact(layer["metrics"])]
     finite = [layer for layer in inexact if layer["metrics"]["sqnr_db"] is not None]

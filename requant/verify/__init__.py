@@ -21,7 +21,8 @@ from tqdm import tqdm
 from requant import formats, sources
 from requant.compute import torch_threads
 from requant.errors import RequantError
-from requant.io.checkpoint import CONFIG_NAME
+from requant.diagnosis import path_problem, path_problem_line
+from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from requant.model import ModelSpec
 from requant.verify.config_rules import CONFIG_RULES
 from requant.verify.context import Context, Layout, Observed
@@ -29,7 +30,7 @@ from requant.verify.deep import DeepCompare
 from requant.verify.findings import SEVERITIES, Findings
 from requant.verify.judging import judge_engines
 from requant.verify.opener import open_leniently
-from requant.verify.scales import SCALE_CHECKS
+from requant.verify.scales import SCALE_CHECKS, SHAPE_OBSERVATIONS
 from requant.verify.structure import check_structure
 
 
@@ -40,10 +41,30 @@ def verify(path: str, deep: bool = False, source: str | None = None, progress: b
     `engine` (vllm, sglang): judge loading by that engine's rules only, its problems as errors;
     None: the engine requant.json names, else every engine the recipe knows. `gpu` (sm_80 ...):
     also name the MoE kernel each judged engine selects on that GPU family. `device` decodes for
-    --deep (default: CUDA when present)."""
+    --deep (default: CUDA when present).
+
+    A path that is no checkpoint at all (missing, a file, an unfinished conversion) gets one
+    finding and a `diagnosis`, in the words `inspect` and `convert` use (requant.diagnosis)."""
+    problem = path_problem(path)
+    if problem is not None:
+        out = Findings()
+        code = "conversion-in-progress" if os.path.isdir(path) else "no-checkpoint"
+        out.add("error", code, problem)
+        result = {"path": os.path.abspath(path), "format": None, "experts_checked": 0, "deep": None, "engines": {},
+                  "diagnosis": path_problem_line(path)}
+        return _finish(result, out)
+    return _check(path, deep=deep, source=source, progress=progress, engine=engine, gpu=gpu, device=device)
+
+
+def _check(path: str, deep: bool = False, source: str | None = None, progress: bool = True,
+           engine: str | None = None, gpu: str | None = None, device: str | None = None,
+           files: dict | None = None, data: bool = True, engines: bool = True) -> dict:
+    """verify's checks on `path` (a journal there is not looked at). `files` overlays metadata a
+    conversion is about to write; `data` False reads headers only (no scale is read);
+    `engines` False judges no engine."""
     out = Findings()
     result = {"path": os.path.abspath(path), "format": None, "experts_checked": 0, "deep": None, "engines": {}}
-    ck = open_leniently(path, out)
+    ck = open_leniently(path, out, files)
     if ck is not None:
         try:
             try:
@@ -51,13 +72,86 @@ def verify(path: str, deep: bool = False, source: str | None = None, progress: b
             except RequantError as e:
                 out.add("error", "model", "no recipe for this model; expert checks skipped", detail=str(e))
             else:
-                _verify_experts(Context(ck, model, out), result, deep, source, progress, engine, gpu, device)
+                _verify_experts(Context(ck, model, out, files), result, deep, source, progress, engine, gpu, device,
+                                data=data, engines=engines)
         finally:
             ck.close()
+    return _finish(result, out)
+
+
+def _finish(result: dict, out: Findings) -> dict:
     findings = out.sorted()
     result["summary"] = {s: sum(f.count for f in findings if f.severity == s) for s in SEVERITIES}
     result["ok"] = result["summary"]["error"] == 0
     result["findings"] = [asdict(f) for f in findings]
+    return result
+
+
+def _errors_line(result: dict, limit: int = 2) -> str:
+    """A result's errors in one line: the first few kinds, an example each, and how many more."""
+    errors = [f for f in result["findings"] if f["severity"] == "error"]
+    parts = []
+    for f in errors[:limit]:
+        count = f" (x{f['count']:,})" if f["count"] > 1 else ""
+        example = f" [{f['examples'][0]}]" if f["examples"] else ""
+        parts.append(f"{f['code']}: {f['message']}{count}{example}")
+    more = sum(f["count"] for f in errors[limit:])
+    return "; ".join(parts) + (f"; and {more:,} more errors" if more else "")
+
+
+class OutputRejected(RequantError):
+    """What a conversion would write, or has written, fails verify's own checks (exit 1)."""
+
+
+def planned_checkpoint(plan) -> tuple[Checkpoint, dict]:
+    """What `plan` will write, from its specs alone: a Checkpoint of its shard headers (offsets
+    nominal, nothing to read) and the metadata files beside them."""
+    from requant.io.safetensors import Header, TensorInfo
+    from requant.targets import Stats
+
+    headers = {}
+    for shard in plan.shards:
+        tensors = {s.name: TensorInfo(s, 0, s.nbytes) for s in shard.specs}
+        headers[shard.name] = Header(os.path.join(plan.source.path, shard.name), tensors, {}, 0, shard.file_size)
+    stats = Stats()
+    files = dict(plan.target.extra_files(plan.blocks))
+    files[CONFIG_NAME] = plan.target.config(plan.blocks, stats)
+    files[INDEX_NAME] = {"metadata": {**plan.source.index_metadata, "total_size": plan.total_size},
+                         "weight_map": plan.weight_map}
+    locations = {name: shard for name, shard in plan.weight_map.items()}
+    ck = Checkpoint(plan.source.path, files[CONFIG_NAME], [s.name for s in plan.shards], headers, locations,
+                    files[INDEX_NAME]["metadata"], plan.weight_map)
+    return ck, files
+
+
+def check_conversion_plan(plan) -> dict:
+    """Pre-flight: verify's header-level checks (the config rules of the output format, the
+    routed-expert set against config.json, each projection's parts, dtypes and shapes) on what
+    `plan` is about to write, before anything is written. Raises OutputRejected, one line, when
+    they find errors; returns the verify-like result otherwise. Engine verdicts are left to the
+    target's own check (check_engine, which --force overrides)."""
+    ck, files = planned_checkpoint(plan)
+    out = Findings()
+    result = {"path": plan.source.path, "format": None, "experts_checked": 0, "deep": None, "engines": {}}
+    _verify_experts(Context(ck, plan.model, out, files), result, False, None, False, None, None, None,
+                    data=False, engines=False)
+    result = _finish(result, out)
+    if not result["ok"]:
+        raise OutputRejected(f"{plan.source.path}: refused before writing anything: the {plan.target.name} output "
+                             f"would fail `requant verify`: {_errors_line(result)}")
+    return result
+
+
+def check_written(path: str, files: dict | None = None, force: bool = False) -> dict:
+    """After writing: verify's checks on the output at `path`, headers only (the shards as written,
+    `files` — config.json, the index, requant.json... not yet on disk — as they are about to be
+    written), with the engine it was made for unless `force` (the card records what --force
+    overrode). Raises OutputRejected, one line, when verify would reject it; a conversion that
+    calls this before writing config.json and the index leaves nothing loadable behind."""
+    result = _check(path, progress=False, files=files, data=False, engines=not force)
+    if not result["ok"]:
+        raise OutputRejected(f"{path}: the converted checkpoint fails `requant verify`, so it was not finished "
+                             f"(no config.json or index written): {_errors_line(result)}")
     return result
 
 
@@ -76,7 +170,8 @@ def expert_layout(ctx: Context, experts) -> Layout | None:
 
 
 def _verify_experts(ctx: Context, result: dict, deep: bool, source: str | None, progress: bool,
-                    engine: str | None, gpu: str | None, device: str | None) -> None:
+                    engine: str | None, gpu: str | None, device: str | None, data: bool = True,
+                    engines: bool = True) -> None:
     model, out = ctx.model, ctx.out
     experts = sources.reader(model).experts(ctx.ck.names)
     layout = expert_layout(ctx, experts)
@@ -88,14 +183,16 @@ def _verify_experts(ctx: Context, result: dict, deep: bool, source: str | None, 
     _check_expert_set(ctx, experts, layout)
 
     seen = Observed()
-    deep_compare = DeepCompare(ctx, source, device) if deep else None
+    deep_compare = DeepCompare(ctx, source, device) if deep and data else None
     # with --deep the pool's threads are the parallelism: torch's own on top oversubscribe the cores
     with torch_threads(1) if deep else contextlib.nullcontext():
         try:
             for expert in tqdm(experts, unit="expert", desc="verify", disable=not progress, dynamic_ncols=True):
                 codec = layout.codecs_by_block[expert.block]
                 readable = check_structure(ctx, expert, codec)
-                if codec in SCALE_CHECKS:
+                if codec in SHAPE_OBSERVATIONS:
+                    SHAPE_OBSERVATIONS[codec](ctx, expert, list(readable), seen)
+                if data and codec in SCALE_CHECKS:
                     SCALE_CHECKS[codec](ctx, expert, list(readable), seen)
                 if deep_compare:   # decoded by the pool while this loop reads the next experts' scales
                     deep_compare.submit(expert, readable)
@@ -113,11 +210,15 @@ def _verify_experts(ctx: Context, result: dict, deep: bool, source: str | None, 
                     f"{min(values):g} .. {max(values):g}")
     if layout.main in CONFIG_RULES:
         CONFIG_RULES[layout.main](ctx, layout, seen)
-    # An engine verdict on a checkpoint with errors of its own would be said of bytes no engine gets.
-    sound = out.count("error") == 0
-    result["engines"] = judge_engines(ctx, layout, seen, engine, gpu)
-    for verdict in result["engines"].values():
-        verdict["judged"] = sound
+    if engines:
+        # An engine verdict on a checkpoint with errors of its own would be said of bytes no engine
+        # gets: such a verdict is marked unjudged, and says nothing of loading (loads: None).
+        sound = out.count("error") == 0
+        result["engines"] = judge_engines(ctx, layout, seen, engine, gpu)
+        for verdict in result["engines"].values():
+            verdict["judged"] = sound
+            if not sound:
+                verdict["loads"] = None
     if deep_compare:
         result["deep"] = deep_compare.summary()
         blocks_total = sum(s["blocks"] for s in result["deep"].values())
@@ -147,7 +248,8 @@ def _check_expert_set(ctx: Context, experts, layout: Layout) -> None:
             continue
         for i in range(n_experts):
             if (block, i) not in by_key:
-                out.add("error", "missing-expert", "routed expert has no tensors", f"{model.experts_module(block)}.{i}")
+                out.add("error", "missing-expert", f"routed expert has no tensors (config.json's "
+                        f"{model.config_key('num_experts')} is {n_experts})", f"{model.experts_module(block)}.{i}")
         extra = sorted(i for (b, i) in by_key if b == block and i >= n_experts)
         if extra:
             out.add("warning", "extra-expert", "expert index beyond n_routed_experts", model.experts_module(block), str(extra))
@@ -156,6 +258,8 @@ def _check_expert_set(ctx: Context, experts, layout: Layout) -> None:
 def engine_verdict_text(v: dict) -> str:
     """One engine verdict in words: a release requant has not checked, or a checkpoint with errors
     of its own, gets no 'loads it correctly'."""
+    if v.get("no_rules"):
+        return f"not judged: {v['no_rules']}"
     if not v.get("judged", True):
         return "not judged: the checkpoint itself has errors (below)"
     if not v["checked"]:
@@ -165,11 +269,13 @@ def engine_verdict_text(v: dict) -> str:
 
 
 def format_findings(result: dict) -> str:
-    """verify's result as the terminal shows it."""
+    """verify's result as the terminal shows it; a path that is no checkpoint, in one line."""
+    if result.get("diagnosis"):
+        return f"FAILED: {result['diagnosis']}"
     lines = [f"checkpoint  {result['path']}",
              f"experts     {result['experts_checked']:,} checked, format {result['format'] or 'unknown'}"]
     for name, v in result["engines"].items():
-        lines.append(f"{'engine':<12}{name} {v['version']}: {engine_verdict_text(v)}"
+        lines.append(f"{'engine':<12}{(name + ' ' + v['version']).strip()}: {engine_verdict_text(v)}"
                      + (f"; MoE kernel: {v['kernel']['backend']}" + (f" (with {v['kernel']['flags']})" if v['kernel']['flags']
                                                                      else "") if v.get("kernel") else ""))
     for f in result["findings"]:

@@ -4,12 +4,10 @@ vLLM and SGLang read them. Which engine probes reach which group is each engine'
 
 from __future__ import annotations
 
-import os
-
 from requant.engine_check import int4_groups
 from requant.errors import CheckpointError
 from requant.formats import int4, mxfp4, nvfp4
-from requant.io.checkpoint import CONFIG_NAME, read_json
+from requant.io.checkpoint import CONFIG_NAME
 from requant.verify.context import Context, Layout, Observed
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -102,9 +100,8 @@ def _check_modelopt_form(ctx: Context, layout: Layout, qc: dict, expected: dict)
         if codec is nvfp4.CODEC and ctx.model.ignored(module, ignore):
             out.add("error", "ignored-nvfp4", "an ignore pattern matches NVFP4 experts (engines honouring it build "
                     "unquantized experts)", module)
-    path = os.path.join(ctx.ck.path, HF_QUANT_CONFIG)
     try:
-        hf = read_json(path).get("quantization") if os.path.exists(path) else None
+        hf = (ctx.side_file(HF_QUANT_CONFIG) or {}).get("quantization")
     except CheckpointError as e:
         out.add("error", "hf-quant-config", "hf_quant_config.json cannot be read", detail=str(e))
         return
@@ -115,16 +112,16 @@ def _check_modelopt_form(ctx: Context, layout: Layout, qc: dict, expected: dict)
 
 def _check_hf_quant_config(ctx: Context, layout: Layout, qc: dict) -> None:
     out = ctx.out
-    path = os.path.join(ctx.ck.path, HF_QUANT_CONFIG)
-    if not os.path.exists(path):
-        out.add("warning", "hf-quant-config-missing", "no hf_quant_config.json (SGLang reads the NVFP4 details of "
-                "DeepSeek-V4 from it)", HF_QUANT_CONFIG)
-        return
     try:
-        hf = read_json(path).get("quantization")
+        side = ctx.side_file(HF_QUANT_CONFIG)
     except CheckpointError as e:
         out.add("error", "hf-quant-config", "hf_quant_config.json cannot be read", detail=str(e))
         return
+    if side is None:
+        out.add("warning", "hf-quant-config-missing", "no hf_quant_config.json (SGLang reads the NVFP4 details of "
+                "DeepSeek-V4 from it)", HF_QUANT_CONFIG)
+        return
+    hf = side.get("quantization")
     if not isinstance(hf, dict):
         out.add("error", "hf-quant-config", "hf_quant_config.json has no 'quantization' object", HF_QUANT_CONFIG)
         return

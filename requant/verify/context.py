@@ -4,12 +4,13 @@ checkpoint-wide rules need (`Observed`)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from requant import sources
 from requant.engine_check import MarlinSpan
 from requant.formats import Codec
-from requant.io.checkpoint import Checkpoint
+from requant.io.checkpoint import Checkpoint, read_json
 from requant.model import Expert, ModelSpec
 from requant.verify.findings import Findings
 
@@ -19,6 +20,17 @@ class Context:
     ck: Checkpoint
     model: ModelSpec
     out: Findings
+    # metadata files not (yet) on disk, by name: what a conversion is about to write beside its
+    # shards (config.json, the index, hf_quant_config.json, requant.json), read before the disk's
+    files: dict | None = None
+
+    def side_file(self, name: str) -> dict | None:
+        """A JSON file beside the shards (from `files` first), None when there is none;
+        CheckpointError when it cannot be read."""
+        if self.files is not None and name in self.files:
+            return self.files[name]
+        path = os.path.join(self.ck.path, name)
+        return read_json(path) if os.path.exists(path) else None
 
     def where(self, expert: Expert, proj: str | None = None) -> str:
         """How findings name an expert, or a block's stacked experts (or one of its projections)."""

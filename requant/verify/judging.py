@@ -7,6 +7,7 @@ from dataclasses import asdict
 
 from requant import card, engines
 from requant.engine_check import judge
+from requant.errors import UnsupportedError
 from requant.verify.context import Context, Layout, Observed
 
 # Finding codes that stay informational or warnings whichever engine is judged.
@@ -19,9 +20,16 @@ def judge_engines(ctx: Context, layout: Layout, seen: Observed, engine: str | No
     (named, or recorded in requant.json at conversion); with none known, warnings per engine, and
     an error only when no engine loads the checkpoint correctly."""
     model, out = ctx.model, ctx.out
-    made_for = card.recorded_engine(ctx.ck.path) or {}
+    made_for = _made_for(ctx) or {}
     if engine:
-        judged = [model.engine(engine)]
+        try:
+            judged = [model.engine(engine)]
+        except UnsupportedError as e:   # no rules of that release for this model: said, not a usage error
+            name = engines.parse_spec(engine)[0]
+            out.add("warning", "no-engine-rules", f"not judged: {e}", name)
+            return {name: {"engine": name, "version": engines.parse_spec(engine)[1] or "", "label": name, "checked": False,
+                           "rules_version": "", "loads": None, "problems": [], "kernel": None,
+                           "marlin_flushed_blocks": 0, "no_rules": str(e)}}
     elif made_for.get("name") in model.engine_names:
         # the release it was made for, unless another release of that engine is installed here
         name = made_for["name"]
@@ -35,6 +43,11 @@ def judge_engines(ctx: Context, layout: Layout, seen: Observed, engine: str | No
         verdict, found = judge(rules, model, ctx.ck.config, layout.formats_by_block, layout.main.name,
                                seen.spans, gpu, scale_names)
         verdicts[rules.name] = asdict(verdict)
+        if gpu is not None and not rules.has_kernel_rules(layout.main.name):
+            note = (f"{rules.label}: requant has no MoE kernel rules for {model.name} {layout.main.name} experts "
+                    f"on this release, so it names no kernel for {gpu}")
+            verdicts[rules.name]["no_kernel_rules"] = note
+            out.add("info", "no-kernel-rules", note)
         for code, message, where, detail in found:
             severity = ("info" if code in _INFO_CODES else "warning" if code in _WARNING_CODES
                         else "error" if strict else "warning")
@@ -43,6 +56,14 @@ def judge_engines(ctx: Context, layout: Layout, seen: Observed, engine: str | No
         out.add("error", "no-engine", "no engine release requant knows loads this checkpoint correctly (see the "
                 "warnings above)")
     return verdicts
+
+
+def _made_for(ctx: Context) -> dict | None:
+    """The engine requant.json names (a conversion's about-to-be-written one first)."""
+    if ctx.files is not None and card.PROVENANCE_NAME in ctx.files:
+        engine = (ctx.files[card.PROVENANCE_NAME] or {}).get("engine")
+        return engine if isinstance(engine, dict) and isinstance(engine.get("name"), str) else None
+    return card.recorded_engine(ctx.ck.path)
 
 
 def fp8_linear_scale_names(ctx: Context) -> set[str]:

@@ -11,14 +11,20 @@ from requant.io.safetensors import read_header
 from requant.verify.findings import Findings
 
 
-def open_leniently(path: str, out: Findings) -> Checkpoint | None:
-    """Open what can be opened, reporting every unreadable shard or index mismatch as a finding."""
+def open_leniently(path: str, out: Findings, files: dict | None = None) -> Checkpoint | None:
+    """Open what can be opened, reporting every unreadable shard or index mismatch as a finding.
+    `files`: config.json and the index as a conversion is about to write them, read instead of
+    the disk's (whose shards are read as they are)."""
+    files = files or {}
     try:
-        config = read_json(os.path.join(path, CONFIG_NAME))
+        config = files[CONFIG_NAME] if CONFIG_NAME in files else read_json(os.path.join(path, CONFIG_NAME))
         index_path = os.path.join(path, INDEX_NAME)
-        if not os.path.exists(index_path):
+        if INDEX_NAME in files:
+            index = files[INDEX_NAME]
+        elif not os.path.exists(index_path):
             return Checkpoint.open(path)   # single-file checkpoint: nothing to cross-check
-        index = read_json(index_path)
+        else:
+            index = read_json(index_path)
     except CheckpointError as e:
         out.add("error", "unreadable", "checkpoint cannot be opened", detail=str(e))
         return None

@@ -101,9 +101,18 @@ def check_w4a16_scales(ctx: Context, expert: Expert, projs: list[str], seen: Obs
         if shape != list(ctx.logical_shape(proj)):
             ctx.out.add("error", "weight-shape-value", "weight_shape does not hold the logical [out, in] shape",
                         f"{prefix}.weight_shape", f"{shape}, expected {list(ctx.logical_shape(proj))}")
+
+
+def observe_w4a16_shapes(ctx: Context, expert: Expert, projs: list[str], seen: Observed) -> None:
+    """What the config rules compare the W4A16 experts with, from the headers alone: the group
+    size the scale shapes give, and whether zero points are stored."""
+    for proj in projs:
+        parts = expert.parts[proj]
         params = int4.CODEC.params_from_shapes({p: ctx.ck.info(n).spec.shape for p, n in parts.items()})
         seen.group_sizes.add(params.group_size)
         seen.zero_points = seen.zero_points or params.zero_points
 
 
+# header-only observations, made whether or not the scales are read
+SHAPE_OBSERVATIONS = {int4.CODEC: observe_w4a16_shapes}
 SCALE_CHECKS = {nvfp4.CODEC: check_nvfp4_scales, mxfp4.CODEC: check_mxfp4_scales, int4.CODEC: check_w4a16_scales}
