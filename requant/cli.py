@@ -206,11 +206,11 @@ def cli():
 @click.option("--experts", type=click.IntRange(1, 4096),
               help=f"Routed experts per layer (default {_reduced_default('experts')}; the model's own at full scale).")
 @click.option("--hidden", type=click.IntRange(1, 65536),
-              help=f"hidden_size, a multiple of 128 (gpt-oss: of 32) (default {_reduced_default('hidden')}; the "
-                   "model's own at full scale).")
+              help=f"hidden_size, a multiple of the model's quantization block, which an error names (default "
+                   f"{_reduced_default('hidden')}; the model's own at full scale).")
 @click.option("--intermediate", type=click.IntRange(1, 65536),
-              help=f"moe_intermediate_size, a multiple of 128 (gpt-oss: of 32) (default "
-                   f"{_reduced_default('intermediate')}; the model's own at full scale).")
+              help=f"moe_intermediate_size, a multiple of the model's quantization block, which an error names "
+                   f"(default {_reduced_default('intermediate')}; the model's own at full scale).")
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Random seed; same seed, same bytes.")
 @click.option("--full-scale", is_flag=True, help="The named model's own dimensions, as released "
               "(hundreds of GB; --sparse writes the layout alone).")
@@ -265,8 +265,8 @@ def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_sc
                    "Default: what --engine loads them as (vllm: convert; sglang: keep). A choice the engine "
                    "would load as garbage is refused unless --force.")
 @click.option("--force", is_flag=True, help="Write a layout that --engine would load wrongly or cannot serve (MTP "
-              "experts in the other format than it loads them as; gpt-oss NVFP4 for vLLM); the card and requant.json "
-              "record why.")
+              "experts in the other format than it loads them as, or an output format that release cannot serve "
+              "for the model); the card and requant.json record why.")
 @click.option("--input-scale", type=float, default=None, help=INPUT_SCALE_HELP)
 @click.option("--scale-headroom", type=click.IntRange(0, 8), default=0, show_default=True,
               help="NVFP4: place the largest block scale at 2^(8-N) instead of 2^8, at the cost of an N-step "

@@ -10,6 +10,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
+from requant.formats.int4 import CODEC as _INT4
 from requant import card, synth
 from requant.cli import cli
 from requant.convert import convert
@@ -205,6 +206,9 @@ def test_verify_gpu_on_gptoss_reports(gptoss, engine):
 
 # 4. the report headline fits the format ---------------------------------------------------------
 
+W4A16 = _INT4.name
+
+
 def _report(fmt, sqnr, group=None, scheme=None):
     metrics = {"blocks": 100, "exact_blocks": 1, "nonfinite": 0, "sqnr_db": sqnr, "max_abs_error": 0.1}
     cand = {"format": fmt} | ({"group_size": group, "scheme": scheme} if group else {})
@@ -213,10 +217,10 @@ def _report(fmt, sqnr, group=None, scheme=None):
 
 
 def test_w4a16_headline_is_against_the_formats_best():
-    text = verdict(_report("int4", 17.5, 128, "sym"))
+    text = verdict(_report(W4A16, 17.5, 128, "sym"))
     assert not text.startswith("Not exact") and "lossy by design" in text and "17.52 dB at best" in text
     assert text.startswith("As expected")
-    assert verdict(_report("int4", 12.0, 128, "sym")).startswith("Below what the format reaches")
+    assert verdict(_report(W4A16, 12.0, 128, "sym")).startswith("Below what the format reaches")
     assert verdict(_report("nvfp4", 40.0)).startswith("Not exact")   # lossless target: exactness first
 
 

@@ -7,6 +7,8 @@ in the source format (32 for MXFP4, 16 for NVFP4, the group for W4A16).
 
 from __future__ import annotations
 
+from requant.formats import int4
+
 METRIC_COLUMNS = (("exact_block_fraction", "exact scale blocks"), ("sqnr_db", "SQNR dB"), ("rel_rmse", "rel RMSE"),
                   ("max_abs_error", "max abs error"), ("cosine", "cosine"))
 
@@ -38,7 +40,7 @@ W4A16_BEST_SQNR_DB = {(32, "sym"): 20.84, (32, "asym"): 23.24, (64, "sym"): 19.0
 # within this of the format's best: the conversion is as good as the format allows (synthetic
 # weights of another checkpoint land a few tenths of a dB either side)
 W4A16_TOLERANCE_DB = 1.0
-LOSSY_FORMATS = ("int4",)   # lossy by design against an FP4 source: judged against the format's best
+LOSSY_FORMATS = (int4.CODEC.name,)   # lossy by design against an FP4 source: judged against the format's best
 
 
 def lossy_standing(report: dict) -> str | None:
@@ -73,7 +75,7 @@ def verdict(report: dict) -> str:
         return (f"{head}: W4A16 INT4 g{cand['group_size']} {cand['scheme']} is lossy by design; SQNR "
                 f"{o['sqnr_db']:.2f} dB against the source over the {scope}"
                 + (f" (lowest: {worst['block']} {worst['metrics']['sqnr_db']:.2f} dB)" if worst else "")
-                + f", where this format and group size reach {best:.2f} dB at best on DeepSeek-like weights "
+                + f", where this format and group size reach {best:.2f} dB at best on requant's synthetic weights "
                 f"({o['sqnr_db'] - best:+.2f} dB).")
     differ = o["blocks"] - o["exact_blocks"]
     inexact = [layer for layer in layers if not is_exact(layer["metrics"])]
