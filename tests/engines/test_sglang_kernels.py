@@ -13,9 +13,7 @@ import copy
 
 import pytest
 
-from requant import engines, synth
-from requant.convert import convert
-from requant.targets import Options
+from requant import engines
 from tests.engines import wheels
 
 if not wheels.available("sglang"):
@@ -24,6 +22,7 @@ if not wheels.available("sglang"):
 
 from tests.engines import sglang_kernels as K  # noqa: E402
 from tests.engines.sglang_harness import reset  # noqa: E402
+from tests.engines.outputs import SMALL, per_format, source_and_outputs  # noqa: E402
 
 if not K.flashinfer_available():
     pytest.skip(f"flashinfer_python=={K.flashinfer_pin()} (sglang {K.release()}'s pin) wheel not in {wheels.CACHE}",
@@ -47,14 +46,7 @@ def _engine_stand_ins():
 
 @pytest.fixture(scope="module")
 def engine_table(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sglang_kernels")
-    src = str(root / "src")
-    synth.write_checkpoint(src, synth.Dims(layers=3, hash_layers=2), seed=3)
-    ckpts = {"mxfp4": src}
-    for fmt in ("nvfp4", "w4a16"):
-        ckpts[fmt] = str(root / fmt)
-        convert(src, ckpts[fmt], fmt, Options(engine="sglang"), progress=False)
-    return K.table(ckpts)
+    return K.table(source_and_outputs(tmp_path_factory.mktemp("sglang_kernels"), SMALL, 3, per_format("sglang")))
 
 
 def test_kernel_table_is_the_engines(engine_table):

@@ -28,6 +28,7 @@ if not wheels.available("sglang"):
                 allow_module_level=True)
 
 from tests.engines.sglang_harness import reset, sglang_load_report  # noqa: E402
+from tests.engines.outputs import source_and_outputs  # noqa: E402
 
 INTERMEDIATE = 2048   # DeepSeek-V4-Flash moe_intermediate_size
 EXPERTS = 8
@@ -46,15 +47,11 @@ def _engine_stand_ins():
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sglang_tp")
-    src = str(root / "src")
-    synth.write_checkpoint(src, synth.Dims(layers=2, hash_layers=1, intermediate=INTERMEDIATE, experts=EXPERTS), seed=5)
-    out = {"mxfp4": src}
-    for name, fmt, target in [("nvfp4", "nvfp4", None), ("w4a16", "w4a16", W4A16Options(group_size=128)),
-                              ("w4a16_g32", "w4a16", W4A16Options(group_size=32))]:
-        out[name] = str(root / name)
-        convert(src, out[name], fmt, Options(engine="sglang", target=target), progress=False)
-    return out
+    dims = synth.Dims(layers=2, hash_layers=1, intermediate=INTERMEDIATE, experts=EXPERTS)
+    return source_and_outputs(tmp_path_factory.mktemp("sglang_tp"), dims, 5, {
+        "nvfp4": ("nvfp4", Options(engine="sglang")),
+        "w4a16": ("w4a16", Options(engine="sglang", target=W4A16Options(group_size=128))),
+        "w4a16_g32": ("w4a16", Options(engine="sglang", target=W4A16Options(group_size=32)))})
 
 
 @pytest.fixture(scope="module")

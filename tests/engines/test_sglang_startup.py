@@ -13,8 +13,6 @@ import shlex
 import pytest
 
 from requant import synth
-from requant.convert import convert
-from requant.targets import Options
 from tests.engines import wheels
 
 if not wheels.available("sglang"):
@@ -24,6 +22,7 @@ if not wheels.available("sglang"):
 from tests.engines import sglang_kernels as K  # noqa: E402
 from tests.engines.sglang_harness import SRT, reset  # noqa: E402
 from tests.engines.sglang_startup import sglang_accepts  # noqa: E402
+from tests.engines.outputs import SMALL, per_format, source_and_outputs  # noqa: E402
 
 if not K.flashinfer_available():
     pytest.skip(f"flashinfer_python=={K.flashinfer_pin()} wheel not in {wheels.CACHE}", allow_module_level=True)
@@ -40,14 +39,7 @@ def _engine_stand_ins():
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sglang_startup")
-    src = str(root / "src")
-    synth.write_checkpoint(src, synth.Dims(layers=3, hash_layers=2), seed=3)
-    out = {"mxfp4": src}
-    for fmt in ("nvfp4", "w4a16"):
-        out[fmt] = str(root / fmt)
-        convert(src, out[fmt], fmt, Options(engine="sglang"), progress=False)
-    return out
+    return source_and_outputs(tmp_path_factory.mktemp("sglang_startup"), SMALL, 3, per_format("sglang"))
 
 
 def accepts(ckpts, fmt, gpu, flags):

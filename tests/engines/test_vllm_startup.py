@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import json
 import shlex
-import shutil
 
 import pytest
 
 from requant import synth
-from requant.convert import convert
-from requant.targets import Options
 from tests.engines import wheels
 
 if not wheels.available("vllm"):
@@ -21,6 +18,7 @@ if not wheels.available("vllm"):
                 allow_module_level=True)
 
 from tests.engines.vllm_startup import vllm_accepts  # noqa: E402
+from tests.engines.outputs import SMALL, per_format, source_and_outputs  # noqa: E402
 
 SERVE = "vllm serve {path} --tensor-parallel-size 8 "
 MTP1 = """--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'"""
@@ -28,14 +26,7 @@ MTP1 = """--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'"
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm_startup")
-    src = str(root / "src")
-    synth.write_checkpoint(src, synth.Dims(layers=3, hash_layers=2), seed=3)
-    out = {"mxfp4": src}
-    for fmt in ("nvfp4", "w4a16"):
-        out[fmt] = str(root / fmt)
-        convert(src, out[fmt], fmt, Options(engine="vllm"), progress=False)
-    return out
+    return source_and_outputs(tmp_path_factory.mktemp("vllm_startup"), SMALL, 3, per_format("vllm"))
 
 
 def accepts(ckpts, flags, fmt="nvfp4", gpu="sm_100"):

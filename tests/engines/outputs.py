@@ -1,0 +1,28 @@
+"""The tier's checkpoints: a synthetic source and requant's outputs of it, made once per module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from requant import synth
+from requant.convert import convert
+from requant.targets import Options
+
+# the shape the start-up and kernel-table tests use: one hash-routed layer, one compressed one, MTP
+SMALL = synth.Dims(layers=3, hash_layers=2)
+
+
+def source_and_outputs(root: Path, dims: synth.Dims, seed: int, outputs: dict[str, tuple[str, Options]],
+                       source_name: str = "mxfp4") -> dict[str, str]:
+    """{source_name: the synthetic source, name: its conversion} for each name -> (format, options)."""
+    paths = {source_name: str(root / "src")}
+    synth.write_checkpoint(paths[source_name], dims, seed=seed)
+    for name, (fmt, options) in outputs.items():
+        paths[name] = str(root / name)
+        convert(paths[source_name], paths[name], fmt, options, progress=False)
+    return paths
+
+
+def per_format(engine: str) -> dict[str, tuple[str, Options]]:
+    """One output of each format requant writes, laid out for `engine` with default options."""
+    return {fmt: (fmt, Options(engine=engine)) for fmt in ("nvfp4", "w4a16")}
