@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from requant.errors import CheckpointError, FormatError
-from requant.io import journal
+from requant.diagnosis import path_problem
 from requant.io.safetensors import Header, TensorInfo, open_direct, parse_header, read_header, read_tensor
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -87,10 +87,9 @@ class Checkpoint:
 
     @classmethod
     def open(cls, path: str) -> "Checkpoint":
-        if not os.path.isdir(path):
-            raise CheckpointError("not a directory", file=path)
-        if journal.exists(path):
-            raise CheckpointError(journal.progress_message(path), file=path)
+        problem = path_problem(path)   # inspect's and verify's words for a missing path or a conversion in progress
+        if problem:
+            raise CheckpointError(problem, file=path)
         config = read_json(os.path.join(path, CONFIG_NAME))
         index_path = os.path.join(path, INDEX_NAME)
         if os.path.exists(index_path):
