@@ -60,13 +60,14 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "requant", *args], capture_output=True, text=True, timeout=300)
 
 
-# The model card and requant.json name the source as the user gave it (a path, or repo@commit),
-# so two conversions of the same bytes from different places differ in these two files only.
+# The model card and requant.json name the source as the user gave it (a path, or repo@commit), and
+# the card the command as run (its destination too), so two conversions of the same bytes from or to
+# different places differ in these two files only.
 SOURCE_NAMING_FILES = ("README.md", "requant.json")
 
 
 def output_tree(path: str) -> dict[str, str]:
-    """tree() of a conversion's output without the files that name its source's location."""
+    """tree() of a conversion's output without the files that name its source's and destination's location."""
     return {k: v for k, v in tree(path).items() if k not in SOURCE_NAMING_FILES}
 
 

@@ -10,7 +10,7 @@ import torch
 
 from requant import synth
 from requant.formats import int4, int4_native
-from tests.conftest import run_cli, same_encoding, tree
+from tests.conftest import output_tree, run_cli, same_encoding
 
 
 def _mxfp4(rows, k, seed, hard=synth.HardCases()):
@@ -81,7 +81,7 @@ def test_worker_counts_and_devices_write_the_same_bytes(small_source, tmp_path):
         result = run_cli("convert", small_source, dst, "--out", "w4a16", "--group-size", "32", "--scheme", "asym",
                          "--quiet", *args)
         assert result.returncode == 0, result.stderr
-        trees.append(tree(dst))
+        trees.append(output_tree(dst))   # the card names its destination, out0 .. out2
     assert all(t == trees[0] for t in trees[1:])
 
 
