@@ -13,15 +13,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from requant import engines, formats, sources
-from requant.engines import GPU_FAMILIES, SPEED_CLASSES, EngineRules
+from requant.engines import FROM_CODE, GPU_FAMILIES, SPEED_CLASSES, EngineRules
 from requant.errors import UnsupportedCheckpoint
 from requant.io.checkpoint import Checkpoint
 from requant.model import ModelSpec
 from requant.plan import expert_codec
 from requant.targets import TARGETS
-
-FROM_CODE = "from the engine's code, not run"
-
 
 @dataclass(frozen=True)
 class Candidate:
@@ -76,8 +73,7 @@ def judge_path(candidate: Candidate, model: ModelSpec, engine: EngineRules, gpu:
     chosen = serving.kernel
     mtp = None
     if has_mtp:
-        mtp = dict(chosen.mtp) if chosen.mtp else {"method": chosen.method, "backend": chosen.backend,
-                                                    "runs": chosen.runs, "arithmetic": chosen.arithmetic}
+        mtp = chosen.mtp_path
         if mtp_fmt and mtp_fmt != candidate.fmt and not chosen.mtp:
             mtp["note"] = f"its experts stay {mtp_fmt.upper()}"
     problems += tp_problems(model, engine, candidate, gpu, tp, ep)

@@ -216,9 +216,15 @@ def recorded_engine(path: str) -> dict | None:
     requant.json; None for checkpoints requant did not write (or whose record is unreadable)."""
     try:
         with open(os.path.join(path, PROVENANCE_NAME), encoding="utf-8") as f:
-            engine = json.load(f).get("engine")
-    except (OSError, ValueError, AttributeError):
+            record = json.load(f)
+    except (OSError, ValueError):
         return None
+    return engine_of(record)
+
+
+def engine_of(record) -> dict | None:
+    """The {"name", "version"} a provenance record names, or None where it names none readable."""
+    engine = record.get("engine") if isinstance(record, dict) else None
     return engine if isinstance(engine, dict) and isinstance(engine.get("name"), str) else None
 
 

@@ -643,8 +643,7 @@ def final_metadata(plan: Plan, stats: Stats | None = None) -> dict[str, dict | s
     files[card.PROVENANCE_NAME] = record
     files[card.CARD_NAME] = card.model_card(record, plan.target.engine)
     files[CONFIG_NAME] = plan.target.config(plan.blocks, stats)
-    files[INDEX_NAME] = {"metadata": {**plan.source.index_metadata, "total_size": plan.total_size},
-                         "weight_map": plan.weight_map}
+    files[INDEX_NAME] = plan.index
     return files
 
 

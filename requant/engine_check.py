@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from requant.engines import GPU_FAMILIES, EngineRules
+from requant.engines import FROM_CODE, GPU_FAMILIES, EngineRules
 from requant.formats import engine_numerics, int4, nvfp4
 from requant.model import ModelSpec
 
@@ -30,7 +30,7 @@ class EngineVerdict:
     label: str = ""               # "vLLM 0.34.0"
     checked: bool = True          # False: requant has no rules checked against this release
     rules_version: str = ""       # the release whose rules were applied
-    loads: bool = True
+    loads: bool | None = True     # None: not judged (no rules, or the checkpoint has errors of its own)
     problems: list[str] = field(default_factory=list)
     kernel: dict | None = None
     marlin_flushed_blocks: int = 0   # NVFP4 blocks zeroed by the Marlin path (GPUs without FP4 tensor cores)
@@ -155,7 +155,7 @@ def judge(rules: EngineRules, model: ModelSpec, config: dict, formats_by_block: 
                 f"; with {how.flags}: {how.kernel.method}: {how.kernel.backend}" if how.starts else f"; {auto.fix}" if auto.fix else "")
         if how.note:
             text += f"; {how.note}"
-        found.append(("kernel", f"{rules.label}: {text} (from the engine's code, not run)", None, None))
+        found.append(("kernel", f"{rules.label}: {text} ({FROM_CODE})", None, None))
     return verdict, found
 
 

@@ -46,6 +46,12 @@ class Plan:
     run: dict = field(default_factory=dict)
 
     @property
+    def index(self) -> dict:
+        """The output's model.safetensors.index.json."""
+        return {"metadata": {**self.source.index_metadata, "total_size": self.total_size},
+                "weight_map": self.weight_map}
+
+    @property
     def weight_map(self) -> dict[str, str]:
         return {s.name: shard.name for shard in self.shards for s in shard.specs}
 

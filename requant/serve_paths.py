@@ -42,6 +42,7 @@ from requant.errors import RequantError, UnsupportedError
 from requant.formats import engine_numerics as en, int4, mxfp4, nvfp4
 from requant.io.checkpoint import Checkpoint
 from requant.moe import MoEConfig, expert_forward, route
+from requant.serve import calibrated_input_scale
 
 MX, NV, W4 = mxfp4.CODEC.name, nvfp4.CODEC.name, int4.CODEC.name   # the weights each path stores
 
@@ -133,7 +134,8 @@ def _written_scales(side, block) -> tuple[float, float]:
     absmax = float(side.ck.tensor(norm).float().abs().max())
     bounds = model.activation_bounds(absmax)
     down = model.down_projection
-    return (max(b for p, b in bounds.items() if p != down) / 2688.0, bounds[down] / 2688.0)
+    gate_up = max(b for p, b in bounds.items() if p != down)
+    return calibrated_input_scale(gate_up), calibrated_input_scale(bounds[down])
 
 
 def _chosen(ids: torch.Tensor, limit: int | None) -> list[int]:
@@ -192,7 +194,7 @@ def _layer(side, block, cfg, x, token_ids, router, limit, names, int4_variants, 
     with torch_threads(1), ThreadPoolExecutor(workers) as pool:
         h_max = max(pool.map(h_amax, chosen), default=0.0)
     scales = {"written": written, "1.0": (1.0, 1.0),
-              "calibrated": (float(x.abs().max()) / 2688.0, h_max / 2688.0)}
+              "calibrated": (calibrated_input_scale(float(x.abs().max())), calibrated_input_scale(h_max))}
     x8 = en.fake_quantize_mxfp8(x)
     x4 = {p: en.fake_quantize_activations(x, s[0]).float() for p, s in scales.items()}
     # path -> (weights key, GEMM1 input, intermediate hook)

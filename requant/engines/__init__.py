@@ -23,6 +23,9 @@ from pathlib import Path
 
 from requant.errors import UnsupportedError
 
+# How requant says what an engine does at run time: read from the release's code, never run here.
+FROM_CODE = "from the engine's code, not run"
+
 GPU_FAMILIES = {"sm_80": "Ampere (A100)", "sm_90": "Hopper (H100/H200)",
                 "sm_100": "Blackwell (B200/GB200)", "sm_120": "Blackwell (RTX PRO 6000)"}
 
@@ -67,6 +70,18 @@ class Kernel:
     mtp: dict | None = None   # the MTP/NextN block's experts where they differ: method, backend, runs, ...
     evidence: tuple[str, ...] = ()   # "<file>:<lines>" of the release (and its kernel library) checked
     engine_answer: dict | None = None   # what the release's own code answered, as the tier records it
+
+    @classmethod
+    def from_data(cls, entry: dict) -> "Kernel":
+        """A kernel entry of a release file (its evidence list as a tuple)."""
+        return cls(**{**entry, "evidence": tuple(entry.get("evidence", ()))})
+
+    @property
+    def mtp_path(self) -> dict:
+        """What the MTP block's experts get: its own entry where the release gives them another
+        method, else the main layers' path."""
+        return dict(self.mtp) if self.mtp else {"method": self.method, "backend": self.backend, "runs": self.runs,
+                                                "arithmetic": self.arithmetic}
 
     def selected(self, deviations: set[str]) -> str | None:
         """The engine's backend name on an installation with these INSTALL_CONDITIONS deviations
@@ -181,9 +196,7 @@ class EngineRules:
         check_gpu(gpu)
         if gpu not in table:
             raise UnsupportedError(f"{self.label}: requant's rules say nothing of {fmt} experts on {gpu}")
-        entry = dict(table[gpu])
-        entry["evidence"] = tuple(entry.get("evidence", ()))
-        return Kernel(**entry)
+        return Kernel.from_data(table[gpu])
 
     def serving(self, fmt: str, gpu: str, path: str = "DIR", tp: int = 4, has_mtp: bool = True) -> Serving:
         """How to start this release on a checkpoint of `fmt` experts on `gpu`: the command (with
@@ -192,16 +205,16 @@ class EngineRules:
         auto = kernel = self.kernel(fmt, gpu)
         flags = ""
         if not kernel.runs and kernel.fix_kernel:
-            kernel, flags = Kernel(**{**kernel.fix_kernel, "evidence": tuple(kernel.fix_kernel.get("evidence", ()))}), \
-                kernel.fix_flags
+            kernel, flags = Kernel.from_data(kernel.fix_kernel), kernel.fix_flags
         serve = self.data["serve"]
         if not kernel.runs:
             return Serving(gpu, "", kernel, auto, flags, False, f"does not start: {kernel.backend}" + (
                 f"; {kernel.fix}" if kernel.fix else ""))
-        mtp_runs = has_mtp and (kernel.mtp or {}).get("runs", True)
+        mtp = kernel.mtp_path
+        mtp_runs = has_mtp and mtp["runs"]
         parts = [serve["command"].format(path=path, tp=tp), flags, serve["speculative"] if mtp_runs else ""]
         note = "" if mtp_runs or not has_mtp else (f"no speculative decoding: the MTP block's experts get "
-                                    f"{kernel.mtp['method']} ({kernel.mtp['backend']}), which has no kernel here")
+                                                   f"{mtp['method']} ({mtp['backend']}), which has no kernel here")
         return Serving(gpu, " ".join(p for p in parts if p), kernel, auto, flags, mtp_runs, note)
 
     def marlin_fp4_rule(self) -> str | None:

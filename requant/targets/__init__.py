@@ -16,6 +16,7 @@ from requant import __version__, formats, sources
 from requant.errors import FormatError, RequantError, UnsupportedError
 from requant.io.checkpoint import Checkpoint
 from requant.io.safetensors import TensorSpec
+from requant.serve import calibrated_input_scale
 from requant.model import Expert, ModelSpec
 
 PRODUCER = {"name": "requant", "version": __version__}
@@ -248,7 +249,7 @@ class Target:
                     raise RequantError(f"max |weight| is {absmax}, which gives no usable input_scale bound "
                                       "(pass --input-scale VALUE)", tensor=norm_name)
                 self._bounds[block] = self.model.activation_bounds(absmax)
-        return {p: b / (6.0 * 448.0) for p, b in self._bounds[block].items()}
+        return {p: calibrated_input_scale(b) for p, b in self._bounds[block].items()}   # the bound as an amax
 
     def read_source(self, expert: Expert, tensors: dict[str, torch.Tensor], proj: str):
         """(weight bytes, scale bytes) of one projection as uint8 numpy arrays, the form the

@@ -116,10 +116,8 @@ def planned_checkpoint(plan) -> tuple[Checkpoint, dict]:
     stats = Stats()
     files = dict(plan.target.extra_files(plan.blocks))
     files[CONFIG_NAME] = plan.target.config(plan.blocks, stats)
-    files[INDEX_NAME] = {"metadata": {**plan.source.index_metadata, "total_size": plan.total_size},
-                         "weight_map": plan.weight_map}
-    locations = {name: shard for name, shard in plan.weight_map.items()}
-    ck = Checkpoint(plan.source.path, files[CONFIG_NAME], [s.name for s in plan.shards], headers, locations,
+    files[INDEX_NAME] = plan.index
+    ck = Checkpoint(plan.source.path, files[CONFIG_NAME], [s.name for s in plan.shards], headers, dict(plan.weight_map),
                     files[INDEX_NAME]["metadata"], plan.weight_map)
     return ck, files
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from requant import card, engines
-from requant.engine_check import judge
+from requant.engine_check import EngineVerdict, judge
 from requant.errors import UnsupportedError
 from requant.verify.context import Context, Layout, Observed
 
@@ -25,11 +25,10 @@ def judge_engines(ctx: Context, layout: Layout, seen: Observed, engine: str | No
         try:
             judged = [model.engine(engine)]
         except UnsupportedError as e:   # no rules of that release for this model: said, not a usage error
-            name = engines.parse_spec(engine)[0]
+            name, version = engines.parse_spec(engine)
             out.add("warning", "no-engine-rules", f"not judged: {e}", name)
-            return {name: {"engine": name, "version": engines.parse_spec(engine)[1] or "", "label": name, "checked": False,
-                           "rules_version": "", "loads": None, "problems": [], "kernel": None,
-                           "marlin_flushed_blocks": 0, "no_rules": str(e)}}
+            verdict = EngineVerdict(name, version or "", name, checked=False, loads=None)
+            return {name: asdict(verdict) | {"no_rules": str(e)}}
     elif made_for.get("name") in model.engine_names:
         # the release it was made for, unless another release of that engine is installed here
         name = made_for["name"]
@@ -61,8 +60,7 @@ def judge_engines(ctx: Context, layout: Layout, seen: Observed, engine: str | No
 def _made_for(ctx: Context) -> dict | None:
     """The engine requant.json names (a conversion's about-to-be-written one first)."""
     if ctx.files is not None and card.PROVENANCE_NAME in ctx.files:
-        engine = (ctx.files[card.PROVENANCE_NAME] or {}).get("engine")
-        return engine if isinstance(engine, dict) and isinstance(engine.get("name"), str) else None
+        return card.engine_of(ctx.files[card.PROVENANCE_NAME])
     return card.recorded_engine(ctx.ck.path)
 
 
