@@ -16,7 +16,6 @@ import shutil
 
 import pytest
 
-from requant import synth
 from requant.convert import convert
 from requant.errors import UnsupportedError
 from requant.model import ModelSpec
@@ -30,6 +29,7 @@ if not wheels.available("sglang"):
                 "or REQUANT_NO_WHEEL_FETCH set): SGLang conformance tier skipped", allow_module_level=True)
 
 from tests.engines.sglang_harness import GPU_CAPABILITY, loaded_format, reset, sglang_load_report  # noqa: E402
+from tests.engines.outputs import SMALL, source_and_outputs  # noqa: E402
 
 GPUS = list(GPU_CAPABILITY)
 OLD_W4A16_TARGET = r"re:.*\.ffn\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"   # requant's target before issue 9
@@ -46,18 +46,12 @@ def _engine_stand_ins():
 def ckpts(tmp_path_factory):
     """A 3-layer synthetic source (one compressed-attention layer, one MTP block) and requant's
     outputs from it."""
-    root = tmp_path_factory.mktemp("sglang")
-    src = str(root / "src")
-    synth.write_checkpoint(src, synth.Dims(layers=3, hash_layers=2), seed=3)
-    out = {"src": src}
-    for name, fmt, engine, target in [("nvfp4", "nvfp4", "sglang", None), ("nvfp4_vllm", "nvfp4", "vllm", None),
-                                      ("w4a16", "w4a16", "sglang", None), ("w4a16_vllm", "w4a16", "vllm", None),
-                                      ("w4a16_g32", "w4a16", "sglang", W4A16Options(group_size=32)),
-                                      ("w4a16_asym", "w4a16", "sglang", W4A16Options(32, "asym"))]:
-        out[name] = str(root / name)
-        # asym for SGLang is refused by requant's rules; --force writes it to show the engine fails
-        convert(src, out[name], fmt, Options(engine=engine, target=target, force=name == "w4a16_asym"), progress=False)
-    return out
+    outputs = {"nvfp4": ("nvfp4", Options(engine="sglang")), "nvfp4_vllm": ("nvfp4", Options(engine="vllm")),
+               "w4a16": ("w4a16", Options(engine="sglang")), "w4a16_vllm": ("w4a16", Options(engine="vllm")),
+               "w4a16_g32": ("w4a16", Options(engine="sglang", target=W4A16Options(group_size=32))),
+               # asym for SGLang is refused by requant's rules; --force writes it to show the engine fails
+               "w4a16_asym": ("w4a16", Options(engine="sglang", target=W4A16Options(32, "asym"), force=True))}
+    return source_and_outputs(tmp_path_factory.mktemp("sglang"), SMALL, 3, outputs, source_name="src")
 
 
 @pytest.fixture(scope="module")

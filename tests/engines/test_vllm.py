@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from requant import synth
-from requant.convert import convert
 from requant.engine_check import marlin_flush_threshold
 from requant.engines import INSTALL_CONDITIONS
 from requant.formats import mxfp4
@@ -32,6 +31,7 @@ if not wheels.available("vllm"):
                 "REQUANT_NO_WHEEL_FETCH set): vLLM conformance tier skipped", allow_module_level=True)
 
 from . import vllm_harness as vllm  # noqa: E402
+from .outputs import source_and_outputs  # noqa: E402
 
 ENGINE = f"vLLM {wheels.version('vllm')}"
 
@@ -58,13 +58,7 @@ def _engine_stand_ins():
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("vllm-tier")
-    paths = {"mxfp4-source": str(root / "src")}
-    synth.write_checkpoint(paths["mxfp4-source"], DIMS, seed=3)
-    for name, (fmt, options) in OUTPUTS.items():
-        paths[name] = str(root / name)
-        convert(paths["mxfp4-source"], paths[name], fmt, options, progress=False)
-    return paths
+    return source_and_outputs(tmp_path_factory.mktemp("vllm-tier"), DIMS, 3, OUTPUTS, source_name="mxfp4-source")
 
 
 def with_expert_target(src: str, dst, target: str) -> str:

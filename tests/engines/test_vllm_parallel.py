@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from requant import synth
-from requant.convert import convert
 from requant.targets import Options
 from requant.targets.w4a16 import W4A16Options
 
@@ -28,6 +27,7 @@ if not wheels.available("vllm"):
                 allow_module_level=True)
 
 from . import vllm_harness as vllm  # noqa: E402
+from .outputs import source_and_outputs  # noqa: E402
 
 DIMS = synth.dims_with(synth.Dims(), layers=2, experts=16, hidden=256, intermediate=1024)
 OUTPUTS = {
@@ -48,14 +48,8 @@ def _engine_stand_ins():
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("vllm-parallel")
-    source = str(root / "src")
-    synth.write_checkpoint(source, DIMS, seed=5)
-    paths = {}
-    for name, (fmt, options) in OUTPUTS.items():
-        paths[name] = str(root / name)
-        convert(source, paths[name], fmt, options, progress=False)
-    return paths
+    paths = source_and_outputs(tmp_path_factory.mktemp("vllm-parallel"), DIMS, 5, OUTPUTS)
+    return {name: paths[name] for name in OUTPUTS}   # the outputs only: the source is not loaded here
 
 
 @pytest.fixture(scope="module")
