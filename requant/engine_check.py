@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from requant.engines import FROM_CODE, GPU_FAMILIES, EngineRules
-from requant.formats import engine_numerics, int4, nvfp4
+from requant.formats import engine_numerics, nvfp4
 from requant.model import ModelSpec
+from requant.targets import w4a16
 
 MARLIN_GPUS = ("sm_80", "sm_90")   # no FP4 tensor cores: NVFP4 experts run through Marlin
 MARLIN_FP4_FORMATS = (nvfp4.CODEC.name,)   # the expert formats engines serve there through Marlin's FP4 path
@@ -38,22 +39,43 @@ class EngineVerdict:
 
 class MarlinSpan:
     """Smallest positive and largest block scale of one fused weight group across a layer's
-    experts, and how many blocks sit at each power of two (for the flush count)."""
+    experts, and how many blocks hold each E4M3 value (for the flush count)."""
 
     def __init__(self):
-        self.min = math.inf
-        self.max = 0.0
-        self.scales: list[torch.Tensor] = []
+        self.histogram = torch.zeros(256, dtype=torch.int64)   # blocks per E4M3 byte
 
     def update(self, scales: torch.Tensor) -> None:
-        positive = scales[scales > 0]
-        if positive.numel():
-            self.min = min(self.min, float(positive.min()))
-            self.max = max(self.max, float(positive.max()))
-            self.scales.append(torch.unique(positive, return_counts=True))
+        """Count one projection's block scales, E4M3 values as float32 (exact) or the stored bytes:
+        a byte histogram, one pass (sorting the values with torch.unique took 30 ms a full-size
+        projection, most of verify's time on an NVFP4 checkpoint)."""
+        if scales.dtype not in (torch.uint8, torch.float8_e4m3fn):
+            scales = scales.to(torch.float8_e4m3fn)
+        self.histogram += engine_numerics.scale_histogram(scales)
+
+    def _positive(self) -> list[tuple[float, int]]:
+        """(value, blocks) of every positive scale some block holds, in increasing value (E4M3's
+        positive bytes, 0x01-0x7E, order as their values)."""
+        counts = self.histogram.tolist()
+        held = [b for b in range(1, 0x7F) if counts[b]]
+        values = torch.tensor(held, dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist()
+        return [(v, counts[b]) for v, b in zip(values, held)]
+
+    @property
+    def min(self) -> float:
+        return next((v for v, _ in self._positive()), math.inf)
+
+    @property
+    def max(self) -> float:
+        positive = self._positive()
+        return positive[-1][0] if positive else 0.0
+
+    @property
+    def held(self) -> bool:
+        """Whether any block scale is positive."""
+        return bool(self._positive())
 
     def blocks_below(self, threshold: float) -> int:
-        return sum(int(counts[values < threshold].sum()) for values, counts in self.scales)
+        return sum(n for v, n in self._positive() if v < threshold)
 
 
 def marlin_flush_threshold(layer_max: float) -> float:
@@ -69,21 +91,15 @@ def target_matches(target: str, name: str) -> bool:
     return target == "Linear" or target == name
 
 
-def int4_groups(qc: dict) -> dict[str, dict]:
-    groups = {n: g for n, g in (qc.get("config_groups") or {}).items() if isinstance(g, dict)}
-    return {n: g for n, g in groups.items()
-            if (g.get("weights") or {}).get("num_bits") == 4 and (g.get("weights") or {}).get("type") == "int"}
-
-
 def w4a16_probe_misses(rules: EngineRules, model: ModelSpec, qc: dict, layers: list[int]) -> list[str]:
     """The expert modules, as this engine probes them, that no INT4 config group claims (or that
     `ignore` removes): the engine would build FP8 MoE layers for them and fail the load."""
-    int4 = int4_groups(qc)
+    groups = w4a16.expert_groups(qc)
     ignore = [t for t in qc.get("ignore") or [] if isinstance(t, str)]
     misses = []
     for layer in layers:
         for probe in rules.expert_probes(layer, model.projections).values():
-            claimed = any(target_matches(t, probe) for g in int4.values() for t in g.get("targets") or [])
+            claimed = any(target_matches(t, probe) for g in groups.values() for t in g.get("targets") or [])
             if not claimed or any(target_matches(t, probe) for t in ignore):
                 misses.append(probe)
     return misses
@@ -91,7 +107,7 @@ def w4a16_probe_misses(rules: EngineRules, model: ModelSpec, qc: dict, layers: l
 
 def fp8_linear_problems(rules: EngineRules, qc: dict, scale_names: set[str]) -> list[str]:
     """How a W4A16 checkpoint's FP8-block linears fail this engine's rule for describing them."""
-    style = rules.layout(int4.CODEC.name, "fp8_linears")
+    style = rules.layout(w4a16.W4A16Target.name, "fp8_linears")
     has_group = any((g.get("weights") or {}).get("num_bits") == 8 and "Linear" in (g.get("targets") or [])
                     for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict))
     problems = []
@@ -99,18 +115,20 @@ def fp8_linear_problems(rules: EngineRules, qc: dict, scale_names: set[str]) -> 
         if not has_group:
             problems.append("no FP8 config group targets Linear, so the FP8-block attention and shared-expert "
                             "linears are not built as FP8")
-        if scale_names - {"weight_scale"}:
-            problems.append("the FP8-block linears' scales are named ." + "/.".join(sorted(scale_names - {"weight_scale"}))
-                            + "; its compressed-tensors FP8 scheme loads .weight_scale")
-    elif style == "linear_fp8_config":
-        if "linear_fp8_config" not in qc:
-            problems.append("no linear_fp8_config: its DeepSeek-V4 model has no other FP8-block attention path under "
-                            "compressed-tensors (wo_a is built in BF16 and gets raw FP8 bytes)")
-        if "weight_scale" in scale_names:
-            problems.append("the FP8-block linears' scales are named .weight_scale; its loader reads only .scale / "
-                            ".weight_scale_inv there, so they are skipped (the fused wqkv_a scale stays uninitialised)")
-        if qc.get("format") != "pack-quantized":
-            problems.append(f"top-level format is {qc.get('format')!r}; its INT4 MoE method requires 'pack-quantized' "
+        others = sorted(scale_names - {w4a16.FP8_SCALE})
+        if others:
+            problems.append(f"the FP8-block linears' scales are named .{'/.'.join(others)}; its compressed-tensors "
+                            f"FP8 scheme loads .{w4a16.FP8_SCALE}")
+    elif style == w4a16.LINEAR_FP8_CONFIG:
+        if w4a16.LINEAR_FP8_CONFIG not in qc:
+            problems.append(f"no {w4a16.LINEAR_FP8_CONFIG}: its DeepSeek-V4 model has no other FP8-block attention "
+                            "path under compressed-tensors (wo_a is built in BF16 and gets raw FP8 bytes)")
+        if w4a16.FP8_SCALE in scale_names:
+            problems.append(f"the FP8-block linears' scales are named .{w4a16.FP8_SCALE}; its loader reads only "
+                            ".scale / .weight_scale_inv there, so they are skipped (the fused wqkv_a scale stays "
+                            "uninitialised)")
+        if qc.get("format") != w4a16.PACKED:
+            problems.append(f"top-level format is {qc.get('format')!r}; its INT4 MoE method requires {w4a16.PACKED!r} "
                             "and raises at model build")
     return problems
 
@@ -170,16 +188,16 @@ def _w4a16_problems(rules: EngineRules, model: ModelSpec, qc: dict, formats_by_b
                       "the FP8 group and the load crashes", "config.json", ", ".join(misses[:3])))
     for text in fp8_linear_problems(rules, qc, fp8_scale_names):
         found.append(("w4a16-fp8-linears", text, "config.json"))
-    refused = (rules.layout(int4.CODEC.name, "refuses") or {}).get("scheme", {})
-    for group in int4_groups(qc).values():
-        scheme = "sym" if (group.get("weights") or {}).get("symmetric", True) else "asym"
+    refused = (rules.layout(w4a16.W4A16Target.name, "refuses") or {}).get("scheme", {})
+    for group in w4a16.expert_groups(qc).values():
+        scheme = w4a16.group_scheme(group)
         if scheme in refused:
             found.append(("w4a16-scheme", f"cannot load {scheme} INT4 experts: {refused[scheme]}", "config.json"))
     return found
 
 
 # Load problems particular to one expert format, beyond those every format shares.
-FORMAT_PROBLEMS = {int4.CODEC.name: _w4a16_problems}
+FORMAT_PROBLEMS = {w4a16.W4A16Target.name: _w4a16_problems}
 
 
 def _marlin_findings(rules: EngineRules, model: ModelSpec, spans, verdict: EngineVerdict) -> list[tuple]:
@@ -187,7 +205,7 @@ def _marlin_findings(rules: EngineRules, model: ModelSpec, spans, verdict: Engin
     found = []
     for (block, group), span in spans.items():
         where = f"{model.experts_module(block)} {group}"
-        if rule == "largest" and span.scales:
+        if rule == "largest" and span.held:
             flushed = span.blocks_below(marlin_flush_threshold(span.max))
             verdict.marlin_flushed_blocks += flushed
             if flushed:

@@ -167,3 +167,55 @@ def test_every_nibble_pair_survives_the_cast():
     a = mxfp4.decode(torch.from_numpy(w), torch.from_numpy(s))
     b = nvfp4.decode(torch.from_numpy(cast.weight), torch.from_numpy(cast.weight_scale), cast.weight_scale_2)
     assert torch.equal(a, b)
+
+
+# each codec's own value checks (verify reports them) ---------------------------------------------
+
+def _reader(tensors):
+    return lambda suffix: tensors.get(suffix)
+
+
+def test_nvfp4_value_problems_name_the_part_and_count_the_blocks():
+    rng = np.random.default_rng(3)
+    w, s = mxfp4.encode(rng.standard_normal((8, 64)).astype(np.float32))
+    cast = nvfp4.cast_from_mxfp4(w, s, mxfp4.max_exponent(s))
+    tensors = {"weight": torch.from_numpy(cast.weight), "weight_scale": torch.from_numpy(cast.weight_scale.copy()),
+               "weight_scale_2": torch.tensor(cast.weight_scale_2), "input_scale": torch.tensor(0.5)}
+    assert nvfp4.CODEC.value_problems(_reader(tensors), (8, 64)) == []
+    scale = tensors["weight_scale"]
+    scale[0, 0], scale[1, 1], scale[2, 2] = 0x7F, 0xB8, 0x00    # NaN, -1.0, zero (over live codes)
+    tensors["weight"][2].fill_(0x11)
+    tensors["input_scale"] = torch.tensor(float("nan"))
+    found = {(p.code, p.part, p.detail) for p in nvfp4.CODEC.value_problems(_reader(tensors), (8, 64))}
+    assert found == {("nan-block-scale", "weight_scale", "1 blocks"),
+                     ("negative-block-scale", "weight_scale", "1 blocks"),
+                     ("zero-block-scale", "weight_scale", "1 blocks"), ("bad-input-scale", "input_scale", "NaN")}
+
+
+def test_mxfp4_and_int4_value_problems():
+    from requant.formats import int4
+    w, s = mxfp4.encode(np.ones((4, 64), dtype=np.float32))
+    s[1, 0] = mxfp4.E8M0_NAN
+    assert [(p.code, p.detail) for p in mxfp4.CODEC.value_problems(_reader({"scale": torch.from_numpy(s)}), (4, 64))] \
+        == [("nan-block-scale", "1 blocks")]
+    scale = torch.ones(4, 2, dtype=torch.bfloat16)
+    scale[0, 0], scale[1, 1] = -1, 0
+    tensors = {"weight_scale": scale, "weight_shape": torch.tensor([4, 32])}
+    found = {(p.code, p.part) for p in int4.CODEC.value_problems(_reader(tensors), (4, 64))}
+    assert found == {("negative-group-scale", "weight_scale"), ("zero-group-scale", "weight_scale"),
+                     ("weight-shape-value", "weight_shape")}
+
+
+def test_code_cites_headings_that_docs_formats_has():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    headings = {line.lstrip("#").strip() for line in (root / "docs" / "formats.md").read_text().splitlines()
+                if line.startswith("#")}
+    cited = {}
+    for path in [*(root / "requant").rglob("*.py"), *(root / "requant").rglob("*.c"), *(root / "tests").rglob("*.py")]:
+        for heading in re.findall(r"docs/formats\.md, ([^),:;\n]+)", path.read_text()):
+            cited.setdefault(heading.strip(), path.name)
+    assert cited, "no citations found: the pattern no longer matches how code cites docs/formats.md"
+    assert not {h: f for h, f in cited.items() if h not in headings}, headings

@@ -13,7 +13,7 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
 from requant import synth
-from requant.formats import int4, mxfp4
+from requant.formats import int4, int4_search, mxfp4
 from requant.targets.w4a16 import e8m0_to_f32
 
 
@@ -42,7 +42,7 @@ def test_compressed_tensors_decompresses_what_requant_decodes(group, scheme):
     seed = int(np.random.SeedSequence().generate_state(1)[0])
     hard = synth.HardCases(out_of_window=2, zero_blocks=3, neg_zero_blocks=1)
     w, s = _mxfp4(64, 512, seed, hard)
-    enc = int4.encode_mxfp4(w, s, group, scheme)
+    enc = int4_search.encode_mxfp4(w, s, group, scheme)
     ours = int4.decode(enc.packed, enc.scale, enc.zero_point)
     state = {"weight_packed": enc.packed, "weight_scale": enc.scale, "weight_shape": torch.tensor([64, 512])}
     if scheme == "asym":
@@ -62,14 +62,14 @@ def test_exhaustive_search_is_the_optimum(group, scheme):
     (round-to-nearest codes). Brute force on the float weights, independent of the encoder."""
     seed = int(np.random.SeedSequence().generate_state(1)[0])
     w, s = _mxfp4(16, 256, seed)
-    enc = int4.encode_mxfp4(w, s, group, scheme, exhaustive=True)
+    enc = int4_search.encode_mxfp4(w, s, group, scheme, exhaustive=True)
     x = mxfp4.decode(w, s).view(-1, group)
     ours = ((int4.decode(enc.packed, enc.scale, enc.zero_point).view(-1, group) - x).square()).sum(1)
     top = torch.exp2(torch.floor(torch.log2(x.abs().amax(1, keepdim=True))))
     bits = torch.arange(0x3000, 0x4000, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
-    lo, hi = int4._SCALE_RANGE[scheme]
+    lo, hi = int4_search._SCALE_RANGE[scheme]
     best = torch.full_like(ours, math.inf)
-    for z in (int4._ZERO_POINTS if scheme == "asym" else [0]):
+    for z in (int4_search._ZERO_POINTS if scheme == "asym" else [0]):
         for rel in bits[(bits >= lo) & (bits <= hi)]:
             cand = top * rel                                 # a BF16 scale, group by group
             err = (((torch.clamp(torch.round(x / cand) + z, -8, 7) - z) * cand - x).square()).sum(1)
@@ -83,8 +83,8 @@ def test_fast_search_is_within_tolerance_of_the_exhaustive_one(group, scheme):
     """The default coarse-to-fine search gives up at most 0.05 dB of SQNR against the oracle."""
     seed = int(np.random.SeedSequence().generate_state(1)[0])
     w, s = _mxfp4(256, 2048, seed, synth.HardCases(out_of_window=2, zero_blocks=3, neg_zero_blocks=1))
-    fast = int4.encode_mxfp4(w, s, group, scheme)
-    exact = int4.encode_mxfp4(w, s, group, scheme, exhaustive=True)
+    fast = int4_search.encode_mxfp4(w, s, group, scheme)
+    exact = int4_search.encode_mxfp4(w, s, group, scheme, exhaustive=True)
     loss_db = 10 * math.log10(fast.error_energy / exact.error_energy)
     assert -1e-9 <= loss_db <= 0.05, (loss_db, seed)
     assert fast.signal_energy == exact.signal_energy
@@ -102,7 +102,7 @@ def test_beats_compressed_tensors_rule():
         ct = (torch.clamp(torch.round(g / scale), -8, 7) * scale).view_as(x)
         ct_db = 10 * math.log10(signal / float((ct - x).double().square().sum()))
         for scheme, gain in (("sym", sym_gain), ("asym", asym_gain)):
-            enc = int4.encode_mxfp4(w, s, group, scheme)
+            enc = int4_search.encode_mxfp4(w, s, group, scheme)
             ours = 10 * math.log10(signal / enc.error_energy)
             assert ours >= ct_db + gain, (group, scheme, ours, ct_db, seed)
 

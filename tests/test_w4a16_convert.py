@@ -15,7 +15,7 @@ from compressed_tensors.quantization import QuantizationConfig, QuantizationSche
 from safetensors import safe_open
 
 from requant.cli import cli
-from requant.formats import int4, int4_native, mxfp4
+from requant.formats import int4, int4_search_c, mxfp4
 
 EXPERT = re.compile(r"^(?P<block>(layers|mtp)\.\d+)\.ffn\.experts\.(?P<e>\d+)\.(?P<proj>w[123])\.(?P<part>\w+)$")
 VLLM_LAYERS = 5   # synth's default num_hidden_layers: vLLM builds the MTP block as model.layers.5
@@ -59,7 +59,7 @@ def test_convert_w4a16_every_tensor(small_source, tmp_path, group, scheme, engin
                                       "--scheme", scheme, "--engine", engine, "--quiet", "--json"])
     assert result.exit_code == 0, result.output
     if not torch.cuda.is_available():   # encoded by CPU worker processes: the summary says by which encoder
-        assert json.loads(result.output)["summary"].endswith(f"; CPU encoder: {int4_native.status()}")
+        assert json.loads(result.output)["summary"].endswith(f"; CPU encoder: {int4_search_c.status()}")
     src, _ = _tensors(small_source)
     out, index = _tensors(dst)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in out.values())

@@ -8,6 +8,7 @@ names.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -57,6 +58,29 @@ class Part:
         return self.role in (SCALE, ZERO_POINT)
 
 
+@dataclass(frozen=True)
+class Problem:
+    """A value in one stored projection that no valid file holds, or that engines mis-serve: found
+    by its codec (Codec.value_problems) and reported by verify as a finding on that part."""
+
+    severity: str               # "error" or "warning"
+    code: str                   # the finding's code, as verify reports it
+    message: str
+    part: str                   # the suffix of the part it is in
+    detail: str | None = None
+
+
+def bad_scalar(value: float) -> str | None:
+    """Why a per-tensor scale is unusable (engines multiply or divide by it), or None."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "infinite"
+    if value <= 0:
+        return "zero" if value == 0 else "negative"
+    return None
+
+
 @dataclass(frozen=True, eq=False)
 class CodeTables:
     """What comparing stored codes needs of a packed code set (two codes per byte) whose value is
@@ -94,6 +118,9 @@ class Codec:
     group_sizes: tuple[int, ...] = ()               # the block sizes it allows (one: the fixed one)
     kernel_code: int | None = None                  # the fused-MoE kernel's format constant; None: not read
     check_scales: Callable[[object], None] = lambda scale: None   # FormatError on scale bytes no valid file holds
+    # (read, logical [out, K]) -> the Problems of one stored projection's values (its scales, and
+    # what they decode with); read(suffix) gives a part's tensor, None where the projection has none
+    value_problems: Callable[..., list[Problem]] = lambda read, shape: []
     encoders: dict[str, Callable] = field(default_factory=dict)  # source codec name -> exact encoder
     # Where a value is its code times a per-block scale (no zero point): the code set's tables and
     # parts -> float32 [out, K/block] scales, so that equal values can be seen without decoding.

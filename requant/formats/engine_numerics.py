@@ -27,9 +27,9 @@ import math
 
 import torch
 
-from requant.formats import e2m1
+from requant.formats import e2m1, mxfp4, nvfp4
 
-BLOCK = 16
+BLOCK = nvfp4.BLOCK                 # activations are quantized in the weights' blocks
 E4M3_MAX = 448.0
 MARLIN_MIN_SCALE = 2.0**-6          # smaller block scales (after the layer's factor) are flushed to 0
 _E4M3_NAN = 0x7F                    # 0x7F and 0xFF are E4M3's NaNs; 0x01-0x7E its positive values, in order
@@ -163,8 +163,7 @@ def _flushed_bytes(factor: float) -> tuple[range, range]:
 # then the E8M0 round-up on its bits. A block whose code is 0 (amax <= 448 * 2^-127: an all-zero
 # block, in practice) quantizes to zeros, as the cute-dsl kernel and the "cuda" kernel's
 # SFValue != 0 guard do.
-MXFP8_BLOCK = 32
-E8M0_BIAS = 127
+MXFP8_BLOCK = mxfp4.BLOCK           # one E8M0 scale per 32 values, as every OCP MX format
 _INV_E4M3_MAX = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
 
 
@@ -197,7 +196,7 @@ def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def mxfp8_scales(codes: torch.Tensor) -> torch.Tensor:
     """float32 2^(code - 127) of E8M0 codes (0..254)."""
-    return torch.exp2(codes.float() - E8M0_BIAS)
+    return torch.exp2(codes.float() - mxfp4.E8M0_BIAS)
 
 
 def fake_quantize_mxfp8(x: torch.Tensor) -> torch.Tensor:

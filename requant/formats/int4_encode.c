@@ -1,5 +1,5 @@
-/* The W4A16 encoder (int4.py's _search with the coarse-to-fine search) in one pass over the
- * groups, for CPUs: requant/formats/int4_native.py builds and calls it, int4.py's section comment
+/* The W4A16 encoder (int4_search.py's _search with the coarse-to-fine search) in one pass over the
+ * groups, for CPUs: requant/formats/int4_search_c.py builds and calls it, int4_search.py's section comment
  * says what is computed.
  *
  * torch runs the same steps as a few dozen whole-tensor passes (lane gathers, windows, small matrix
@@ -24,7 +24,7 @@
 enum { MAX_ROWS = 32, MAX_VECTORS = 64, MAX_PER_GROUP = 4, BLOCK_BYTES = 16 };
 
 typedef struct {
-    /* the search (int4._Tables.error, laid out by int4_native.Prepared) */
+    /* the search (int4_search._Tables.error, laid out by int4_search_c.Prepared) */
     const double *coarse;       /* [rows][n_coarse]: the coarse candidates' columns */
     int64_t n_coarse;           /* a multiple of 16 (the caller repeats a column to pad) */
     const double *table;        /* [rows][stride]: candidate z * n_s + s in column z * n_s + s */
@@ -51,7 +51,7 @@ typedef struct {
 
 static int64_t floor_half(int64_t v) { return v >= 0 ? v / 2 : -((1 - v) / 2); }
 
-/* A lane word moved so that lane `first` lands in lane 0 (int4._window). */
+/* A lane word moved so that lane `first` lands in lane 0 (int4_search._window). */
 static uint64_t window(uint64_t word, int64_t first)
 {
     if (first >= 8 || first <= -8)
@@ -244,7 +244,7 @@ int requant_int4_encode(int64_t n_blocks, int64_t per_group, const uint8_t *weig
         }
         const int empty = top < t->empty / 2;
         const int64_t r = empty ? 0 : floor_half(top);
-        /* Counts over the table's rows (int4._search's `counts`), blocks' windows summed. */
+        /* Counts over the table's rows (int4_search._search's `counts`), blocks' windows summed. */
         int64_t shift[MAX_PER_GROUP];
         uint64_t words[4] = {0, 0, 0, 0};   /* levels 0-7 of +, -, both; levels 8-15 of both */
         for (int64_t b = 0; b < per_group; b++) {

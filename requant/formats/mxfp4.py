@@ -40,6 +40,13 @@ def check_scales(scales: np.ndarray) -> None:
         raise FormatError(f"E8M0 scale is NaN (byte 0xFF) at [{at}], {int(nan.sum())} in all")
 
 
+def value_problems(read, shape) -> list[formats.Problem]:
+    """NaN scale bytes (0xFF), which no valid checkpoint holds."""
+    nan = int((read("scale").view(torch.uint8) == E8M0_NAN).sum())
+    return [formats.Problem("error", "nan-block-scale", "NaN block scales (E8M0 0xFF)", "scale", f"{nan} blocks")] \
+        if nan else []
+
+
 def max_exponent(scales: np.ndarray) -> int | None:
     """Largest unbiased exponent over non-zero scale bytes; None when every block is all-zero."""
     largest = int(scales.max(initial=0))
@@ -101,6 +108,7 @@ CODEC = formats.Codec(
     group_sizes=(BLOCK,),
     kernel_code=1,
     check_scales=check_scales,
+    value_problems=value_problems,
     code_tables=e2m1.TABLES,
     # 0xFF (NaN) gives inf here, which no other scale equals: such blocks are decoded (and refused).
     block_scales=lambda t: factors(t["scale"]),

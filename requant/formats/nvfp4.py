@@ -123,7 +123,11 @@ def _requantize_below_window(weight, scale, codes, below, m) -> int:
     The arithmetic is float32 IEEE, value / (2^-9 * 2^m), so results (signs of underflowed zeros
     included) are those of a float quantizer fed the dequantized weights.
     """
-    rows, blocks = np.nonzero(below)
+    # Blocks of zero bytes re-round to zeros, exactly: skipped, since in a pruned or empty tensor
+    # (a scale byte of 0) nearly every block is one, and the float pass below costs ~70x the cast.
+    words = weight.reshape(weight.shape[0], -1, mxfp4.BLOCK // 2).view(np.uint64)
+    zeros = below & ((words[..., 0] | words[..., 1]) == 0)
+    rows, blocks = np.nonzero(below & ~zeros)
     src = weight.reshape(weight.shape[0], -1, mxfp4.BLOCK // 2)[rows, blocks]        # [n, 16] bytes
     nibbles = np.stack([src & 0x0F, src >> 4], axis=-1).reshape(len(rows), mxfp4.BLOCK)
     lut = np.array(e2m1.MAGNITUDES + tuple(-v for v in e2m1.MAGNITUDES), dtype=np.float32)
@@ -134,7 +138,7 @@ def _requantize_below_window(weight, scale, codes, below, m) -> int:
     out = codes.reshape(weight.shape[0], -1, mxfp4.BLOCK // 2)
     out[rows, blocks] = new[:, 0::2] | (new[:, 1::2] << 4)
     restored = lut[new] * denominator
-    return int((restored == values).all(axis=1).sum())
+    return int(np.count_nonzero(zeros)) + int((restored == values).all(axis=1).sum())
 
 
 def decode(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: float | torch.Tensor,
@@ -153,6 +157,43 @@ def factors(weight_scale: torch.Tensor, weight_scale_2: float | torch.Tensor) ->
     return weight_scale.view(torch.float8_e4m3fn).to(torch.float32) * float(weight_scale_2)
 
 
+def block_scale_values(weight_scale: torch.Tensor) -> torch.Tensor:
+    """The stored E4M3 block scales as float32 (E4M3's two NaN bytes give NaN)."""
+    return weight_scale.view(torch.float8_e4m3fn).float()
+
+
+def value_problems(read, shape) -> list[formats.Problem]:
+    """Block scales no decoder should meet (NaN, negative; zero over non-zero codes, which decode
+    to 0) and global or input scales that are not finite and positive (engines divide by the
+    input scale: docs/formats.md, NVFP4 input_scale)."""
+    problems = []
+    scales = block_scale_values(read("weight_scale"))
+    nan, negative = int(torch.isnan(scales).sum()), int((scales < 0).sum())
+    if nan:
+        problems.append(formats.Problem("error", "nan-block-scale", "NaN block scales (E4M3 0x7F/0xFF)",
+                                        "weight_scale", f"{nan} blocks"))
+    if negative:
+        problems.append(formats.Problem("error", "negative-block-scale", "negative block scales", "weight_scale",
+                                        f"{negative} blocks"))
+    zero = scales == 0
+    if zero.any():
+        weight = read("weight").view(torch.uint8)
+        live = (weight.reshape(*scales.shape, BLOCK // 2) & 0x77).ne(0).any(dim=-1)   # any non-zero code
+        lost = int((zero & live).sum())
+        if lost:
+            problems.append(formats.Problem("warning", "zero-block-scale", "zero block scales over non-zero codes "
+                                            "(those weights decode to 0)", "weight_scale", f"{lost} blocks"))
+    for part, code, message in (
+            ("weight_scale_2", "bad-global-scale", "weight_scale_2 is not finite and positive"),
+            ("input_scale", "bad-input-scale", "input_scale is not finite and positive (engines divide by it: "
+                                               "NaN or empty output)")):
+        tensor = read(part)
+        why = None if tensor is None else formats.bad_scalar(formats.scalar(tensor))
+        if why is not None:
+            problems.append(formats.Problem("error", code, message, part, why))
+    return problems
+
+
 CODEC = formats.Codec(
     name="nvfp4",
     elements="e2m1",
@@ -167,6 +208,7 @@ CODEC = formats.Codec(
     fixed_group=BLOCK,
     group_sizes=(BLOCK,),
     kernel_code=0,
+    value_problems=value_problems,
     # The lossless cast on the bits: (weight, scale, k_max, top, in_place) -> CastResult.
     encoders={"mxfp4": cast_from_mxfp4},
     code_tables=e2m1.TABLES,

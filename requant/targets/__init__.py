@@ -273,6 +273,14 @@ class Target:
         """Other JSON files the format needs beside config.json."""
         return {}
 
+    @classmethod
+    def check_config(cls, ctx, layout, seen) -> None:
+        """Findings, into ctx.out, on the config.json (and extra files) of a checkpoint whose main
+        experts are in this format: the check of what `config` and `extra_files` write, from the
+        same constants. `ctx`, `layout` and `seen` are verify's (requant/verify/context.py);
+        `requant verify`, convert's pre-flight and its check after writing all call this."""
+        raise NotImplementedError
+
     def summary(self, stats: Stats) -> str:
         raise NotImplementedError
 

@@ -1,5 +1,5 @@
 """W4A16 INT4 experts in compressed-tensors' pack-quantized layout, for the engines' Marlin MoE on
-Ampere/Hopper (formats.md section 3; the engine facts it relies on are listed in docs/w4a16.md).
+Ampere/Hopper (docs/formats.md, W4A16; the engine facts it relies on are listed in docs/w4a16.md).
 
 Routed experts (MTP block included) become INT4. The FP8-block linears keep their E4M3 bytes; how
 the config describes them is the engine's rule (`fp8_linears`):
@@ -20,15 +20,44 @@ import torch
 
 from requant import formats
 from requant.errors import FormatError, UnsupportedError
-from requant.formats import int4, mxfp4
+from requant.formats import fp8_block, int4, int4_search, mxfp4
+from requant.io.checkpoint import CONFIG_NAME
 from requant.io.safetensors import TensorSpec
 from requant.model import Expert
 from requant.targets import PRODUCER, Stats, Target, Unit, register
 
 DEFAULT_GROUP = 128
 DEFAULT_SCHEME = "sym"
-FP8_BLOCK = [128, 128]
 ACCURACY_KEY = "requant_accuracy"   # inside quantization_config; no loader reads it
+# What quantization_config says of W4A16 experts (docs/formats.md, W4A16 config.json), written by
+# W4A16Target.config and checked by W4A16Target.check_config and the engine rules (engine_check).
+QUANT_METHOD = "compressed-tensors"
+STATUS = "compressed"
+PACKED = "pack-quantized"            # the INT4 group's format; SGLang also needs it at the top level
+MIXED = "mixed-precision"            # the top-level format beside an FP8-block config group
+FLOAT_QUANTIZED = "float-quantized"  # the FP8-block config group's format
+LINEAR_FP8_CONFIG = "linear_fp8_config"   # SGLang's key for the FP8-block linears' settings
+FP8_SCALE = "weight_scale"           # the FP8-block scale's name in compressed-tensors
+INT4_IDENTITY = {"num_bits": 4, "type": "int"}   # what makes a config group the experts' INT4 one
+FP8_BLOCK = [fp8_block.BLOCK, fp8_block.BLOCK]
+
+
+def int4_weights(group: int, scheme: str) -> dict:
+    """The INT4 group's `weights` quantization args."""
+    return {**INT4_IDENTITY, "symmetric": scheme == "sym", "strategy": "group", "group_size": group,
+            "dynamic": False, "actorder": None, "observer": "minmax"}
+
+
+def expert_groups(qc: dict) -> dict[str, dict]:
+    """The config groups of `qc` that describe INT4 weights, by name."""
+    groups = {n: g for n, g in (qc.get("config_groups") or {}).items() if isinstance(g, dict)}
+    return {n: g for n, g in groups.items()
+            if all((g.get("weights") or {}).get(k) == v for k, v in INT4_IDENTITY.items())}
+
+
+def group_scheme(group: dict) -> str:
+    """"sym" or "asym", as an INT4 config group says (compressed-tensors' default: symmetric)."""
+    return DEFAULT_SCHEME if (group.get("weights") or {}).get("symmetric", True) else "asym"
 
 
 def sqnr_db(signal: float, error: float) -> float | None:
@@ -68,17 +97,18 @@ class W4A16Target(Target):
     def ready_workers(self) -> None:
         # The C encoder and its tables, shared by the forked workers; the summary says which ran
         # (the torch passes write the same bytes, 1.5-2x slower).
-        self.cpu_encoder = int4.ready_cpu(self.scheme)
+        self.cpu_encoder = int4_search.ready_cpu(self.scheme)
 
     # planning -------------------------------------------------------------------------------
     def plan_tensor(self, spec: TensorSpec) -> Unit:
         """FP8-block scales (E8M0 `.scale`) become compressed-tensors' F32 `.weight_scale`; the
         scales of experts kept in the source format (--mtp keep --force) stay as they are, and so do
         all of them where the engine reads FP8 linears through linear_fp8_config."""
-        if (self.fp8_linears != "config_group" or not (spec.name.endswith(".scale") and spec.dtype == "F8_E8M0")
-                or self.model.expert_tensor(spec.name)):
+        source = fp8_block.CODEC.part(formats.SCALE)
+        is_fp8_scale = spec.name.endswith("." + source.suffix) and spec.dtype in source.dtypes
+        if self.fp8_linears != "config_group" or not is_fp8_scale or self.model.expert_tensor(spec.name):
             return super().plan_tensor(spec)
-        out = TensorSpec(spec.name[: -len("scale")] + "weight_scale", "F32", spec.shape)
+        out = TensorSpec(spec.name[: -len(source.suffix)] + FP8_SCALE, "F32", spec.shape)
         return Unit([spec.name], [out], lambda tensors: self.encode_block_scale(spec.name, out.name, tensors))
 
     # encoding -------------------------------------------------------------------------------
@@ -88,7 +118,7 @@ class W4A16Target(Target):
         for proj in self.model.projections:
             weight, scale = self.read_source(expert, tensors, proj)
             sources[expert.parts[proj]["weight"]] = torch.from_numpy(weight), torch.from_numpy(scale)
-        # The expert's projections in one call: one batch on a GPU; the same bytes on any device (int4.py).
+        # The expert's projections in one call: one batch on a GPU; the same bytes on any device (int4_search.py).
         encoded = self.encoder(sources, self.group, self.scheme, self.options.device)
         for proj in self.model.projections:
             enc = encoded[expert.parts[proj]["weight"]]
@@ -131,28 +161,27 @@ class W4A16Target(Target):
     def config(self, blocks: list[str], stats: Stats) -> dict:
         config = copy.deepcopy(self.model.config)
         source_qc = config.get("quantization_config") or {}
-        int4_args = {"num_bits": 4, "type": "int", "symmetric": self.scheme == "sym", "strategy": "group",
-                     "group_size": self.group, "dynamic": False, "actorder": None, "observer": "minmax"}
+        int4_args = int4_weights(self.group, self.scheme)
         fp8_weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
                        "block_structure": FP8_BLOCK, "dynamic": False, "observer": "minmax"}
         fp8_inputs = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",
                       "group_size": FP8_BLOCK[1], "dynamic": True, "observer": None}
         groups = {"group_0": {"targets": [self.expert_target()], "weights": int4_args,
-                              "input_activations": None, "output_activations": None, "format": "pack-quantized"}}
-        qc = {"quant_method": "compressed-tensors"}
+                              "input_activations": None, "output_activations": None, "format": PACKED}}
+        qc = {"quant_method": QUANT_METHOD}
         if self.fp8_linears == "config_group":
             # vLLM names the MTP e_proj/h_proj with an empty prefix, so only the class target
             # reaches them; experts match group_0 by name first.
             groups["group_1"] = {"targets": ["Linear"], "weights": fp8_weights, "input_activations": fp8_inputs,
-                                 "output_activations": None, "format": "float-quantized"}
-            qc["format"] = "mixed-precision"
+                                 "output_activations": None, "format": FLOAT_QUANTIZED}
+            qc["format"] = MIXED
         else:
             # SGLang's INT4 MoE method checks the top-level format; its linears take the source's
             # FP8-block settings from linear_fp8_config.
-            qc["format"] = "pack-quantized"
-            qc["linear_fp8_config"] = {k: v for k, v in source_qc.items() if k != "quantization_config"}
+            qc["format"] = PACKED
+            qc[LINEAR_FP8_CONFIG] = {k: v for k, v in source_qc.items() if k != "quantization_config"}
         qc.update({
-            "quantization_status": "compressed",
+            "quantization_status": STATUS,
             "config_groups": groups,
             "ignore": self.model.quantization_ignore(self.name, self.mtp == "convert"),
             "kv_cache_scheme": None,
@@ -164,6 +193,50 @@ class W4A16Target(Target):
             qc["scale_fmt"] = source_qc["scale_fmt"]
         config["quantization_config"] = qc
         return config
+
+    @classmethod
+    def check_config(cls, ctx, layout, seen) -> None:
+        out = ctx.out
+        qc = ctx.ck.config.get("quantization_config")
+        if not isinstance(qc, dict):
+            out.add("error", "no-quantization-config", "config.json has no quantization_config", CONFIG_NAME)
+            return
+        if qc.get("quant_method") != QUANT_METHOD:
+            out.add("error", "quant-method", f"W4A16 experts need quant_method {QUANT_METHOD!r}", CONFIG_NAME,
+                    repr(qc.get("quant_method")))
+        if qc.get("quantization_status") not in (None, STATUS):
+            out.add("warning", "quantization-status", f"quantization_status is not {STATUS!r}", CONFIG_NAME,
+                    repr(qc.get("quantization_status")))
+        groups = expert_groups(qc)
+        if not groups:
+            out.add("error", "config-groups", "config_groups has no 4-bit int weight group for the experts",
+                    CONFIG_NAME)
+            return
+        # Which engine probes reach these groups is each engine's rule (engine_check); here, the
+        # groups themselves.
+        expected = int4_weights(DEFAULT_GROUP, DEFAULT_SCHEME)
+        for group in groups.values():
+            weights = group.get("weights") or {}
+            size = weights.get("group_size")
+            if weights.get("strategy") not in (None, expected["strategy"]):
+                out.add("warning", "strategy", f"expert weights strategy is not {expected['strategy']!r}", CONFIG_NAME,
+                        repr(weights.get("strategy")))
+            if size not in cls.codec.group_sizes:
+                out.add("warning", "group-size", "group_size is not one vLLM's Marlin WNA16 MoE accepts "
+                        f"({', '.join(map(str, cls.codec.group_sizes))})", CONFIG_NAME, repr(size))
+            if seen.group_sizes and size not in seen.group_sizes:
+                out.add("error", "group-size", "config group_size disagrees with the weight_scale shapes", CONFIG_NAME,
+                        f"config {size}, tensors {sorted(seen.group_sizes)}")
+            symmetric = group_scheme(group) == "sym"
+            if symmetric and seen.zero_points:
+                out.add("warning", "zero-point", "symmetric scheme but weight_zero_point tensors are present",
+                        CONFIG_NAME)
+            if not symmetric and not seen.zero_points:
+                out.add("error", "zero-point", "asymmetric scheme but no weight_zero_point tensors", CONFIG_NAME)
+            fmt = group.get("format") or qc.get("format")
+            if fmt not in (PACKED, MIXED):
+                out.add("warning", "ct-format", f"experts' compressed-tensors format is not {PACKED}", CONFIG_NAME,
+                        repr(fmt))
 
     @property
     def format_label(self) -> str:

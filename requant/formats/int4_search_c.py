@@ -1,13 +1,13 @@
 """The W4A16 encoder in one C pass over the groups (int4_encode.c), for CPUs.
 
-int4._search runs the encoding as a few dozen whole-tensor torch passes; on a CPU most of their
+int4_search._search runs the encoding as a few dozen whole-tensor torch passes; on a CPU most of their
 time goes to memory traffic, sorting groups by their coarse winner and small matrix products that
 BLAS runs far below a core's peak. The C pass keeps each group in registers. Its search keys are
 whole numbers below 2^53 in float64, so it picks the same candidates and writes the same bytes
-and energies (tests/test_int4_native.py compares them).
+and energies (tests/test_int4_search_c.py compares them).
 
-Built and loaded by requant.native; where it is not there (no C compiler, REQUANT_NATIVE=0),
-`encode` returns None and int4 runs its torch passes.
+Built and loaded by requant.c_helpers; where it is not there (no C compiler, REQUANT_NATIVE=0),
+`encode` returns None and int4_search runs its torch passes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from requant import native
+from requant import c_helpers
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int4_encode.c")
 _VECTOR, _TILE = 4, 16   # doubles per vector, per tile of four vectors (the C pass reads whole tiles)
@@ -37,7 +37,7 @@ class _Tables(ctypes.Structure):
 
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str]:
-    return native.bind(_SOURCE, {"requant_int4_encode": ([ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+    return c_helpers.bind(_SOURCE, {"requant_int4_encode": ([ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                                           ctypes.c_void_p, ctypes.POINTER(_Tables), ctypes.c_int,
                                                           *[ctypes.c_void_p] * 5], ctypes.c_int)},
                        "requant_int4_vectorised")
@@ -45,11 +45,11 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
 
 def status() -> str:
     """'c (avx2)' or 'c (portable)' when the library is there; else 'torch: <why not>'. Builds it."""
-    return native.describe(_library())
+    return c_helpers.describe(_library())
 
 
 class Prepared:
-    """One int4._Tables (CPU) laid out for the C pass: the search table's coarse columns (padded to
+    """One int4_search._Tables (CPU) laid out for the C pass: the search table's coarse columns (padded to
     whole tiles by repeating the last) and every column, each row padded; the tensors the
     struct points at are kept here."""
 
@@ -75,7 +75,7 @@ class Prepared:
 
 def encode(weight: torch.Tensor, scale: torch.Tensor, per_group: int, prepared: Prepared, r_bins: int,
            vectorised: bool = True) -> tuple[torch.Tensor, ...] | None:
-    """One tensor's int4._search results (codes, BF16 scales, int8 zero points; signal and excess
+    """One tensor's int4_search._search results (codes, BF16 scales, int8 zero points; signal and excess
     energy bins, one row) from its flat packed bytes and E8M0 bytes on the CPU, or None where the C
     pass is not there."""
     lib, _ = _library()
