@@ -7,7 +7,7 @@ machine run this file alone with the interpreter off:
     TRITON_INTERPRET=0 python -m pytest tests/test_kernel_gpu.py
 
 Tolerance: BF16 GEMM inputs against an FP32 reference give a relative L2 error of about
-2-4e-3 (scripts/bench_moe_results.md); 1e-2 passes that and fails a wrong scale or nibble order,
+2-4e-3 (docs/kernel-notes.md, "Current numbers"); 1e-2 passes that and fails a wrong scale or nibble order,
 which are off by O(1).
 """
 

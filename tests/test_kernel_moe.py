@@ -21,8 +21,10 @@ from requant.errors import FormatError  # noqa: E402
 from requant.formats import mxfp4  # noqa: E402
 from requant.formats.engine_numerics import fake_quantize_activations  # noqa: E402
 from requant.kernels import fused_moe as fused_moe_module  # noqa: E402
-from requant.kernels.fused_moe import (ExpertWeights, KernelConfig, _moe_align_torch, fused_moe,  # noqa: E402
-                                       default_config, moe_align, permute_k, prepare)
+from requant.kernels._details import _kernels, launch, layout  # noqa: E402
+from requant.kernels._details.align import align_torch  # noqa: E402
+from requant.kernels.fused_moe import (ExpertWeights, KernelConfig, default_config, fused_moe, moe_align,  # noqa: E402
+                                       permute_k, prepare)
 from requant.moe import Activation, MoEConfig, MoELayer, Router, route, routed_experts  # noqa: E402
 
 EXPERTS, HIDDEN, INTER, LIMIT = 8, 256, 128, 10.0
@@ -63,13 +65,13 @@ def test_formats_match_reference(fmt, group):
     assert_matches(y, ref)
 
 
-@pytest.mark.parametrize("fmt,group,hidden,layout", [
+@pytest.mark.parametrize("fmt,group,hidden,scales", [
     ("nvfp4", 16, HIDDEN, "SCALES_BLOCKS"), ("int4-asym", 32, HIDDEN, "SCALES_BLOCKS"),
     ("nvfp4-any", 16, 176, "SCALES_BLOCKS"), ("int4-asym", 32, 160, "SCALES_BLOCKS"),
     ("int4-asym", 64, HIDDEN, "SCALES_WORDS"), ("mxfp4", 32, HIDDEN, "SCALES_WORDS"),
     ("mxfp4", 32, 160, "SCALES_ROWS"), ("int4-sym", 128, HIDDEN, "SCALES_ROWS"),
 ])
-def test_scales_by_hand_or_pipelined_agree(fmt, group, hidden, layout):
+def test_scales_by_hand_or_pipelined_agree(fmt, group, hidden, scales):
     """A tile's scales (and zero points) loaded with its words (`pipelined_scales`, the default)
     or by hand one tile ahead: the same bytes out, K whole tiles or not (176, 160: the last tile
     partial). Pipelined, w1/w3's scales are read in the layout named (`scale_layout`): in blocks
@@ -81,7 +83,7 @@ def test_scales_by_hand_or_pipelined_agree(fmt, group, hidden, layout):
     x = (torch.randn(7, hidden, generator=gen) * 0.05).bfloat16()
     cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1)
     kw1, kw3 = (fused_moe_module.kernel_weights(w) for w in (w1, w3))
-    assert fused_moe_module._launch_scales(cfg, kw1, kw3)[0] == getattr(fused_moe_module, layout).value
+    assert launch.launch_scales(cfg, kw1, kw3)[0] == getattr(layout, scales)
     outs = [fused_moe(x, ids, weights, w1, w3, w2, config=replace(cfg, pipelined_scales=p)) for p in (True, False)]
     assert torch.equal(outs[0], outs[1])
 
@@ -198,7 +200,7 @@ def test_hash_layer_routing():
     assert_matches(y, ref)
 
 
-@pytest.mark.parametrize("align", [moe_align, _moe_align_torch])
+@pytest.mark.parametrize("align", [moe_align, align_torch])
 def test_moe_align_invariants(align):
     """Both ways of aligning (one Triton program at decode sizes, torch's sort beyond)."""
     gen = torch.Generator().manual_seed(6)
@@ -227,7 +229,7 @@ def test_moe_align_invariants(align):
                    (real[(ids.flatten()[real.long()] == e)] for e in range(EXPERTS)))
 
 
-@pytest.mark.parametrize("align", [moe_align, _moe_align_torch])
+@pytest.mark.parametrize("align", [moe_align, align_torch])
 @pytest.mark.parametrize("counts,block,full", [([1] * 6, 16, True), ([1] * 7 + [9], 4, True),
                                                ([2] * 8, 4, False), ([5], 4, False)])
 def test_moe_align_allots_the_blocks_a_routing_can_fill(align, counts, block, full):
@@ -257,28 +259,7 @@ def test_prepared_activations_are_permuted_and_padded(align_pairs, monkeypatch):
     poison_float_buffers(monkeypatch)
     a, sorted_ids, block_expert = prepare(x, ids, EXPERTS, 16, torch.float32)
     assert a.dtype == torch.float32 and torch.equal(a, permute_k(x.float(), 128))
-    assert all(torch.equal(p, q) for p, q in zip((sorted_ids, block_expert), _moe_align_torch(ids, EXPERTS, 16)))
-
-
-def test_tile_blocks_of_64_rows_by_one_k_tile():
-    """Column c of row n (`group` elements of K each) lands in K tile t = c * group // 128 at block
-    n // 64, row n % 64: words (group 8) and scales of groups of 16-128 at their place in the tile,
-    a group wider than a tile once in each of its tiles; every block contiguous, N padded to whole
-    128 rows and K to whole K tiles with zeros."""
-    gen = torch.Generator().manual_seed(15)
-    for group, c, shape in ((8, 40, (3, 4, 3, 64, 16)), (16, 20, (3, 4, 3, 64, 8)), (128, 3, (3, 4, 3, 64, 1)),
-                            (256, 2, (3, 4, 4, 64, 1))):
-        x = torch.randint(1, 2**31 - 1, (3, 200, c), generator=gen, dtype=torch.int32)
-        tiled = fused_moe_module.tile_blocks(x, group)
-        assert tiled.shape == shape and tiled.is_contiguous()
-        per_tile = shape[-1]
-        k = torch.arange(shape[2] * 128)  # every element of K, padding included
-        col, tile = k // group, k // 128
-        kept = col < c
-        n = torch.arange(200)[:, None]
-        got = tiled[:, n // 64, tile[kept], n % 64, col[kept] % per_tile]
-        assert torch.equal(got, x[:, n, col[kept]]), group
-        assert int((tiled != 0).sum()) == x.numel() * max(1, group // 128), group  # the rest is zero padding
+    assert all(torch.equal(p, q) for p, q in zip((sorted_ids, block_expert), align_torch(ids, EXPERTS, 16)))
 
 
 def test_rejects_mismatched_scales():
@@ -337,12 +318,12 @@ def test_down_config_of_its_own(monkeypatch):
     down = KernelConfig(16, 128, 128, num_warps=4, num_stages=1, split_k=2)
     cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=4, down=down)
     seen = []
-    launch = fused_moe_module._launch
+    launch_one = fused_moe_module.launch
 
     def spy(*args, **kwargs):
         seen.append((args[3] is None, args[10]))  # (the down GEMM: no w3, its config)
-        return launch(*args, **kwargs)
-    monkeypatch.setattr(fused_moe_module, "_launch", spy)
+        return launch_one(*args, **kwargs)
+    monkeypatch.setattr(fused_moe_module, "launch", spy)
     y = fused_moe(x, ids, weights, w1, w3, w2, config=cfg)
     assert seen == [(False, cfg), (True, down)]
     assert_matches(y, routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), SWIGLU))
@@ -367,7 +348,7 @@ def test_scale_after_dot_matches_reference(fmt, group, split, apart, monkeypatch
     cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=split, gate_up_apart=apart,
                        scale_after_dot=True)
     row_scales = []
-    kernel = fused_moe_module._moe_gemm_kernel
+    kernel = _kernels.moe_gemm_kernel
 
     class Spy:
         def __getitem__(self, grid):
@@ -375,7 +356,7 @@ def test_scale_after_dot_matches_reference(fmt, group, split, apart, monkeypatch
                 row_scales.append(kwargs["ROW_SCALES"])
                 return kernel[grid](*args, **kwargs)
             return run
-    monkeypatch.setattr(fused_moe_module, "_moe_gemm_kernel", Spy())
+    monkeypatch.setattr(_kernels, "moe_gemm_kernel", Spy())
     y = fused_moe(x, ids, weights, w1, w3, w2, swiglu_limit=LIMIT, config=cfg)
     assert row_scales == [True, True]
     assert_matches(y, routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), SWIGLU))

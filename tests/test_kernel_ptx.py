@@ -5,7 +5,7 @@ The interpreter tests (test_kernel_moe.py) take the FP32 route; the inline PTX r
 This checks the PTX text itself: rotations, masks and the bf16x2 arithmetic, for every byte value
 in every byte position of a word, on the words as the kernel holds them (`kernel_words`: the
 stored bits moved into the kernel's layout), against the stored nibbles. The FP32 route's reading
-of the same layout (`_pair_nibbles`) runs here through Triton's interpreter.
+of the same layout (`_decode.pair_nibbles`) runs here through Triton's interpreter.
 """
 
 import re
@@ -17,7 +17,8 @@ import torch
 pytest.importorskip("triton", reason="requant's kernel needs triton (Linux wheels only): pip install 'requant[gpu]'")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from requant.kernels import fused_moe as fm  # noqa: E402
+from requant.kernels._details import _decode as dec  # noqa: E402
+from requant.kernels._details import layout  # noqa: E402
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 SCALES = [1.0, 0.25, 3.0, 448.0, 2.0**-9 * 1.125, 0.0078125]
@@ -98,13 +99,13 @@ def words():
 
 
 def kernel_words(stored: list[int], fmt) -> list[int]:
-    """The stored words in the kernel's layout (`fm.kernel_words`, the torch code the kernel's
+    """The stored words in the kernel's layout (`layout.kernel_words`, the torch code the kernel's
     callers run), as unsigned 32-bit values."""
     signed = torch.tensor([w - (1 << 32) if w >> 31 else w for w in stored], dtype=torch.int32)
-    return [w & 0xFFFFFFFF for w in fm.kernel_words(signed, fmt.value).tolist()]
+    return [w & 0xFFFFFFFF for w in layout.kernel_words(signed, fmt.value).tolist()]
 
 
-@pytest.mark.parametrize("fmt", [fm.NVFP4, fm.MXFP4, fm.INT4])
+@pytest.mark.parametrize("fmt", [dec.NVFP4, dec.MXFP4, dec.INT4])
 def test_kernel_words_move_every_bit_once(fmt):
     """A permutation of the 32 bit positions, the same for every word: each single-bit word lands
     on a single bit, no two on the same one."""
@@ -119,12 +120,12 @@ def test_kernel_words_move_every_bit_once(fmt):
 def test_pair_ptx_decodes_every_byte(kind):
     """Unscaled (`KernelConfig.scale_after_dot`): the code minus its zero point, exactly, the zero
     point then the third operand ($3) where the scale was."""
-    asm = {"e2m1": fm._ASM_FP4, "int4": fm._ASM_INT4, "int4-zero-point": fm._ASM_INT4_ZP,
-           "int4-unscaled": fm._ASM_INT4_UNSCALED, "int4-zero-point-unscaled": fm._ASM_INT4_ZP_UNSCALED}[kind].value
+    asm = {"e2m1": dec.ASM_FP4, "int4": dec.ASM_INT4, "int4-zero-point": dec.ASM_INT4_ZP,
+           "int4-unscaled": dec.ASM_INT4_UNSCALED, "int4-zero-point-unscaled": dec.ASM_INT4_ZP_UNSCALED}[kind].value
     scaled = not kind.endswith("unscaled")
     asym = "zero-point" in kind
     stored = words()
-    for i, (word, kernel_word) in enumerate(zip(stored, kernel_words(stored, fm.MXFP4 if kind == "e2m1" else fm.INT4))):
+    for i, (word, kernel_word) in enumerate(zip(stored, kernel_words(stored, dec.MXFP4 if kind == "e2m1" else dec.INT4))):
         scale = SCALES[i % len(SCALES)] if scaled else 1.0
         zero = i % 16 if asym else 8
         # After the word: the scale's bits where scaled, then -(128 + zero)'s where asymmetric.
@@ -145,14 +146,14 @@ def test_pair_ptx_decodes_every_byte(kind):
 @triton.jit
 def _scale_bits_kernel(raw_ptr, out_ptr, FMT: tl.constexpr):
     offs = tl.arange(0, 256)
-    tl.store(out_ptr + offs, fm._scale_bf16_bits(tl.load(raw_ptr + offs), FMT))
+    tl.store(out_ptr + offs, dec.scale_bf16_bits(tl.load(raw_ptr + offs), FMT))
 
 
 def kernel_scale_bits() -> list[int]:
     """The BF16 bits the kernel gives each E4M3 byte as an NVFP4 block scale (`_scale_bf16_bits`,
     run by Triton's interpreter)."""
     out = torch.empty(256, dtype=torch.int16)
-    _scale_bits_kernel[(1,)](torch.arange(256, dtype=torch.int32).to(torch.uint8), out, FMT=fm.NVFP4)
+    _scale_bits_kernel[(1,)](torch.arange(256, dtype=torch.int32).to(torch.uint8), out, FMT=dec.NVFP4)
     return [b & 0xFFFF for b in out.tolist()]
 
 
@@ -170,10 +171,10 @@ def test_folded_e2m1_ptx_decodes_every_byte_exactly():
     scales = [b for b in range(0x7F)] + [0x80 | b for b in range(1, 0x7F)]
     scale_bits = kernel_scale_bits()
     stored = words()
-    for i, (word, kernel_word) in enumerate(zip(stored, kernel_words(stored, fm.NVFP4))):
+    for i, (word, kernel_word) in enumerate(zip(stored, kernel_words(stored, dec.NVFP4))):
         byte = scales[(37 * i) % len(scales)]
         for m in range(4):
-            out = run_ptx(fm._ASM_FP4_FOLDED.value[m], {2: kernel_word, 3: scale_bits[byte]})
+            out = run_ptx(dec.ASM_FP4_FOLDED.value[m], {2: kernel_word, 3: scale_bits[byte]})
             for j, name in ((2 * m, "$0"), (2 * m + 1, "$1")):
                 nib = (word >> 4 * j) & 15
                 want = (-1 if nib & 8 else 1) * E2M1[nib & 7] * e4m3_value(byte) * 2.0**-7
@@ -185,12 +186,12 @@ def _pair_nibbles_kernel(words_ptr, out_ptr, FMT: tl.constexpr):
     offs = tl.arange(0, 256)
     w = tl.load(words_ptr + offs)
     for m in tl.static_range(4):
-        lo, hi = fm._pair_nibbles(w, m, FMT)
+        lo, hi = dec.pair_nibbles(w, m, FMT)
         tl.store(out_ptr + (2 * m) * 256 + offs, lo)
         tl.store(out_ptr + (2 * m + 1) * 256 + offs, hi)
 
 
-@pytest.mark.parametrize("fmt", [fm.NVFP4, fm.INT4])
+@pytest.mark.parametrize("fmt", [dec.NVFP4, dec.INT4])
 def test_fp32_route_reads_the_kernel_layout(fmt):
     """The interpreter's (FP32) route recovers every stored nibble from the kernel words."""
     stored = words()

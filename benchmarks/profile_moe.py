@@ -2,10 +2,10 @@
 profiler to look at (GPU only). bench_moe.py times; this only runs, so that Nsight Compute's
 per-kernel replay sees the same launches the benchmark times:
 
-    ncu --clock-control none -k regex:_moe_gemm --launch-skip 2 --launch-count 2 --set full \
-        -o prof python3 scripts/profile_moe.py --format nvfp4 --tokens 1
+    ncu --clock-control none -k regex:moe_gemm --launch-skip 2 --launch-count 2 --set full \
+        -o prof python3 benchmarks/profile_moe.py --format nvfp4 --tokens 1
 
-Each iteration is one `fused_moe` call with the default config for the batch (weights in the
+Each iteration is one `fused_moe` call with the config it picks for the batch on this device (weights in the
 kernel's layout, made once); --iters calls in all.
 """
 
@@ -21,6 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_moe  # noqa: E402
 from requant.kernels import fused_moe as fm  # noqa: E402
+from requant.kernels._details import configs  # noqa: E402
+from requant.kernels._details.device import device_config_name  # noqa: E402
 
 
 def main():
@@ -35,7 +37,7 @@ def main():
                   for n, k in ((I, H), (I, H), (H, I)))
     ids, rw = bench_moe.routing(args.tokens)
     x = torch.randn(args.tokens, H, generator=gen, device="cuda").bfloat16()
-    cfg = fm.default_config(args.tokens * bench_moe.TOP_K, bench_moe.E, w1.kernel_code)
+    cfg = configs.launch_config(bench_moe.problem(args.format), args.tokens, device_config_name(x.device))
     print(f"{args.format} {args.tokens} tokens: {cfg}", flush=True)
     for _ in range(args.iters):
         fm.fused_moe(x, ids, rw, w1, w3, w2, config=cfg)

@@ -6,26 +6,30 @@ that layer (64 tokens) once per serving mode and once with all modes and --activ
 calibrated input_scale policy runs too), each on a warm kernel cache (a first untimed run
 compiles the kernels). Prints the served-numerics table of the last run.
 
-    python3 scripts/bench_serving.py [--work DIR] [--small] [--device cuda|cpu]
+    python3 benchmarks/bench_serving.py [--work DIR] [--small] [--device cuda|cpu] [--out DIR]
 
---small uses the default synthetic dimensions (a CPU smoke test of this script).
+--small uses the default synthetic dimensions (a CPU smoke test of this script). The timings go to
+`<out>/<YYYY-MM-DD>-<device>-serving.json` (default out: benchmarks/results).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from requant import synth  # noqa: E402
+from requant.kernels._details.device import config_name  # noqa: E402
 
 
 def main():
@@ -34,7 +38,7 @@ def main():
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args()
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -75,9 +79,15 @@ def main():
     timings.append({"modes": "all", "activations": True, "seconds": time.perf_counter() - t0})
     print(f"validate --serve all --activations: {timings[-1]['seconds']:.2f} s", flush=True)
     print(format_table(result))
-    with open(os.path.join(args.out, "bench_serving.json"), "w") as f:
-        json.dump({"dims": str(dims), "synth_s": t_synth, "convert_s": t_convert, "timings": timings,
-                   "result": result.to_dict()}, f, indent=1)
+    name = config_name(torch.cuda.get_device_name()) if args.device.startswith("cuda") else "cpu"
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{date}-{name}-serving.json")
+    with open(path, "w") as f:
+        json.dump({"benchmark": "benchmarks/bench_serving.py", "date": date, "device": name, "dims": str(dims),
+                   "synth_s": t_synth, "convert_s": t_convert, "timings": timings, "result": result.to_dict()},
+                  f, indent=1)
+    print(f"results: {path}")
 
 
 if __name__ == "__main__":

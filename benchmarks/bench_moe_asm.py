@@ -3,14 +3,14 @@
 Device time is scarce; most questions about a kernel change (are the weight loads 16 bytes wide,
 does the dequantized tile pass through shared memory, are the wgmmas waited for one by one, how
 many instructions per K tile) are answered by the compiler's output. This compiles
-`_moe_gemm_kernel` for a few configs with the installed Triton and its bundled ptxas and
+`_kernels.moe_gemm_kernel` for a few configs with the installed Triton and its bundled ptxas and
 cuobjdump, then reports registers, stack, shared memory and the instruction mix of the innermost
 loop (the longest backward branch).
 
-Use the device's Triton version (3.6.0 for runs 3-6 in bench_moe_results.md), for example:
+Use the device's Triton version (3.6.0 on the H200 machines of docs/kernel-notes.md), for example:
 
     pip install --no-deps --target /tmp/triton36 triton==3.6.0
-    PYTHONPATH=/tmp/triton36 python scripts/bench_moe_asm.py [--out DIR]
+    PYTHONPATH=/tmp/triton36 python benchmarks/bench_moe_asm.py [--out DIR]
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import datetime
+import json
 import os
 import re
 import subprocess
@@ -30,9 +32,11 @@ from triton.compiler import ASTSource, make_backend
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from requant.kernels import fused_moe as fm  # noqa: E402
+from requant.kernels._details import _kernels, layout  # noqa: E402
+from requant.kernels._details._decode import INT4, MXFP4, NVFP4  # noqa: E402
 
 SCALE_TYPES = {"nvfp4": ("*u8", 16), "mxfp4": ("*u8", 32), "int4": ("*bf16", 128), "int4g32": ("*bf16", 32)}
-FORMAT_CODES = {"nvfp4": fm.NVFP4, "mxfp4": fm.MXFP4, "int4": fm.INT4, "int4g32": fm.INT4}
+FORMAT_CODES = {"nvfp4": NVFP4, "mxfp4": MXFP4, "int4": INT4, "int4g32": INT4}
 # Arguments that are multiples of 16 at run time for this model's shapes (Triton specializes on it).
 DIVISIBLE = {"stride_am", "stride_we", "stride_wt", "stride_se", "stride_sn", "stride_om", "stride_os", "stride_og",
              "N", "K"}
@@ -45,15 +49,15 @@ def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig, even_k: bool = Tru
     multiple of 16, so Triton does not specialize the scales' row stride; the words' blocks are
     whole tiles whatever K is). cfg.gate_up_apart: w1/w3 by separate programs (the gated launch's
     APART)."""
-    kernel = fm._moe_gemm_kernel
+    kernel = _kernels.moe_gemm_kernel
     scale_type, group = SCALE_TYPES[fmt]
     scale_bytes = 2 if fmt.startswith("int4") else 1
     signature = {name: "i32" for name in kernel.arg_names}
     for name in kernel.arg_names:
         if name.endswith("_ptr"):
             signature[name] = "*fp32"
-    layout = fm.scale_layout(cfg, group, scale_bytes, 4096 if even_k else 2880)
-    if layout == fm.SCALES_WORDS.value:
+    scales = layout.scale_layout(cfg, group, scale_bytes, 4096 if even_k else 2880)
+    if scales == layout.SCALES_WORDS:
         scale_type = "*i32"
     apart = gated and cfg.gate_up_apart
     partials = cfg.split_k > 1 or apart
@@ -66,9 +70,9 @@ def compile_gemm(fmt: str, gated: bool, cfg: fm.KernelConfig, even_k: bool = Tru
                      PERM_OUT=gated and not partials,
                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
                      EVEN_K=even_k, APART=apart, PDL=True,
-                     PIPELINED_SCALES=cfg.pipelined_scales and layout != fm.SCALES_ROWS.value,
-                     ROUTING_READY=not gated, SCALE_LAYOUT=layout,
-                     ROW_SCALES=fm.row_scaled(cfg, FORMAT_CODES[fmt].value, group, layout))
+                     PIPELINED_SCALES=cfg.pipelined_scales and scales != layout.SCALES_ROWS,
+                     ROUTING_READY=not gated, SCALE_LAYOUT=scales,
+                     ROW_SCALES=layout.row_scaled(cfg, FORMAT_CODES[fmt].value, group, scales))
     signature.update({name: "constexpr" for name in constants})
     divisible = DIVISIBLE if even_k else DIVISIBLE - {"stride_sn"}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in kernel.arg_names
@@ -100,8 +104,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="folder for each kernel's TTGIR, PTX and SASS")
     ap.add_argument("--only", help="compile only the variants whose tag contains this (e.g. w13_decode)")
+    ap.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                    help="folder for <YYYY-MM-DD>-sm90-asm.json, every variant's figures")
     args = ap.parse_args()
     print(f"Triton {triton.__version__}, target sm_90")
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    results = {"benchmark": "benchmarks/bench_moe_asm.py", "date": date, "target": "sm_90",
+               "triton": triton.__version__, "variants": []}
     decode = fm.KernelConfig(16, 64, 128, 4, 4)
     prefill = fm.KernelConfig(128, 128, 128, 8, 3)  # as default_config's, except pipelined_scales (per format)
     shapes = [(gated, name, cfg) for gated in (True, False) for name, cfg in (("decode", decode), ("prefill", prefill))]
@@ -136,6 +145,15 @@ def main():
         print(f"{tag:30s} regs {usage[1]:>3s} stack {usage[2]:>3s} smem {compiled.metadata.shared:6d}  "
               f"K loop {count} instructions: " + ", ".join(f"{op} {mix[op]}" for op in COUNTED if mix[op]),
               flush=True)
+        results["variants"].append({"tag": tag, "config": cfg.to_dict(), "registers": int(usage[1]),
+                                    "stack": int(usage[2]), "shared": compiled.metadata.shared,
+                                    "k_loop_instructions": count, "k_loop_mix": dict(mix.most_common())})
+    os.makedirs(args.results, exist_ok=True)
+    path = os.path.join(args.results, f"{date}-sm90-asm.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"results: {path}")
+
 
 if __name__ == "__main__":
     main()
