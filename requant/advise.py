@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from requant import engines, formats, sources
+from requant import engines, formats
 from requant.engines import FROM_CODE, GPU_FAMILIES, SPEED_CLASSES, EngineRules
 from requant.errors import UnsupportedCheckpoint
 from requant.io.checkpoint import Checkpoint
 from requant.model import ModelSpec
-from requant.plan import expert_codec
+from requant.experts import ExpertIndex
 from requant.targets import TARGETS
 
 @dataclass(frozen=True)
@@ -169,13 +169,13 @@ def advise(ck: Checkpoint, engine_specs: list[str], gpu: str, tp: int = 1, ep: i
            errors: dict[str, dict] | None = None) -> dict:
     """The answer for checkpoint `ck` (headers and config only) on each engine release and `gpu`."""
     engines.check_gpu(gpu)
-    model = ModelSpec.for_config(ck.config)
-    experts = sources.reader(model).experts(ck.names)
-    source = expert_codec(model, ck, experts)
+    model = ModelSpec.for_checkpoint(ck)
+    index = ExpertIndex(model, ck)
+    source = index.main_codec
     if source is None:
         raise UnsupportedCheckpoint(f"{ck.path}: no routed experts in a format requant knows")
-    mtp_blocks = {e.block for e in experts if model.is_mtp(e.block)}
-    mtp_fmt = expert_codec(model, ck, [e for e in experts if e.block in mtp_blocks]) if mtp_blocks else None
+    mtp_blocks = index.drafter_blocks()
+    mtp_fmt = index.blocks[mtp_blocks[0]].codec if mtp_blocks else None
     answers = []
     for spec in engine_specs or model.engine_names:
         rules = model.engine(spec)

@@ -11,8 +11,9 @@ import json
 import math
 import os
 
-from requant import __version__, sources
+from requant import __version__
 from requant.engines import GPU_FAMILIES, EngineRules
+from requant.experts import ExpertIndex
 
 CARD_MARK = "<!-- written by requant: the model card of a converted checkpoint -->"
 CARD_NAME = "README.md"
@@ -27,7 +28,7 @@ def provenance(plan, stats, source_label: str) -> dict:
     target, model = plan.target, plan.model
     rules = target.engine
     blocks = set(plan.blocks)
-    mtp_blocks = sorted({e.block for e in sources.reader(model).experts(plan.source.names) if model.is_mtp(e.block)})
+    mtp_blocks = (getattr(plan, "experts", None) or ExpertIndex(model, plan.source)).drafter_blocks()
     groups = {"routed experts (main layers)": target.format_label}
     if mtp_blocks:
         groups[MTP_GROUP] = (target.format_label if set(mtp_blocks) <= blocks

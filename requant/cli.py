@@ -69,7 +69,7 @@ def _reduced_default(dim: str) -> str:
 
     by_value: dict = {}
     for name, (recipe, _) in sorted(named_models().items()):
-        by_value.setdefault(recipe["synth"]["reduced"].get(dim), []).append(name)
+        by_value.setdefault(recipe.synth.reduced.get(dim), []).append(name)
     if len(by_value) == 1:
         return str(next(iter(by_value)))
     default = next(v for v, names in by_value.items() if _default_model_name() in names)
@@ -392,7 +392,7 @@ def _resume_command(ctx: click.Context) -> str:
 @reports_errors
 def inspect(path, as_json, quiet):
     """Describe checkpoint PATH: model, expert format, tensors per dtype, shards, quantization."""
-    from requant.inspect import format_report, inspect_checkpoint
+    from requant.describe import format_report, inspect_checkpoint
 
     info = inspect_checkpoint(path)
     click.echo(json.dumps(info, indent=2) if as_json else format_report(info))

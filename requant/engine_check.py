@@ -149,8 +149,9 @@ def judge(rules: EngineRules, model: ModelSpec, config: dict, formats_by_block: 
     refusal = rules.refusal(dominant)
     if refusal:
         problem("engine-unsupported", f"cannot serve {dominant} experts: {refusal}")
-    expected_mtp = rules.mtp_format(dominant)
+    ignore = (config.get("quantization_config") or {}).get("ignore")
     for block, fmt in formats_by_block.items():
+        expected_mtp = rules.mtp_format_for(dominant, block, ignore)
         if model.is_mtp(block) and expected_mtp and fmt != expected_mtp:
             problem("mtp-format", f"loads the MTP block's experts as {expected_mtp.upper()} but they are "
                     f"{fmt.upper()}: no error, garbage drafts ({rules.mtp_evidence(dominant)}); "

@@ -1,7 +1,7 @@
 """Plain torch reference of one MoE layer: router, routed experts and shared expert.
 
 The router and the experts' activation are the kinds a recipe names (model.ModelSpec.router() and
-.activation()): DeepSeek-V4's ("sqrtsoftplus", "swiglu_clamp"; docs/formats.md section 4) and
+.activation()): DeepSeek-V4's ("sqrtsoftplus", "swiglu_clamp"; docs/formats.md, DeepSeek-V4 MoE forward) and
 gpt-oss' ("softmax_topk", "swiglu_oai"). Works on dequantized float weights and computes in FP32;
 written from the models' definitions, independently of the Triton kernel, so that it can judge it.
 Activations stay BF16/FP32 (no FP8 activation rounding), as on Hopper serving engines.

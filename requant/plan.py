@@ -3,11 +3,11 @@ is fixed before any tensor data is read."""
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 
 from requant import formats, sources
+from requant.experts import ExpertIndex
 from requant.errors import FormatError, UnsupportedCheckpoint, UnsupportedError
 from requant.io.checkpoint import Checkpoint
 from requant.io.safetensors import TensorSpec, encode_header
@@ -44,6 +44,7 @@ class Plan:
     # how convert was run, for the card's command line: {"source": SRC as given, "destination":
     # DST (None in place), "in_place": bool}; empty: unknown (the card shows DST)
     run: dict = field(default_factory=dict)
+    experts: ExpertIndex | None = None      # the source's routed experts
 
     @property
     def index(self) -> dict:
@@ -68,25 +69,13 @@ class Plan:
         return sum(h.file_size for h in self.source.headers.values())
 
 
-def expert_codec(model: ModelSpec, source: Checkpoint, experts: list[Expert]) -> formats.Codec | None:
-    """How the checkpoint stores its (non-MTP, when there are any) routed experts."""
-    main = [e for e in experts if not model.is_mtp(e.block)] or experts
-    if not main:
-        return None
-    first = main[0]
-    proj = model.projections[0]
-    parts = {part: source.info(name).spec.dtype for part, name in first.parts.get(proj, {}).items()}
-    return formats.identify(parts)
-
-
 def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: str | None = None) -> Plan:
     """The plan for converting `source`'s routed experts to `out_format`; `in_format`, when given,
     is the format the caller expects them in (None: whatever they are stored as)."""
-    model = ModelSpec.for_config(source.config, os.path.join(source.path, "config.json"))
+    model = ModelSpec.for_checkpoint(source)
     _check_config_values(model)
-    reader = sources.reader(model)
-    experts = reader.experts(source.names)
-    found = expert_codec(model, source, experts)
+    index = ExpertIndex(model, source)
+    found = index.main_codec
     if found is None:
         raise UnsupportedCheckpoint(f"{source.path}: no routed experts in a known format were found")
     if in_format not in (None, found.name):
@@ -102,16 +91,16 @@ def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: 
     units_by_first_tensor: dict[str, Unit] = {}
     owned: set[str] = set()
     blocks: list[str] = []
-    for expert in experts:
+    for expert in index.units:
         if not target.converts(expert.block):
             continue
         # parts the model carries beside the codec's (gpt-oss' biases) pass through like any tensor
         names = [n for parts in expert.parts.values() for part, n in parts.items() if part not in model.carried_parts]
         shards = {source.locations[n] for n in names}
         if len(shards) > 1:
-            raise FormatError(f"expert {expert.expert} of {expert.block} is split across shards {sorted(shards)}; "
+            raise FormatError(f"{index.where(expert)} is split across shards {sorted(shards)}; "
                               "its projections must be converted together", tensor=names[0])
-        _check_against_config(model, source, reader, expert)
+        _check_against_config(model, source, index.reader, expert)
         unit = target.plan_expert(expert)
         first = min(names, key=lambda n: source.info(n).start)
         units_by_first_tensor[first] = unit
@@ -133,7 +122,8 @@ def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: 
                 counts["passed through" if unit.encode is None else "rewritten"] += 1
                 units.append(unit)
         shards.append(ShardPlan(shard_name, units))
-    plan = Plan(source, model, target, shards, blocks, found.name, counts, label=source.path, in_format=in_format)
+    plan = Plan(source, model, target, shards, blocks, found.name, counts, label=source.path, in_format=in_format,
+                experts=index)
     # verify's own checks on what this plan writes, before a byte is written: an output verify
     # would reject is refused here, in one line (the same rules verify applies afterwards)
     from requant.verify import check_conversion_plan

@@ -39,7 +39,7 @@ import torch
 
 from requant.compute import default_workers, torch_threads
 from requant.errors import RequantError, UnsupportedError
-from requant.formats import engine_numerics as en, int4, mxfp4, nvfp4
+from requant.formats import engine_numerics as en, int4, int4_search, mxfp4, nvfp4
 from requant.io.checkpoint import Checkpoint
 from requant.moe import MoEConfig, expert_forward, route
 from requant.serve import calibrated_input_scale
@@ -80,13 +80,13 @@ def compare_paths(checkpoint: str, layers: str | list[str] | None = None, tokens
     docs/report-schema.md, `paths`): per layer and overall, for each path, SQNR (dB, None when
     exact) and relative error of the layer output and of the routed part, and which path is closest
     to the reference and by how much."""
-    from requant.validate import (_Side, _reference_layer, _router, hidden_states, kernel_format, load_activations)
+    from requant.validate import Side, hidden_states, kernel_format, load_activations, reference_layer, router
 
     acts = load_activations(activations) if activations else None
     names = path_names(int4_variants)
     started = time.monotonic()
     with Checkpoint.open(checkpoint) as ck:
-        side = _Side(ck, checkpoint)
+        side = Side(ck, checkpoint)
         cfg = MoEConfig.from_model(side.model)
         blocks = side.moe_blocks()
         blocks = ([b for b in layers if b in blocks] if isinstance(layers, list)
@@ -100,11 +100,11 @@ def compare_paths(checkpoint: str, layers: str | list[str] | None = None, tokens
             if fmt != MX:
                 raise UnsupportedError(f"{block}: compare_paths starts from MXFP4 experts, not {fmt}")
             x, token_ids = _inputs(ck, side, block, cfg, tokens, gen, acts, hidden_states)
-            router = _router(side, block, "cpu")
-            if router.tid2eid is not None and token_ids is None:
-                token_ids = torch.randint(0, router.tid2eid.shape[0], (x.shape[0],), generator=gen)
-            out_layers.append(_layer(side, block, cfg, x, token_ids, router, experts, names, int4_variants,
-                                     _reference_layer(side, block, fmt), workers or default_workers()))
+            block_router = router(side, block, "cpu")
+            if block_router.tid2eid is not None and token_ids is None:
+                token_ids = torch.randint(0, block_router.tid2eid.shape[0], (x.shape[0],), generator=gen)
+            out_layers.append(_layer(side, block, cfg, x, token_ids, block_router, experts, names, int4_variants,
+                                     reference_layer(side, block, fmt), workers or default_workers()))
     return {"checkpoint": checkpoint, "device": "cpu (torch, FP32)", "seed": seed,
             "tokens": out_layers[0]["tokens"], "experts_limit": experts,
             "reference": REFERENCE + ": the source's experts decoded exactly, BF16 activations, FP32 compute, "
@@ -118,8 +118,8 @@ def compare_paths(checkpoint: str, layers: str | list[str] | None = None, tokens
 def _inputs(ck, side, block, cfg, tokens, gen, acts, hidden_states):
     if acts is None:
         return hidden_states(ck, block, tokens, gen), None
-    from requant.validate import _is_block_name
-    shared_x = [v for k, v in acts.items() if k != "token_ids" and not _is_block_name(side.model, k)]
+    from requant.validate import is_block_name
+    shared_x = [v for k, v in acts.items() if k != "token_ids" and not is_block_name(side.model, k)]
     x = acts.get(block, shared_x[0] if shared_x else None)
     if x is None:
         raise RequantError(f"the activations file has no tensor for {block}")
@@ -168,7 +168,7 @@ def _weights(stored, int4_variants, fused_max: bool = True) -> dict[str, tuple]:
     for group, scheme in int4_variants:
         dense = []
         for w, s in raw:
-            enc = int4.encode_mxfp4(w, s, group, scheme)
+            enc = int4_search.encode_mxfp4(w, s, group, scheme)
             dense.append(int4.decode(enc.packed, enc.scale, enc.zero_point))
         found[_int4_name(group, scheme)] = tuple(dense) + biases
     return found

@@ -2,7 +2,8 @@
 
 A reader turns tensor names into experts (`model.Expert`: each projection's tensors by codec part),
 the unit the pipeline converts, verifies and compares, and says how a stored tensor looks as one
-expert's matrix; nothing else needs to know how a layout spells or stacks an expert's tensors.
+expert's matrix. The rest of requant reads experts through experts.ExpertIndex, built on these
+readers, and never needs to know how a layout spells or stacks an expert's tensors.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from requant.card import CARD_MARK
 from requant.convert import convert
 from requant.targets import Options
 from requant.verify import verify
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 
 from requant import engines as _engines  # noqa: E402
 

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from requant import synth
-from requant.formats import int4, int4_native
-from tests.conftest import output_tree, run_cli, same_encoding
+from requant.formats import int4, int4_search, int4_search_c
+from tests.helpers.cli import run_cli
+from tests.helpers.encodings import same_encoding
+from tests.helpers.files import output_tree
 
 
 def _mxfp4(rows, k, seed, hard=synth.HardCases()):
@@ -24,10 +26,10 @@ def test_gpu_refinement_picks_what_the_cpu_one_picks(scheme, monkeypatch):
     coarse winner), both run here on the CPU: exact arithmetic, so the same bytes."""
     seed = int(np.random.SeedSequence().generate_state(1)[0])
     w, s = _mxfp4(128, 1024, seed, synth.HardCases(out_of_window=2, zero_blocks=3, neg_zero_blocks=1))
-    monkeypatch.setattr(int4_native, "encode", lambda *a, **k: None)   # the torch passes (not the C one)
-    by_centre = int4.encode_mxfp4(w, s, 32, scheme)
-    monkeypatch.setattr(int4._Tables, "_best_by_centre", int4._Tables._best_each)
-    assert same_encoding(int4.encode_mxfp4(w, s, 32, scheme), by_centre), f"seed {seed}"
+    monkeypatch.setattr(int4_search_c, "encode", lambda *a, **k: None)   # the torch passes (not the C one)
+    by_centre = int4_search.encode_mxfp4(w, s, 32, scheme)
+    monkeypatch.setattr(int4_search._Tables, "_best_by_centre", int4_search._Tables._best_each)
+    assert same_encoding(int4_search.encode_mxfp4(w, s, 32, scheme), by_centre), f"seed {seed}"
 
 
 def _expert(rows, k, seed, pin=False):
@@ -44,12 +46,12 @@ def test_tensors_encoded_in_one_run_as_apart(scheme, monkeypatch):
     the CPU's (one tensor at a time): the same bytes and per-tensor energies."""
     seed = int(np.random.SeedSequence().generate_state(1)[0])
     sources = _expert(64, 512, seed)
-    apart = int4.encode_many(sources, 32, scheme, "cpu")
+    apart = int4_search.encode_many(sources, 32, scheme, "cpu")
     # _on_gpu's one run of groups, here on the CPU (the CPU's own path goes tensor by tensor)
-    monkeypatch.setattr(int4, "_search_on_cpu", lambda srcs, args: int4._search(
+    monkeypatch.setattr(int4_search, "_search_on_cpu", lambda srcs, args: int4_search._search(
         torch.cat([w.reshape(-1) for w, _ in srcs.values()]), torch.cat([s.reshape(-1) for _, s in srcs.values()]),
         *args))
-    together = int4._encode({name: (w.view(torch.uint8), s.view(torch.uint8)) for name, (w, s) in sources.items()},
+    together = int4_search._encode({name: (w.view(torch.uint8), s.view(torch.uint8)) for name, (w, s) in sources.items()},
                             32, scheme, "cpu", exhaustive=False)
     assert all(same_encoding(together[name], apart[name]) for name in sources), f"seed {seed}"
 
@@ -63,11 +65,11 @@ def test_cuda_encodes_the_bytes_the_cpu_encodes(group, scheme):
     projection from GPU memory) and on the CPU: identical tensors and energies."""
     for seed in (7, 8, 9):
         sources = _expert(2048, 4096, seed, pin=True)
-        on_cpu = int4.encode_many(sources, group, scheme, "cpu")
-        on_gpu = int4.encode_many(sources, group, scheme, "cuda")
+        on_cpu = int4_search.encode_many(sources, group, scheme, "cpu")
+        on_gpu = int4_search.encode_many(sources, group, scheme, "cuda")
         assert all(same_encoding(on_gpu[name], on_cpu[name]) for name in sources), seed
     w, s = sources["down"]
-    assert same_encoding(int4.encode_mxfp4(w.cuda(), s.cuda(), group, scheme), on_cpu["down"])
+    assert same_encoding(int4_search.encode_mxfp4(w.cuda(), s.cuda(), group, scheme), on_cpu["down"])
 
 
 def test_worker_counts_and_devices_write_the_same_bytes(small_source, tmp_path):

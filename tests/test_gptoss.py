@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from requant import sources, synth
 from requant.cli import cli
 from requant.formats import mxfp4
-from requant.inspect import inspect_checkpoint
+from requant.describe import inspect_checkpoint
 from requant.io.checkpoint import Checkpoint
 from requant.model import ModelSpec
 from requant.verify import verify
@@ -208,18 +208,18 @@ def test_validate_runs_gpt_oss_routing_activation_and_biases(small, tmp_path):
     """validate's CPU reference on the source equals gpt-oss' forward written out above, and the
     forced NVFP4 output (ModelOpt's transposed layout) validates as lossless against it."""
     from requant.moe import MoEConfig, route, routed_experts
-    from requant.validate import _reference_experts, _router, _Side, kernel_format, validate
+    from requant.validate import Side, kernel_format, reference_experts, router, validate
 
     dest = str(tmp_path / "nvfp4")
     assert CliRunner().invoke(cli, ["convert", small, dest, "--out", "nvfp4", "--force", "--quiet"]).exit_code == 0
     with Checkpoint.open(small) as ck:
-        side = _Side(ck, small)
+        side = Side(ck, small)
         cfg = MoEConfig.from_model(side.model)
         block = side.moe_blocks()[1]
         gen = torch.Generator().manual_seed(0)
         x = (torch.randn(5, cfg.hidden_size, generator=gen) * 0.5).bfloat16().float()
-        ids, weights = route(x, _router(side, block, "cpu"), cfg)
-        got = routed_experts(x, ids, weights, _reference_experts(side, block, kernel_format(side, block)),
+        ids, weights = route(x, router(side, block, "cpu"), cfg)
+        got = routed_experts(x, ids, weights, reference_experts(side, block, kernel_format(side, block)),
                              cfg.activation)
         expected = _gpt_oss_moe(ck, block, x, cfg.router.top_k, cfg.activation.limit)
     assert float((got.double() - expected).norm() / expected.norm()) < 1e-5
@@ -280,16 +280,16 @@ def test_a_nan_scale_in_stacked_experts_is_one_line_naming_the_tensor(small, tmp
 def test_layer_scales_are_the_scales_load_layer_reads(small, tmp_path):
     """Marlin's CPU path reads a layer's scales alone (layer_scales): for stacked experts they are
     exactly those load_layer reads with the weights, gate and up as the interleaved rows."""
-    from requant.validate import ROLES, _Side, fused_roles, layer_scales, load_layer
+    from requant.validate import ROLES, Side, fused_roles, layer_scales, load_layer
 
     dest = str(tmp_path / "nvfp4")
     assert CliRunner().invoke(cli, ["convert", small, dest, "--out", "nvfp4", "--force", "--quiet"]).exit_code == 0
     with Checkpoint.open(dest) as ck:
-        side = _Side(ck, dest)
+        side = Side(ck, dest)
         block = side.moe_blocks()[0]
         layer = load_layer(side, block, "nvfp4", side.model.value("num_experts"), "cpu")
         scales = layer_scales(side, block, "nvfp4")
-        assert fused_roles(side, block) == layer.fused == [["gate", "up"]]
+        assert fused_roles(side) == layer.fused == [["gate", "up"]]
         for role, w in zip(ROLES, layer.weights):
             assert torch.equal(scales[role], w.scale), role
         assert not torch.equal(scales["gate"], scales["up"])

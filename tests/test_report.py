@@ -17,11 +17,11 @@ from safetensors import safe_open
 from requant.cli import cli
 from requant.compute import kernel_device
 from requant.convert import convert
-from requant.report import make_report, native, weights
+from requant.report import c_compare, make_report, weights
 from requant.synth import Dims, HardCases
 from requant.targets import Options
 from requant.targets.nvfp4 import NVFP4Options
-from tests.conftest import converted_pair
+from tests.factory import converted_pair
 
 DIMS = Dims(layers=2, experts=6, hidden=256, intermediate=128, hash_layers=1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,7 +148,7 @@ def test_forward_comparison_says_what_ran_where(pair, tmp_path):
     report = make_report(pair[0], pair[1], str(out), layers="1", progress=False)
     forward = report["forward"]
     # the weight comparison's device: the C pass on the CPU where it builds, GPU or not
-    assert report["timing"]["comparison"] == (native.status() if native.available() or not torch.cuda.is_available()
+    assert report["timing"]["comparison"] == (c_compare.status() if c_compare.available() or not torch.cuda.is_available()
                                               else "torch (cuda)")
     assert forward["status"] == "run", forward
     on_gpu = kernel_device(None) == "cuda"   # not under Triton's interpreter, which conftest sets by default

@@ -49,7 +49,8 @@ def test_lossless_nvfp4_passes(checkpoints):
 
 
 def test_wrong_w3_global_scale_fails(checkpoints, tmp_path):
-    """A w3 scaled by w1's global scale (the engine bug formats.md warns about) must be caught."""
+    """A w3 scaled by w1's global scale (the engine bug docs/formats.md warns about under NVFP4 global
+    scale) must be caught."""
     src, dst = checkpoints
     bad = str(tmp_path / "bad")
     shutil.copytree(dst, bad)
@@ -175,7 +176,7 @@ def test_source_as_w4a8(checkpoints, kernel):
     GEMM inputs quantized to MXFP8 (quantizer written in tests/test_mxfp8.py), a real error of
     E4M3's order, and not applied to the NVFP4 candidate."""
     from requant.moe import MoEConfig, route
-    from requant.validate import _router, _Side, hidden_states, load_layer
+    from requant.validate import Side, hidden_states, load_layer, router
     from tests.test_mxfp8 import reference_mxfp8
 
     src, dst = checkpoints
@@ -188,11 +189,11 @@ def test_source_as_w4a8(checkpoints, kernel):
     assert 0.005 < w4a8.routed_rel_err < 0.1 and w4a8.rel_err > layer.rel_err
 
     with Checkpoint.open(src) as ck:   # the same inputs, recomputed by hand
-        side = _Side(ck, src)
+        side = Side(ck, src)
         cfg = MoEConfig.from_model(side.model)
         x = hidden_states(ck, "layers.3", 12, torch.Generator().manual_seed(0))
-        router = _router(side, "layers.3", "cpu")
-        ids, weights = route(x, router, cfg, None)
+        block_router = router(side, "layers.3", "cpu")
+        ids, weights = route(x, block_router, cfg, None)
         experts = load_layer(side, "layers.3", "mxfp4", cfg.n_routed_experts, "cpu")
         exact = torch.zeros(12, cfg.hidden_size)
         y = torch.zeros(12, cfg.hidden_size)

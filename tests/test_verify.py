@@ -19,7 +19,7 @@ from requant.synth import Dims, HardCases, write_checkpoint
 from requant.targets import TARGETS, Options
 from requant.engine_check import marlin_flush_threshold
 from requant.verify import verify
-from tests.conftest import converted_pair
+from tests.factory import converted_pair
 
 from requant import engines as _engines  # noqa: E402
 
@@ -253,8 +253,8 @@ def test_deep_against_source_counts_exact_blocks(tmp_path):
 
 @pytest.mark.parametrize("native", ["1", "0"])   # compare.c's pass, and the torch passes
 def test_deep_names_the_file_and_tensor_of_an_invalid_source_scale(pair, tmp_path, monkeypatch, native):
-    import requant.native
-    from requant.report import native as report_native
+    import requant.c_helpers
+    from requant.report import c_compare
 
     src, dst = str(tmp_path / "src"), str(tmp_path / "w4a16")
     shutil.copytree(pair[0], src)
@@ -264,14 +264,14 @@ def test_deep_names_the_file_and_tensor_of_an_invalid_source_scale(pair, tmp_pat
         file = ck.shard_path(ck.locations[name])
     poke(src, name, torch.tensor([0xFF], dtype=torch.uint8))   # E8M0 NaN: no valid file holds it
     monkeypatch.setenv("REQUANT_NATIVE", native)
-    requant.native.load.cache_clear()
-    report_native._library.cache_clear()
+    requant.c_helpers.load.cache_clear()
+    c_compare._library.cache_clear()
     try:
         run = run_cli(dst, "--deep", "--source", src)
     finally:
         monkeypatch.undo()
-        requant.native.load.cache_clear()
-        report_native._library.cache_clear()
+        requant.c_helpers.load.cache_clear()
+        c_compare._library.cache_clear()
     assert run.exit_code == 1
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and f"file {file}, tensor {name}: E8M0 scale is NaN" in lines[0], lines

@@ -2,7 +2,7 @@
 
 Schema: docs/report-schema.md. Each expert's projections are read from both checkpoints; stored
 codes that show equal values settle a projection on the CPU; others are compared on the GPU when
-there is one (decoded to float32), else in one C pass over the codes (native.py; torch passes where
+there is one (decoded to float32), else in one C pass over the codes (c_compare.py; torch passes where
 it does not build); only sums (weights.ErrorSums) outlive the expert, so
 memory stays at a few experts whatever the checkpoint size. Experts are spread over workers:
 forked processes on the CPU (the torch passes are many short torch calls, and threads contending
@@ -21,36 +21,24 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from requant import __version__, formats, sources, workers as worker_pools
+from requant import __version__, formats, workers as worker_pools
 from requant.compute import compute_device, default_workers, torch_threads
 from requant.errors import UnsupportedCheckpoint
+from requant.experts import ExpertIndex
 from requant.io.checkpoint import Checkpoint
 from requant.model import Expert, ModelSpec
-from requant.report import native, weights
+from requant.report import c_compare, weights
 from requant.report.weights import ErrorSums, compare_chunks, hist_edges_log10, identical
 
 SCHEMA = "requant.report/1"
 
 
-def _codec_of(ck: Checkpoint, parts: dict[str, str]) -> formats.Codec | None:
-    return formats.identify({p: ck.info(n).spec.dtype for p, n in parts.items()})
-
-
-def _codec_name(ck: Checkpoint, parts: dict[str, str]) -> str | None:
-    codec = _codec_of(ck, parts)
-    return codec.name if codec else None
-
-
-def _read(ck: Checkpoint, parts: dict[str, str], codec: formats.Codec):
-    return {p: ck.tensor(n) for p, n in parts.items() if p in codec.decoded_parts}
-
-
-def _codecs(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, proj: str, where: str):
+def _codecs(src: ExpertIndex, dst: ExpertIndex, a: Expert, b: Expert, proj: str):
     """The two sides' codecs of one projection; a one-line error when either is not recognised."""
-    ca, cb = _codec_of(src, a.parts[proj]), _codec_of(dst, b.parts[proj])
+    ca, cb = src.codec_of(a, proj), dst.codec_of(b, proj)
     if ca is None or cb is None:
-        raise UnsupportedCheckpoint(f"{where}, {proj}: format not recognised "
-                               f"({ca.name if ca else 'unknown'} vs {cb.name if cb else 'unknown'})")
+        raise UnsupportedCheckpoint(f"{src.where(a, proj)}: format not recognised "
+                                    f"({ca.name if ca else 'unknown'} vs {cb.name if cb else 'unknown'})")
     return ca, cb
 
 
@@ -68,15 +56,15 @@ def _compare(ca: formats.Codec, ta: dict, src: Checkpoint, pa: dict[str, str],
              cb: formats.Codec, tb: dict, dst: Checkpoint, pb: dict[str, str], device: str) -> ErrorSums:
     """One projection's sums (its parts as read, on the CPU): from the stored codes when they show
     equal values, which costs less than the copies to a GPU; on a CPU, in one C pass over the codes
-    where both formats are nibble-coded (native.py); else decoded and compared on `device`."""
+    where both formats are nibble-coded (c_compare.py); else decoded and compared on `device`."""
     block = ca.block_size(ca.params_from_shapes({p: tuple(t.shape) for p, t in ta.items()}))
     energy = formats.identical_energy(ca, ta, cb, tb)
     if energy is not None:
         out, packed = ta[ca.weight.suffix].shape
         n = out * packed * ca.elements_per_word
         return identical(n, n // block, energy)
-    if device == "cpu" and ca.nibbles and cb.nibbles and native.available():
-        sums = native.compare(_named(ca, src, pa, lambda: ca.nibbles(ta)), _named(cb, dst, pb, lambda: cb.nibbles(tb)),
+    if device == "cpu" and ca.nibbles and cb.nibbles and c_compare.available():
+        sums = c_compare.compare(_named(ca, src, pa, lambda: ca.nibbles(ta)), _named(cb, dst, pb, lambda: cb.nibbles(tb)),
                               block)
         if sums is not None:
             return sums
@@ -86,40 +74,26 @@ def _compare(ca: formats.Codec, ta: dict, src: Checkpoint, pa: dict[str, str],
     return compare_chunks(chunks, block)
 
 
-def compare_expert(src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, projections,
-                   device: str = "cpu") -> dict[str, ErrorSums]:
-    """proj -> ErrorSums of dst's decoding against src's, for one expert."""
-    read = {}
+def compare_unit(src: ExpertIndex, dst: ExpertIndex, a: Expert, b: Expert, projections,
+                 device: str = "cpu") -> dict[int, dict[str, ErrorSums]]:
+    """expert -> proj -> ErrorSums of dst's decoding against src's, for every expert of unit `a`
+    (one expert, or a block's stacked experts) and its counterpart `b`."""
+    read = []
     for proj in projections:
-        ca, cb = _codecs(src, dst, a, b, proj, f"expert {a.expert} of {a.block}")
-        read[proj] = ca, _read(src, a.parts[proj], ca), cb, _read(dst, b.parts[proj], cb)
-    with worker_pools.compute_slot():   # the reads done: compare while another worker reads
-        return {proj: _compare(ca, ta, src, a.parts[proj], cb, tb, dst, b.parts[proj], device)
-                for proj, (ca, ta, cb, tb) in read.items()}
-
-
-def compare_stacked(reader, src: Checkpoint, dst: Checkpoint, a: Expert, b: Expert, projections,
-                    device: str = "cpu") -> dict[int, dict[str, ErrorSums]]:
-    """expert -> proj -> ErrorSums for a layer's stacked experts: each part read once, then every
-    expert's matrix decoded and compared."""
+        ca, cb = _codecs(src, dst, a, b, proj)
+        pairs = zip(src.blocks[a.block].matrices(a, proj, ca), dst.blocks[b.block].matrices(b, proj, cb))
+        read += [(e, proj, ca, ta, cb, tb) for (e, ta), (_, tb) in pairs]
     out: dict[int, dict[str, ErrorSums]] = {}
-    for proj in projections:
-        ca, cb = _codecs(src, dst, a, b, proj, a.block)
-        ta = {p: reader.as_matrices(t, ca.name) for p, t in _read(src, a.parts[proj], ca).items()}
-        tb = {p: reader.as_matrices(t, cb.name) for p, t in _read(dst, b.parts[proj], cb).items()}
-        experts = next(t for t in ta.values() if t.dim() == 3).shape[0]
-        for e in range(experts):
-            ea, eb = ({p: t[e] if t.dim() == 3 else t for p, t in ts.items()} for ts in (ta, tb))
-            out.setdefault(e, {})[proj] = _compare(ca, ea, src, a.parts[proj], cb, eb, dst, b.parts[proj], device)
+    with worker_pools.compute_slot():   # the reads done: compare while another worker reads
+        for e, proj, ca, ta, cb, tb in read:
+            out.setdefault(e, {})[proj] = _compare(ca, ta, src.ck, a.parts[proj], cb, tb, dst.ck, b.parts[proj], device)
     return out
 
 
 def _compare_item(context: tuple, key: tuple) -> dict:
-    """The comparison of one work item: (block, expert) -> compare_expert's dict, (block, None) ->
-    compare_stacked's."""
-    reader, src, dst, src_experts, dst_experts, projections, device = context
-    work = compare_expert if key[1] is not None else functools.partial(compare_stacked, reader)
-    return work(src, dst, src_experts[key], dst_experts[key], projections, device)
+    """compare_unit of the units named `key` in both checkpoints."""
+    src, dst, projections, device = context
+    return compare_unit(src, dst, src.unit(*key), dst.unit(*key), projections, device)
 
 
 def _compare_forked(key: tuple) -> dict:
@@ -127,11 +101,8 @@ def _compare_forked(key: tuple) -> dict:
 
 
 def _collect(per: dict, key: tuple, result: dict) -> None:
-    """Record one work item's comparison: an expert's (proj -> sums) or a stacked layer's (expert -> ...)."""
-    if key[1] is not None:
-        per[key] = result
-    else:
-        per.update({(key[0], e): stats for e, stats in result.items()})
+    """Record one unit's comparison (expert -> proj -> sums) by (block, expert)."""
+    per.update({(key[0], e): stats for e, stats in result.items()})
 
 
 def _readers(workers: int) -> int:
@@ -146,7 +117,7 @@ def _default_device() -> str | None:
     cores) it compared 3 full-size W4A16 blocks in 11.3 s against 19.6 s for the CUDA path (its
     decode launches and host-to-device copies); it needs ~11 ms a projection and core. Else None
     (compute_device's choice)."""
-    return "cpu" if native.available() else None
+    return "cpu" if c_compare.available() else None
 
 
 def build(src_path: str, dst_path: str, layers: str | None = None, workers: int | None = None,
@@ -154,25 +125,23 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
     started = time.monotonic()
     device = compute_device(device or _default_device())
     with Checkpoint.open(src_path) as src, Checkpoint.open(dst_path) as dst:
-        model = ModelSpec.for_config(src.config, os.path.join(src_path, "config.json"))
-        reader = sources.reader(model)
-        # (block, expert), or (block, None) for a layer's stacked [E, ...] tensors
-        src_experts = {(e.block, e.expert): e for e in reader.experts(src.names)}
-        dst_experts = {(e.block, e.expert): e for e in reader.experts(dst.names)}
-        common = [k for k in src_experts if k in dst_experts]
-        unmatched = sorted(f"{model.experts_module(b)}.{i}" for b, i in set(src_experts) ^ set(dst_experts))
+        model = ModelSpec.for_checkpoint(src)
+        src_index, dst_index = ExpertIndex(model, src), ExpertIndex(model, dst)
+        common = [src_index.key(u) for u in src_index.units if dst_index.unit(*src_index.key(u))]
+        unmatched = sorted({src_index.where(u) for u in src_index.units if not dst_index.unit(*src_index.key(u))}
+                           | {dst_index.where(u) for u in dst_index.units if not src_index.unit(*dst_index.key(u))})
         blocks = model.select_blocks(layers, list(dict.fromkeys(b for b, _ in common)))
         selected = [k for k in common if k[0] in blocks]
         if not selected:
             raise UnsupportedCheckpoint(f"{src_path} and {dst_path} share no routed experts to compare")
         projections = model.projections
         per = {}   # (block, expert) -> {proj: ErrorSums}
-        nbytes = sum(dst.info(n).nbytes for k in selected for p in dst_experts[k].parts.values() for n in p.values())
-        nbytes += sum(src.info(n).nbytes for k in selected for p in src_experts[k].parts.values() for n in p.values())
+        nbytes = sum(ck.info(n).nbytes for index, ck in ((src_index, src), (dst_index, dst)) for k in selected
+                     for p in index.unit(*k).parts.values() for n in p.values())
         workers = workers or default_workers()
         # built (or found) before the workers fork, which share it
-        comparison = native.status() if device == "cpu" else f"torch ({device})"
-        context = (reader, src, dst, src_experts, dst_experts, projections, device)
+        comparison = c_compare.status() if device == "cpu" else f"torch ({device})"
+        context = (src_index, dst_index, projections, device)
         with contextlib.ExitStack() as stack:
             if device == "cpu":   # forked before the progress bar starts its thread
                 # `workers` compare at once and spares read meanwhile (workers.compute_slot)
@@ -195,9 +164,8 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
             for key, fut in pending.items():
                 _collect(per, key, fut.result())
                 bar.update(1)
-        codec_names = {b: {"source": _codec_name(src, src_experts[k].parts[projections[0]]),
-                           "candidate": _codec_name(dst, dst_experts[k].parts[projections[0]])}
-                       for k in selected for b in [k[0]]}
+        codec_names = {b: {side: codec.name if (codec := index.blocks[b].codec) else None
+                           for side, index in (("source", src_index), ("candidate", dst_index))} for b in blocks}
         n_experts = model.value("num_experts")
         dst_config = dst.config
     report = _assemble(src_path, dst_path, model, blocks, per, codec_names, unmatched, n_experts,
@@ -258,13 +226,13 @@ def _assemble(src_path, dst_path, model, blocks, per, codec_names, unmatched, n_
 def format_params(config: dict) -> dict:
     """A lossy-by-design candidate's parameters its headline is judged by: W4A16's group size and
     scheme (from config.json's INT4 config group); {} for the others."""
-    from requant.engine_check import int4_groups
+    from requant.targets.w4a16 import expert_groups, group_scheme
 
     qc = config.get("quantization_config") if isinstance(config, dict) else None
-    for group in int4_groups(qc if isinstance(qc, dict) else {}).values():
+    for group in expert_groups(qc if isinstance(qc, dict) else {}).values():
         weights = group.get("weights") or {}
         if isinstance(weights.get("group_size"), int):
-            return {"group_size": weights["group_size"], "scheme": "sym" if weights.get("symmetric", True) else "asym"}
+            return {"group_size": weights["group_size"], "scheme": group_scheme(group)}
     return {}
 
 

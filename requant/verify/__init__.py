@@ -5,7 +5,7 @@ Checks, in order: the index and shard headers (every indexed tensor present at a
 total_size: opener), the routed experts' tensors (every projection complete with the right dtypes
 and shapes: structure), their scales (finite, positive, fused partners agreeing: scales), how
 config.json and hf_quant_config.json dispatch the experts in vLLM and SGLang (config_rules,
-judging), and the Hopper (Marlin) fp16 scale-overflow hazard. Tensors are read one expert at a
+engine_verdicts), and the Hopper (Marlin) fp16 scale-overflow hazard. Tensors are read one expert at a
 time; only scales are read unless --deep (deep).
 """
 
@@ -13,24 +13,23 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections import Counter
 from dataclasses import asdict
 
 from tqdm import tqdm
 
-from requant import formats, sources
+from requant import formats
 from requant.compute import torch_threads
 from requant.errors import RequantError
 from requant.diagnosis import path_problem, path_problem_line
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from requant.model import ModelSpec
-from requant.verify.config_rules import CONFIG_RULES
+from requant.verify.config_rules import check_config
 from requant.verify.context import Context, Layout, Observed
 from requant.verify.deep import DeepCompare
 from requant.verify.findings import SEVERITIES, Findings
-from requant.verify.judging import judge_engines
+from requant.verify.engine_verdicts import judge_engines
 from requant.verify.opener import open_leniently
-from requant.verify.scales import SCALE_CHECKS, SHAPE_OBSERVATIONS
+from requant.verify.scales import check_scales, observe_shapes
 from requant.verify.structure import check_structure
 
 
@@ -68,7 +67,7 @@ def _check(path: str, deep: bool = False, source: str | None = None, progress: b
     if ck is not None:
         try:
             try:
-                model = ModelSpec.for_config(ck.config, os.path.join(ck.path, CONFIG_NAME))
+                model = ModelSpec.for_checkpoint(ck)
             except RequantError as e:
                 out.add("error", "model", "no recipe for this model; expert checks skipped", detail=str(e))
             else:
@@ -153,32 +152,24 @@ def check_written(path: str, files: dict | None = None, force: bool = False) -> 
     return result
 
 
-def expert_layout(ctx: Context, experts) -> Layout | None:
+def expert_layout(ctx: Context) -> Layout | None:
     """Each block's experts' format (the most common among its projections) and the main layers'."""
-    codec_of = {(e.block, e.expert, proj): formats.identify({p: ctx.ck.info(n).spec.dtype for p, n in parts.items()})
-                for e in experts for proj, parts in e.parts.items()}
-    main = Counter(c for (b, _, _), c in codec_of.items() if c and not ctx.model.is_mtp(b))
-    if not main:
-        return None
-    dominant = main.most_common(1)[0][0]
-    by_block: dict[str, Counter] = {}
-    for e in experts:
-        by_block.setdefault(e.block, Counter()).update(codec_of[(e.block, e.expert, p)] for p in e.parts)
-    return Layout({b: (c.most_common(1)[0][0] or dominant) for b, c in by_block.items()}, dominant)
+    main = ctx.experts.main_codec
+    return None if main is None else Layout(ctx.experts.codec_by_block(), main)
 
 
 def _verify_experts(ctx: Context, result: dict, deep: bool, source: str | None, progress: bool,
                     engine: str | None, gpu: str | None, device: str | None, data: bool = True,
                     engines: bool = True) -> None:
     model, out = ctx.model, ctx.out
-    experts = sources.reader(model).experts(ctx.ck.names)
-    layout = expert_layout(ctx, experts)
+    experts = ctx.experts.units
+    layout = expert_layout(ctx)
     if layout is None:
         out.add("error", "no-experts", "no routed experts in a known format "
                 f"({', '.join(c.name for c in formats.codecs())})")
         return
     result["format"] = layout.main.name
-    _check_expert_set(ctx, experts, layout)
+    _check_expert_set(ctx)
 
     seen = Observed()
     deep_compare = DeepCompare(ctx, source, device) if deep and data else None
@@ -188,10 +179,9 @@ def _verify_experts(ctx: Context, result: dict, deep: bool, source: str | None, 
             for expert in tqdm(experts, unit="expert", desc="verify", disable=not progress, dynamic_ncols=True):
                 codec = layout.codecs_by_block[expert.block]
                 readable = check_structure(ctx, expert, codec)
-                if codec in SHAPE_OBSERVATIONS:
-                    SHAPE_OBSERVATIONS[codec](ctx, expert, list(readable), seen)
-                if data and codec in SCALE_CHECKS:
-                    SCALE_CHECKS[codec](ctx, expert, list(readable), seen)
+                observe_shapes(ctx, expert, codec, list(readable), seen)
+                if data:
+                    check_scales(ctx, expert, codec, list(readable), seen)
                 if deep_compare:   # decoded by the pool while this loop reads the next experts' scales
                     deep_compare.submit(expert, readable)
                 result["experts_checked"] += 1
@@ -206,8 +196,7 @@ def _verify_experts(ctx: Context, result: dict, deep: bool, source: str | None, 
             out.add("info", "input-scale-spread", "input_scale of one projection varies across a layer's experts "
                     "(W4A4 kernels use the layer maximum)", f"{model.experts_module(block)} {proj}",
                     f"{min(values):g} .. {max(values):g}")
-    if layout.main in CONFIG_RULES:
-        CONFIG_RULES[layout.main](ctx, layout, seen)
+    check_config(ctx, layout, seen)
     if engines:
         # An engine verdict on a checkpoint with errors of its own would be said of bytes no engine
         # gets: such a verdict is marked unjudged, and says nothing of loading (loads: None).
@@ -226,31 +215,24 @@ def _verify_experts(ctx: Context, result: dict, deep: bool, source: str | None, 
                     f"{blocks_total:,} exact, {blocks_total - exact_total:,} re-quantized")
 
 
-def _check_expert_set(ctx: Context, experts, layout: Layout) -> None:
+def _check_expert_set(ctx: Context) -> None:
     """Every layer has routed experts, every block all of them."""
     model, out = ctx.model, ctx.out
-    n_experts = model.value("num_experts")
-    blocks = list(layout.codecs_by_block)
-    layer_blocks = [b for b in blocks if not model.is_mtp(b)]
+    blocks = ctx.experts.blocks.values()
+    layer_blocks = [b for b in blocks if b.main]
     if len(layer_blocks) != model.value("num_layers"):
         out.add("error", "missing-layers", "layers with routed experts do not match num_hidden_layers", CONFIG_NAME,
                 f"{len(layer_blocks)} found, {model.value('num_layers')} expected")
-    by_key = {(e.block, e.expert): e for e in experts}
-    reader = sources.reader(model)
-    stacked = {e.block: reader.expert_count(e, ctx.ck) for e in experts if e.expert is None}
     for block in blocks:
-        if block in stacked:
-            if stacked[block] != n_experts:
-                out.add("error", "missing-expert", "stacked routed experts do not number num_experts",
-                        model.experts_module(block), f"{stacked[block]} found, {n_experts} expected")
-            continue
-        for i in range(n_experts):
-            if (block, i) not in by_key:
-                out.add("error", "missing-expert", f"routed expert has no tensors (config.json's "
-                        f"{model.config_key('num_experts')} is {n_experts})", f"{model.experts_module(block)}.{i}")
-        extra = sorted(i for (b, i) in by_key if b == block and i >= n_experts)
+        module = model.experts_module(block.name)
+        n_experts = model.value("num_experts", block.name)
+        for i in block.missing(n_experts):
+            out.add("error", "missing-expert", f"routed expert has no tensors (config.json's "
+                    f"{model.config_key('num_experts', block.name)} is {n_experts})",
+                    f"{module}.{i}")
+        extra = block.extra(n_experts)
         if extra:
-            out.add("warning", "extra-expert", "expert index beyond n_routed_experts", model.experts_module(block), str(extra))
+            out.add("warning", "extra-expert", "expert index beyond n_routed_experts", module, str(extra))
 
 
 def engine_verdict_text(v: dict) -> str:

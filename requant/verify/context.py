@@ -4,11 +4,12 @@ checkpoint-wide rules need (`Observed`)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
-from requant import sources
 from requant.engine_check import MarlinSpan
+from requant.experts import ExpertIndex
 from requant.formats import Codec
 from requant.io.checkpoint import Checkpoint, read_json
 from requant.model import Expert, ModelSpec
@@ -32,20 +33,18 @@ class Context:
         path = os.path.join(self.ck.path, name)
         return read_json(path) if os.path.exists(path) else None
 
+    @functools.cached_property
+    def experts(self) -> ExpertIndex:
+        """The checkpoint's routed experts."""
+        return ExpertIndex(self.model, self.ck)
+
     def where(self, expert: Expert, proj: str | None = None) -> str:
         """How findings name an expert, or a block's stacked experts (or one of its projections)."""
-        name = self.model.experts_module(expert.block)
-        if expert.expert is not None:
-            name = f"{name}.{expert.expert}"
-        return f"{name}.{proj}" if proj else name
-
-    @property
-    def reader(self) -> sources.Reader:
-        return sources.reader(self.model)
+        return self.experts.where(expert, proj)
 
     def matrix_shape(self, tensor: str, codec: Codec) -> tuple:
         """A stored expert tensor of `codec` as one expert's matrix (stacked layouts drop dim 0)."""
-        return self.reader.matrix_shape(self.ck.info(tensor).spec.shape, codec.name)
+        return self.experts.reader.matrix_shape(self.ck.info(tensor).spec.shape, codec.name)
 
     def logical_shape(self, proj: str) -> tuple[int, int]:
         """[out, K] of a projection, from config.json's sizes."""

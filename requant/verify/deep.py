@@ -3,17 +3,19 @@ weights and, given the source checkpoint, the scale blocks whose decoded values 
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from requant import formats, sources, workers as worker_pools
+from requant import formats, workers as worker_pools
 from requant.compute import compute_device, default_workers
 from requant.errors import UnsupportedError
+from requant.experts import ExpertIndex
 from requant.io.checkpoint import Checkpoint
 from requant.model import Expert
-from requant.report import native
+from requant.report import c_compare
 from requant.report.weights import decoded_row_chunks, exactness
 from requant.verify.context import Context
 
@@ -24,14 +26,13 @@ class DeepCompare:
     def __init__(self, ctx: Context, source: str | None, device: str | None):
         self.ctx = ctx
         self.source = Checkpoint.open(source) if source else None
-        self.source_experts = ({(e.block, e.expert): e for e in sources.reader(ctx.model).experts(self.source.names)}
-                               if self.source else {})
+        self.source_experts = ExpertIndex(ctx.model, self.source) if self.source else None
         # Decodes on the GPU when there is one (threads feeding it), else in a forked process per
         # core (decoding is many short torch calls: threads would contend for the GIL).
         self.device = compute_device(device)
         self.workers = default_workers()
         if self.device == "cpu":
-            native.available()   # the C comparison built before the workers fork, which share it
+            c_compare.available()   # the C comparison built before the workers fork, which share it
             self.pool, self._task = worker_pools.forked_pool(self.workers, self), _measure_forked
         else:
             self.pool, self._task = ThreadPoolExecutor(self.workers), self._measure
@@ -61,63 +62,74 @@ class DeepCompare:
 
     def _measure(self, expert: Expert, readable: dict[str, str]) -> list[tuple]:
         """Per projection (proj -> codec name) ("skipped", why), ("no-source", proj) or ("ok", proj,
-        blocks, exact blocks, non-finite)."""
+        blocks, exact blocks, non-finite), summed over the experts the unit holds."""
         found = []
-        src = self.source_experts.get((expert.block, expert.expert))
+        src = self.source_experts.unit(*self.ctx.experts.key(expert)) if self.source else None
+        block = self.ctx.experts.blocks[expert.block]
         for proj, codec_name in readable.items():
             codec = formats.get(codec_name)
-            tensors = self._tensors(self.ctx.ck, expert.parts[proj], codec)
             scale_name = expert.parts[proj][codec.part(formats.SCALE).suffix]   # named by invalid bytes
+            own = functools.partial(block.matrices, expert, proj, codec)
             if self.source is None:
-                try:
-                    with self.ctx.ck.naming(scale_name):
-                        values = codec.decode(tensors)
-                except UnsupportedError as e:
-                    return found + [("skipped", str(e))]
-                found.append(("ok", proj, 0, 0, int((~torch.isfinite(values)).sum())))
-                continue
-            if src is None or proj not in src.parts:
+                def counted():
+                    return 0, 0, sum(self._nonfinite(codec, tensors, scale_name) for _, tensors in own())
+            elif src is None or proj not in src.parts:
                 found.append(("no-source", proj))
                 continue
-            src_parts = src.parts[proj]
-            src_codec = formats.identify({p: self.source.info(n).spec.dtype for p, n in src_parts.items()})
-            if src_codec is None:
-                raise UnsupportedError(f"{self.ctx.where(src, proj)}: the --source projection is in no format "
-                                       "requant decodes")
-            src_tensors = self._tensors(self.source, src_parts, src_codec)
-            params = src_codec.params_from_shapes({p: tuple(t.shape) for p, t in src_tensors.items()})
-            block = src_codec.block_size(params)
-            if formats.identical_energy(src_codec, src_tensors, codec, tensors) is not None:
-                blocks = src_tensors[src_codec.weight.suffix].numel() * src_codec.elements_per_word // block
-                found.append(("ok", proj, blocks, blocks, 0))   # the same values, seen on the stored bytes
-                continue
-            src_scale_name = src_parts[src_codec.part(formats.SCALE).suffix]   # named by invalid bytes
-            if self.device == "cpu" and src_codec.nibbles and codec.nibbles and native.available():
-                with self.source.naming(src_scale_name):
-                    a = src_codec.nibbles(src_tensors)
-                with self.ctx.ck.naming(scale_name):
-                    b = codec.nibbles(tensors)
-                sums = native.compare(a, b, block)
-                if sums is not None:
-                    found.append(("ok", proj, sums.blocks, sums.exact_blocks, sums.nonfinite))
-                    continue
+            else:
+                src_codec = self.source_experts.codec_of(src, proj)
+                if src_codec is None:
+                    raise UnsupportedError(f"{self.ctx.where(src, proj)}: the --source projection is in no format "
+                                           "requant decodes")
+                theirs = functools.partial(self.source_experts.blocks[src.block].matrices, src, proj, src_codec)
 
-            def decode_source(t, out):
-                with self.source.naming(src_scale_name):
-                    return src_codec.decode(t, out)
-
-            def decode_own(t, out):
-                with self.ctx.ck.naming(scale_name):
-                    return codec.decode(t, out)
+                def counted():
+                    per_expert = [self._exactness(src_codec, src_tensors, src.parts[proj], codec, tensors, scale_name)
+                                  for (_, src_tensors), (_, tensors) in zip(theirs(), own())]
+                    return tuple(sum(column) for column in zip(*per_expert))
             try:
-                found.append(("ok", proj, *exactness(
-                    decoded_row_chunks(src_codec, src_tensors, codec, tensors, decode_source, decode_own), block)))
+                found.append(("ok", proj, *counted()))
             except UnsupportedError as e:
                 return found + [("skipped", str(e))]
         return found
 
-    def _tensors(self, ck: Checkpoint, parts: dict[str, str], codec: formats.Codec) -> dict[str, torch.Tensor]:
-        return {p: ck.tensor(n).to(self.device) for p, n in parts.items() if p in codec.decoded_parts}
+    def _nonfinite(self, codec: formats.Codec, tensors: dict, scale_name: str) -> int:
+        """Non-finite values of one expert's projection, decoded."""
+        with self.ctx.ck.naming(scale_name):
+            return int((~torch.isfinite(codec.decode(self._on_device(tensors)))).sum())
+
+    def _exactness(self, src_codec: formats.Codec, src_tensors: dict, src_parts: dict[str, str],
+                   codec: formats.Codec, tensors: dict, scale_name: str) -> tuple[int, int, int]:
+        """(blocks, exact blocks, non-finite values) of one expert's projection against the source's,
+        its parts as read (on the CPU): stored codes that show equal values settle it before any copy
+        to a GPU; on a CPU, one C pass over the codes where both are nibble-coded; else decoded."""
+        params = src_codec.params_from_shapes({p: tuple(t.shape) for p, t in src_tensors.items()})
+        block = src_codec.block_size(params)
+        if formats.identical_energy(src_codec, src_tensors, codec, tensors) is not None:
+            blocks = src_tensors[src_codec.weight.suffix].numel() * src_codec.elements_per_word // block
+            return blocks, blocks, 0   # the same values, seen on the stored bytes
+        src_scale_name = src_parts[src_codec.part(formats.SCALE).suffix]   # named by invalid bytes
+        if self.device == "cpu" and src_codec.nibbles and codec.nibbles and c_compare.available():
+            with self.source.naming(src_scale_name):
+                a = src_codec.nibbles(src_tensors)
+            with self.ctx.ck.naming(scale_name):
+                b = codec.nibbles(tensors)
+            sums = c_compare.compare(a, b, block)
+            if sums is not None:
+                return sums.blocks, sums.exact_blocks, sums.nonfinite
+
+        def decode_source(t, out):
+            with self.source.naming(src_scale_name):
+                return src_codec.decode(t, out)
+
+        def decode_own(t, out):
+            with self.ctx.ck.naming(scale_name):
+                return codec.decode(t, out)
+        return exactness(decoded_row_chunks(src_codec, self._on_device(src_tensors), codec, self._on_device(tensors),
+                                            decode_source, decode_own), block)
+
+    def _on_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {p: t.to(self.device) for p, t in tensors.items()}
 
     def _record(self, expert: Expert, future) -> None:
         acc = self.by_block.setdefault(expert.block, [0, 0, 0])

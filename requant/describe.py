@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
-from requant import sources
 from requant.diagnosis import path_problem
 from requant.errors import CheckpointError, RequantError
 from requant.card import recorded_engine
 from requant.io.checkpoint import Checkpoint
+from requant.experts import ExpertIndex
 from requant.model import ModelSpec
-from requant.plan import expert_codec
 
 
 def inspect_checkpoint(path: str) -> dict:
@@ -25,16 +24,14 @@ def inspect_checkpoint(path: str) -> dict:
                 by_dtype[info.spec.dtype][0] += 1
                 by_dtype[info.spec.dtype][1] += info.nbytes
         try:
-            model = ModelSpec.for_config(ck.config)
+            model = ModelSpec.for_checkpoint(ck)
         except RequantError:
             model = None
-        reader = sources.reader(model) if model else None
-        experts = reader.experts(ck.names) if model else []
+        index = ExpertIndex(model, ck) if model else None
         blocks = defaultdict(set)
-        for e in experts:
-            codec = expert_codec(model, ck, [e])
-            blocks[codec.name if codec else "unknown"].add(e.block)
-        main = expert_codec(model, ck, experts) if experts else None
+        for block in index.blocks.values() if index else ():
+            blocks[block.codec.name if block.codec else "unknown"].add(block.name)
+        main = index.main_codec if index else None
         qc = ck.config.get("quantization_config") or {}
         return {
             "path": os.path.abspath(path),
@@ -43,7 +40,7 @@ def inspect_checkpoint(path: str) -> dict:
             "model": model.model_name if model else None,
             "expert_format": main.name if main else None,
             "expert_blocks_by_format": {fmt: len(b) for fmt, b in sorted(blocks.items())},
-            "routed_experts": sum(reader.expert_count(e, ck) for e in experts),
+            "routed_experts": sum(b.count for b in index.blocks.values()) if index else 0,
             "shards": len(ck.shard_names),
             "tensors": len(ck.locations),
             "tensor_bytes": ck.tensor_bytes,                                          # tensor data

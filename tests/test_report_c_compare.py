@@ -12,20 +12,20 @@ import numpy as np
 import pytest
 import torch
 
-import requant.native
+import requant.c_helpers
 from requant import formats
 from requant.formats import int4
-from requant.report import native, weights
+from requant.report import c_compare, weights
 
-pytestmark = pytest.mark.skipif(not native.available(), reason=f"the C comparison is unavailable here: {native.status()}")
+pytestmark = pytest.mark.skipif(not c_compare.available(), reason=f"the C comparison is unavailable here: {c_compare.status()}")
 
 ROWS, K = 24, 512
 
 
 def _forget():
     """Look for the library again (the environment changed)."""
-    requant.native.load.cache_clear()
-    native._library.cache_clear()
+    requant.c_helpers.load.cache_clear()
+    c_compare._library.cache_clear()
 
 
 def _mxfp4(g, rows=ROWS, k=K):
@@ -92,7 +92,7 @@ def test_the_c_pass_counts_what_the_torch_passes_count(case):
     g = torch.Generator().manual_seed(CASES.index(case))
     ta, cb, tb = _case(case, g)
     ca = formats.get("mxfp4")
-    c = native.compare(ca.nibbles(ta), cb.nibbles(tb), 32)
+    c = c_compare.compare(ca.nibbles(ta), cb.nibbles(tb), 32)
     t = _torch_sums(ca, ta, cb, tb, 32)
     _assert_same(c, t)
     assert c.n == ROWS * K and c.blocks == ROWS * K // 32
@@ -110,12 +110,12 @@ def test_non_finite_candidates_count_as_zeros_in_both():
     tb["weight_scale"][2, 1] = float("inf")        # (q - 8) * inf: inf, and NaN where q = 8
     tb["weight_scale"][4, 0] = float("nan")
     ca, cb = formats.get("mxfp4"), formats.get("w4a16")
-    c = native.compare(ca.nibbles(ta), cb.nibbles(tb), 32)
+    c = c_compare.compare(ca.nibbles(ta), cb.nibbles(tb), 32)
     _assert_same(c, _torch_sums(ca, ta, cb, tb, 32))
     assert c.nonfinite == 64
 
 
-@pytest.mark.skipif(not native.status().endswith("(avx2)"), reason="this CPU has no AVX2: one path only")
+@pytest.mark.skipif(not c_compare.status().endswith("(avx2)"), reason="this CPU has no AVX2: one path only")
 @pytest.mark.parametrize("case", CASES)
 def test_the_avx2_and_portable_paths_give_the_same_bits(case):
     g = torch.Generator().manual_seed(20 + CASES.index(case))
@@ -123,38 +123,38 @@ def test_the_avx2_and_portable_paths_give_the_same_bits(case):
     if case.startswith("w4a16"):
         tb["weight_scale"][3, 0] = float("inf")    # a unit redone element by element among vector ones
     na, nb = formats.get("mxfp4").nibbles(ta), cb.nibbles(tb)
-    assert native.compare(na, nb, 32, vectorised=True) == native.compare(na, nb, 32, vectorised=False)
+    assert c_compare.compare(na, nb, 32, vectorised=True) == c_compare.compare(na, nb, 32, vectorised=False)
 
 
 def test_layouts_it_does_not_take_are_left_to_the_torch_passes():
     g = torch.Generator().manual_seed(30)
     na = formats.get("mxfp4").nibbles(_mxfp4(g))
-    assert native.compare(dataclasses.replace(na, group=8, scale=na.scale.repeat_interleave(4, 1)), na, 32) is None
-    assert native.compare(na, dataclasses.replace(na, scale=na.scale[:, :-1]), 32) is None   # shapes disagree
-    assert native.compare(na, na, 48) is None                                                # block across groups
+    assert c_compare.compare(dataclasses.replace(na, group=8, scale=na.scale.repeat_interleave(4, 1)), na, 32) is None
+    assert c_compare.compare(na, dataclasses.replace(na, scale=na.scale[:, :-1]), 32) is None   # shapes disagree
+    assert c_compare.compare(na, na, 48) is None                                                # block across groups
 
 
 def test_without_a_compiler_the_status_says_why_and_the_report_still_compares(monkeypatch, tmp_path):
     g = torch.Generator().manual_seed(40)
     ta, tb = _mxfp4(g), _w4a16(g, 64, True)
     ca, cb = formats.get("mxfp4"), formats.get("w4a16")
-    with_c = native.compare(ca.nibbles(ta), cb.nibbles(tb), 32)
+    with_c = c_compare.compare(ca.nibbles(ta), cb.nibbles(tb), 32)
     monkeypatch.setenv("REQUANT_CACHE_DIR", str(tmp_path / "cache"))
     try:
         monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
         _forget()
-        assert native.status() == f"torch: no C compiler ({tmp_path / 'no-such-cc'} not found)"
-        assert native.compare(ca.nibbles(ta), cb.nibbles(tb), 32) is None
+        assert c_compare.status() == f"torch: no C compiler ({tmp_path / 'no-such-cc'} not found)"
+        assert c_compare.compare(ca.nibbles(ta), cb.nibbles(tb), 32) is None
         monkeypatch.setenv("REQUANT_NATIVE", "0")
         _forget()
-        assert native.status() == "torch: REQUANT_NATIVE=0"
+        assert c_compare.status() == "torch: REQUANT_NATIVE=0"
         monkeypatch.delenv("REQUANT_NATIVE")
         monkeypatch.delenv("CC")
         _forget()   # a fresh cache directory: built there, whole
-        assert native.status().startswith("c (")
+        assert c_compare.status().startswith("c (")
         built = os.listdir(tmp_path / "cache" / "native")
         assert len(built) == 1 and built[0].startswith("compare-") and built[0].endswith(".so")
-        assert native.compare(ca.nibbles(ta), cb.nibbles(tb), 32) == with_c
+        assert c_compare.compare(ca.nibbles(ta), cb.nibbles(tb), 32) == with_c
     finally:
         monkeypatch.undo()
         _forget()

@@ -7,7 +7,7 @@ count (exact blocks, the error histogram, max error, non-finite values) is the s
 float64 over float32 lane sums of a few products each: on a full-size W4A16 projection equal to
 float64 sums of the same errors, where the torch passes' float32 BLAS dots were 5e-5 off sum(e^2).
 
-Built and loaded by requant.native; where it is not there, `status` says why and callers use the
+Built and loaded by requant.c_helpers; where it is not there, `status` says why and callers use the
 torch passes.
 """
 
@@ -20,7 +20,7 @@ import struct
 
 import torch
 
-from requant import native
+from requant import c_helpers
 from requant.formats import Nibbles
 from requant.report.weights import ErrorSums, fold_exponents
 
@@ -40,7 +40,7 @@ class _Sums(ctypes.Structure):
 
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str]:
-    return native.bind(_SOURCE, {"requant_compare": ([ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(_Side),
+    return c_helpers.bind(_SOURCE, {"requant_compare": ([ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(_Side),
                                                       ctypes.POINTER(_Side), ctypes.c_int64, ctypes.c_int,
                                                       ctypes.POINTER(_Sums)], ctypes.c_int)},
                        "requant_compare_vectorised")
@@ -53,7 +53,7 @@ def available() -> bool:
 
 def status() -> str:
     """'c (avx2)' or 'c (portable)' when the library is there; else 'torch: <why not>'. Builds it."""
-    return native.describe(_library())
+    return c_helpers.describe(_library())
 
 
 def _side(n: Nibbles, rows: int, k: int, keep: list) -> _Side | None:
