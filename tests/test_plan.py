@@ -214,8 +214,6 @@ def test_refusals_are_one_line_before_anything_is_written(checkpoints, reduced, 
     assert not dst.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="the planner accepts a config.json that declares fewer routed experts than "
-                                      "the checkpoint holds (its gate then disagrees with the engine's)")
 def test_fewer_experts_in_config_than_in_the_checkpoint_is_refused(checkpoints, reduced, tmp_path):
     src = edited(checkpoints, reduced, tmp_path / "src", n_routed_experts=DIMS.experts - 1)
     with pytest.raises(RequantError, match="n_routed_experts"):

@@ -232,7 +232,10 @@ def _check_expert_set(ctx: Context) -> None:
                     f"{module}.{i}")
         extra = block.extra(n_experts)
         if extra:
-            out.add("warning", "extra-expert", "expert index beyond n_routed_experts", module, str(extra))
+            # An engine sizes the router and the expert tensors from the config, so experts past
+            # that count are either dropped or fail the load: the checkpoint contradicts itself.
+            out.add("error", "extra-expert", f"routed experts beyond config.json's "
+                    f"{model.config_key('num_experts', block.name)} ({n_experts})", module, str(extra))
 
 
 def engine_verdict_text(v: dict) -> str:
