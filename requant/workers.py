@@ -7,7 +7,7 @@ boundary. Threads suit targets whose encoding is cheap (NVFP4's bit cast) or run
 a CPU-heavy target (W4A16's scale search) on a CPU device gets processes: real parallelism,
 whatever the GIL. A process worker holds one expert's inputs and outputs plus the encoder's
 scratch: a full-size W4A16 worker peaks at about 400 MiB RSS, 240 MiB of it torch and the plan
-(scripts/bench_throughput.py measures it). At most `2 * processes` units are in flight, so memory
+(benchmarks/bench_throughput.py measures it). At most `2 * processes` units are in flight, so memory
 stays bounded whatever the checkpoint size.
 
 A worker process's reads and writes leave its core idle (a full-size expert's 25 MB of direct I/O
@@ -168,7 +168,7 @@ def _init_gpu_thread(device: str) -> None:
 
 
 def _init_process(parent: int | None = None) -> None:
-    if parent is not None:   # a forked worker (None: a stand-alone probe, scripts/bench_throughput.py)
+    if parent is not None:   # a forked worker (None: a stand-alone probe, benchmarks/bench_throughput.py)
         die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle, once
     worker_settings()
@@ -211,13 +211,21 @@ _MMAP_THRESHOLD_MAX = 32 << 20   # glibc's ceiling on 64-bit
 
 def worker_settings() -> None:
     """What a worker process encodes with: one torch thread (the workers are the parallelism) and
-    freed memory kept for reuse. By default glibc gives blocks above a size it adapts back to the
-    kernel, and trims the heap, so a worker allocating the same few-MiB tensors unit after unit
-    takes each again as fresh pages, a page fault and a zero-fill apiece: W4A16's scale search
-    spent 1.3-1.5x the CPU time (60k faults per full-size expert). Memory then stays at the worker's
-    peak, which it reaches on every unit anyway. Where the C library has no mallopt (not glibc),
-    the defaults stay."""
+    freed memory kept for reuse (keep_freed_memory)."""
     torch.set_num_threads(1)
+    keep_freed_memory()
+
+
+def keep_freed_memory() -> None:
+    """Keep freed memory for reuse in this process. By default glibc gives blocks above a size it
+    adapts back to the kernel, and trims the heap, so an encoder allocating the same few-MiB
+    tensors unit after unit takes each again as fresh pages, a page fault and a zero-fill apiece:
+    W4A16's scale search spent 1.3-1.5x the CPU time (60k faults per full-size expert). A pool of
+    threads pays it too: 16 NVFP4 threads on a full-size layer shard took 320k minor faults and
+    1.2x `cp`, against 205k and 1.0x with this (benchmarks/results/2026-12-04-h200-convert-freed-
+    memory.json). Memory then stays at the encoders' peak, which they reach on every unit anyway.
+    Process-wide: it stays set after the conversion. Where the C library has no mallopt (not
+    glibc), the defaults stay."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is not None:
         mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
@@ -234,10 +242,10 @@ class Encoders:
         if processes:
             plan.target.ready_workers()
             self.pool = forked_pool(self.workers, plan, spares=io_spares(self.workers))
-        elif gpu:
-            self.pool = ThreadPoolExecutor(self.workers, initializer=_init_gpu_thread, initargs=(gpu,))
         else:
-            self.pool = ThreadPoolExecutor(self.workers)
+            keep_freed_memory()   # the threads' temporaries, as in a worker process
+            initializer = {"initializer": _init_gpu_thread, "initargs": (gpu,)} if gpu else {}
+            self.pool = ThreadPoolExecutor(self.workers, **initializer)
 
     @classmethod
     def for_plan(cls, plan: Plan, workers: int) -> "Encoders":

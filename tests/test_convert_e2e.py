@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 
 from requant.formats import mxfp4, nvfp4
-from tests.conftest import run_cli, tree
+from tests.helpers.cli import run_cli
+from tests.helpers.files import tree
 
 EXPERT = re.compile(r"^(?P<block>(?:layers|mtp)\.\d+)\.ffn\.experts\.(?P<e>\d+)\.(?P<proj>w[123])\.(?P<part>\w+)$")
 
@@ -160,10 +161,10 @@ def test_dry_run_writes_nothing(small_source, tmp_path):
 def test_dry_run_short_of_space_exits_3(small_source, tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from requant import convert as convert_lib
     from requant.cli import cli
+    from requant.io import fsutil
 
-    monkeypatch.setattr(convert_lib, "free_bytes", lambda path: 1000)
+    monkeypatch.setattr(fsutil, "free_bytes", lambda path: 1000)
     result = CliRunner().invoke(cli, ["convert", small_source, str(tmp_path / "o"), "--out", "nvfp4", "--dry-run"])
     assert result.exit_code == 3 and "(NOT ENOUGH)" in result.stdout
     assert result.stderr.startswith("requant: error: not enough free space") and result.stderr.count("\n") == 1
@@ -301,3 +302,68 @@ def test_expert_bytes_equal_modelopt_reference(small_source, converted):
         assert torch.equal(out[f"{base}.weight"], q.view(torch.uint8)), base
         assert torch.equal(out[f"{base}.weight_scale"].view(torch.uint8), ws.view(torch.uint8)), base
         assert torch.equal(out[f"{base}.weight_scale_2"], ws2.float()), base
+
+
+def _shard_without_experts(path: str) -> str:
+    from requant.io.checkpoint import Checkpoint
+
+    with Checkpoint.open(path) as ck:
+        return next(n for n in ck.shard_names if not any(".experts." in t for t in ck.headers[n].tensors))
+
+
+def test_in_place_leaves_a_shard_with_nothing_to_convert_where_it_is(source_copy, tmp_path):
+    """A shard of pass-through tensors only (embeddings, an Engram table) is not rewritten in
+    place, even when its header is not the one requant would write (here: other metadata)."""
+    from requant.io.safetensors import read_header, save_file
+
+    name = _shard_without_experts(source_copy)
+    path = os.path.join(source_copy, name)
+    header = read_header(path)
+    with safe_open(path, "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in header.tensors}
+    save_file(path, tensors, {"format": "pt", "written_by": "another tool"})
+    before = os.stat(path)
+    plain = str(tmp_path / "plain")   # the same source converted out of place, for the bytes
+    assert run_cli("convert", source_copy, plain, "--out", "nvfp4").returncode == 0
+    result = run_cli("convert", source_copy, "--in-place", "--out", "nvfp4")
+    assert result.returncode == 0, result.stderr
+    after = os.stat(path)
+    assert (after.st_ino, after.st_mtime_ns, after.st_size) == (before.st_ino, before.st_mtime_ns, before.st_size)
+    assert read_header(path).metadata["written_by"] == "another tool"
+    src_tensors, out_tensors = load_all(source_copy), load_all(plain)
+    assert set(src_tensors) == set(out_tensors)
+    for n in header.tensors:
+        assert torch.equal(src_tensors[n].view(torch.uint8), out_tensors[n].view(torch.uint8)), n
+    assert run_cli("verify", source_copy).returncode == 0
+
+
+def test_pass_through_copies_go_in_bounded_pieces(tmp_path, monkeypatch):
+    """A tensor is copied COPY_CHUNK bytes at a time, inside the kernel or, where copy_file_range
+    fails (another file system), by hand: the same bytes either way, never the whole tensor at once."""
+    from requant.io import safetensors
+
+    data = bytes(range(256)) * 4099   # not a multiple of the piece
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"xyz" + data)
+    spec = safetensors.TensorSpec("t", "U8", (len(data),))
+    monkeypatch.setattr(safetensors, "COPY_CHUNK", 4096)
+    real_pread = os.pread
+    for kernel in (True, False):
+        if not kernel:
+            def refuse(*_):
+                raise OSError(18, "Invalid cross-device link")
+            monkeypatch.setattr(os, "copy_file_range", refuse)
+        reads = []
+        monkeypatch.setattr(os, "pread", lambda fd, n, at: reads.append(n) or real_pread(fd, n, at))
+        out = tmp_path / f"out-{kernel}.safetensors"
+        pieces = []
+        writer = safetensors.ShardWriter(str(out), [spec])
+        fd = os.open(src, os.O_RDONLY)
+        writer.copy_from("t", fd, 3, progress=pieces.append)
+        os.close(fd)
+        writer.close()
+        assert sum(pieces) == len(data) and max(pieces) <= 4096 and len(pieces) >= len(data) // 4096
+        assert not kernel or not reads
+        assert kernel or (reads and max(reads) <= 4096)
+        with safe_open(str(out), "pt") as f:
+            assert f.get_tensor("t").numpy().tobytes() == data

@@ -18,7 +18,7 @@ from requant import synth
 from requant.convert import convert
 from requant.io import safetensors as st
 from requant.targets import Options
-from tests.conftest import direct_writes_supported, output_tree
+from tests.helpers.files import direct_writes_supported, output_tree
 
 PAGE = st.PAGE
 

@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 
+import huggingface_hub.constants  # noqa: F401  (read the environment now: invoke() sets HF_HUB_OFFLINE per call)
 import pytest
 from click.testing import CliRunner
 
@@ -20,7 +21,7 @@ from requant.cli import EXIT_STATUS_HELP, cli
 from requant.errors import EXIT_BUG, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_SHORT_OF_SPACE, EXIT_USAGE
 from requant.extras import MissingExtra
 from requant.io.checkpoint import Checkpoint
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 
 DIMS = synth.Dims(layers=2, experts=6, hidden=128, intermediate=128, vocab=64, hash_layers=1)
 GPT_OSS = synth.Dims("gpt-oss-20b", layers=1, experts=4, hidden=64, intermediate=64, vocab=64)
@@ -153,7 +154,7 @@ def test_real_processes(ck, args, code):
 
 ENTRY = {   # command -> (args, the library function it calls, patched to fail)
     "convert": (["{src}", "{scratch}/e-convert", "--out", "nvfp4", "-q"], "requant.convert.convert"),
-    "inspect": (["{src}"], "requant.inspect.inspect_checkpoint"),
+    "inspect": (["{src}"], "requant.describe.inspect_checkpoint"),
     "verify": (["{src}", "-q"], "requant.verify.verify"),
     "validate": (["{src}", "{src}", "-q"], "requant.validate.validate"),
     "report": (["{src}", "{src}", "--out-dir", "{scratch}/e-report", "-q"], "requant.report.make_report"),
@@ -190,7 +191,7 @@ def test_failure_classes(ck, monkeypatch, command, failure):
 
 
 def test_dry_run_short_of_disk_is_3_with_one_json_document(ck, monkeypatch):
-    monkeypatch.setattr("requant.convert.free_bytes", lambda path: 0)
+    monkeypatch.setattr("requant.io.fsutil.free_bytes", lambda path: 0)
     args = ["convert", ck["src"], os.path.join(ck["scratch"], "dry"), "--out", "nvfp4", "--dry-run"]
     result = invoke(*args)
     assert_one_line_error(result.exit_code, result.stderr, EXIT_SHORT_OF_SPACE)
@@ -208,7 +209,7 @@ def test_interrupt_after_a_finished_conversion_is_success(ck, tmp_path, monkeypa
     finished, valid output: exit 0 and a note that says so, not 130."""
     def late(*_):
         raise KeyboardInterrupt
-    monkeypatch.setattr("requant.convert._dir_tensor_bytes", late)
+    monkeypatch.setattr("requant.convert.outputs.dir_tensor_bytes", late)
     dst = str(tmp_path / "dst")
     result = invoke("convert", ck["src"], dst, "--out", "nvfp4", "-q")
     assert result.exit_code == 0, result.stderr
@@ -221,7 +222,7 @@ def test_interrupt_after_a_finished_conversion_is_success(ck, tmp_path, monkeypa
 def test_interrupt_before_the_end_is_130_and_resumable(ck, tmp_path, monkeypatch):
     def early(*_):
         raise KeyboardInterrupt
-    monkeypatch.setattr("requant.convert.finish_metadata", early)
+    monkeypatch.setattr("requant.convert.outputs.finish_metadata", early)
     result = invoke("convert", ck["src"], str(tmp_path / "dst"), "--out", "nvfp4", "-q")
     line = assert_one_line_error(result.exit_code, result.stderr, EXIT_INTERRUPTED)
     assert "--resume" in line
@@ -264,7 +265,7 @@ def test_synth_quiet_and_gpt_oss_default_layers_match_the_help(tmp_path):
     assert result.exit_code == 0, result.stderr
     layers = synth.Dims("gpt-oss-20b").layers
     assert f"{layers} layers" in result.stdout
-    help_text = " ".join(invoke("synth", "--help").stdout.split())
+    help_text = " ".join(invoke("synth", "--help").stdout.split()).replace("- ", "-")   # unwrapped
     assert f"gpt-oss-120b, gpt-oss-20b: {layers}" in help_text
 
 

@@ -18,7 +18,7 @@ from requant import synth
 from requant.cli import cli
 from requant.io import fsutil, journal, safetensors
 from requant.io.fsutil import DirLock
-from tests.conftest import direct_writes_supported, output_tree, tree
+from tests.helpers.files import direct_writes_supported, output_tree, tree
 
 DIMS = synth.Dims(layers=3, experts=6)
 INDEX = "model.safetensors.index.json"
@@ -54,7 +54,6 @@ def at_step(monkeypatch, n: int, action) -> None:
         calls["n"] += 1
         if calls["n"] == n:
             action()
-    monkeypatch.setattr(convert_mod, "fault_point", hook)
     monkeypatch.setattr(fsutil, "fault_point", hook)
 
 
@@ -238,7 +237,7 @@ def test_refusals_that_protect_the_journal(tiny, tmp_path, monkeypatch):
 
 def test_not_enough_space_is_refused_with_numbers(tiny, tmp_path, monkeypatch):
     src, dst = workdir(tiny, tmp_path, True)
-    monkeypatch.setattr(convert_mod, "free_bytes", lambda path: 1000)
+    monkeypatch.setattr(fsutil, "free_bytes", lambda path: 1000)
     line = one_line(invoke(src))
     assert "not enough free space" in line and "1,000 available" in line and "largest output shard" in line
     assert tree(src) == tree(tiny[0])

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 from requant import synth
 from requant.cli import cli
 from requant.io.checkpoint import Checkpoint
-from tests.conftest import output_tree, run_cli, tree
+from tests.helpers.cli import run_cli
+from tests.helpers.files import output_tree, tree
 
 DIMS = synth.Dims(layers=2, experts=6, hidden=128, intermediate=128, vocab=64, hash_layers=1)
 INDEX = "model.safetensors.index.json"

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from requant import synth
 from requant.cli import cli
 from requant.io import hub as hub_lib
-from tests.conftest import output_tree, tree
+from tests.helpers.files import output_tree, tree
 
 DIMS = synth.Dims(layers=3, experts=6)
 REPO = "deepseek-ai/Tiny-V4"

@@ -29,7 +29,7 @@ from requant.cli import cli
 from requant.errors import RequantError
 from requant.io import fsutil, journal
 from requant.io.fsutil import DirLock
-from tests.conftest import output_tree
+from tests.helpers.files import output_tree
 
 DIMS = synth.Dims(layers=3, experts=6)
 SEED = 20261204

@@ -17,7 +17,7 @@ from requant.io import fsutil, journal
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from requant.errors import CheckpointError, RequantError
 from requant.targets import Options
-from tests.conftest import output_tree, tree
+from tests.helpers.files import output_tree, tree
 
 DIMS = synth.Dims(layers=3, experts=6)
 _ctx = multiprocessing.get_context("forkserver")
@@ -180,3 +180,40 @@ def test_resume_with_other_options_names_their_flags(tmp_path, monkeypatch):
     message = str(refused.value)
     for said in ("--group-size 32 then, 128 now", "--scheme sym then, asym now", "--mtp default then, keep now"):
         assert said in message, message
+
+
+def test_every_journaled_option_is_named_by_a_flag_convert_takes():
+    """The flags a refused resume names come from the option dataclasses the CLI fills: each
+    journaled option of every target has one, and `requant convert` accepts it."""
+    import dataclasses
+
+    from requant.cli import cli
+    from requant.convert.resume import OPTION_FLAGS, journaled_options
+    from requant.targets import TARGETS
+
+    taken = {opt for param in cli.commands["convert"].params for opt in param.opts}
+    assert set(OPTION_FLAGS.values()) <= taken, set(OPTION_FLAGS.values()) - taken
+    for name, target in TARGETS.items():
+        journaled = journaled_options(Options(target=target.options_type()), None, name)
+        paths = {f"target.{k}" for k in journaled.pop("target")} | set(journaled)
+        assert paths <= set(OPTION_FLAGS), paths - set(OPTION_FLAGS)
+        assert {f"target.{f.name}" for f in dataclasses.fields(target.options_type)} <= paths
+
+
+def test_resume_with_another_scale_headroom_names_it(tiny, tmp_path, monkeypatch):
+    """Through the CLI, as a user meets it: --scale-headroom differs, and the line names that flag."""
+    from click.testing import CliRunner
+
+    from requant.cli import cli
+
+    src, clean = tiny
+    dst = str(tmp_path / "dst")
+    monkeypatch.setattr(fsutil, "_fault_steps", 0)
+    monkeypatch.setenv("REQUANT_TEST_FAULT", "enospc@20")
+    args = ["convert", src, dst, "--out", "nvfp4", "-q"]
+    assert CliRunner().invoke(cli, args).exit_code == 1
+    monkeypatch.delenv("REQUANT_TEST_FAULT")
+    refused = CliRunner().invoke(cli, [*args, "--resume", "--scale-headroom", "2"])
+    assert refused.exit_code == 1 and "--scale-headroom 0 then, 2 now" in refused.stderr, refused.stderr
+    assert CliRunner().invoke(cli, [*args, "--resume"]).exit_code == 0
+    assert output_tree(dst) == clean

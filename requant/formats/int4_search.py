@@ -63,7 +63,7 @@ _UNIT = 2.0**-24                   # errors and energies are whole numbers of th
 _TIE = 1 << 12                     # above any candidate index
 # Coarse-to-fine, per scheme: BF16 steps between coarse scales, then the radius (in BF16 steps)
 # searched around each group's coarse winner. Chosen on DeepSeek-V4-size synthetic experts: vs the
-# exhaustive search they lose about 0.001 dB (sym) and 0.03 dB (asym); scripts/bench_w4a16.py.
+# exhaustive search they lose about 0.001 dB (sym) and 0.03 dB (asym); benchmarks/bench_w4a16.py.
 _COARSE = {"sym": 8, "asym": 16}
 _RADIUS = {"sym": 4, "asym": 8}
 _Z_RADIUS = 1                      # asym: the winner's zero point and its neighbours

@@ -152,14 +152,31 @@ def decode(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: flo
     return values.view(rows, half_k * 2)
 
 
+# Every E4M3 byte's value as float32 (0x7F and 0xFF: NaN). Block scales are decoded by looking
+# their bytes up here, or in its product with the global scale: 256 products instead of one per
+# block, and no float8 conversion pass (torch's is 5x numpy's lookup on a CPU).
+_E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def _by_byte(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """float32 table[code] for every byte of `codes` (any 1-byte dtype), in its shape and on its device."""
+    codes = codes.view(torch.uint8)
+    if codes.device.type != "cpu":
+        return table.to(codes.device)[codes.int()]
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    np.take(table.numpy(), codes.numpy(), out=out.numpy(), mode="wrap")   # "wrap": no bounds checks (bytes)
+    return out
+
+
 def factors(weight_scale: torch.Tensor, weight_scale_2: float | torch.Tensor) -> torch.Tensor:
-    """float32 [out, K/16]: what each block's codes are multiplied by (E4M3 scale x global scale)."""
-    return weight_scale.view(torch.float8_e4m3fn).to(torch.float32) * float(weight_scale_2)
+    """float32 [out, K/16]: what each block's codes are multiplied by (E4M3 scale x global scale).
+    Each is the float32 product of the two, as an elementwise multiply gives it."""
+    return _by_byte(_E4M3_VALUES * float(weight_scale_2), weight_scale)
 
 
 def block_scale_values(weight_scale: torch.Tensor) -> torch.Tensor:
     """The stored E4M3 block scales as float32 (E4M3's two NaN bytes give NaN)."""
-    return weight_scale.view(torch.float8_e4m3fn).float()
+    return _by_byte(_E4M3_VALUES, weight_scale)
 
 
 def value_problems(read, shape) -> list[formats.Problem]:

@@ -44,6 +44,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit the reference safetensors pars
 ALIGNMENT = 8
 PAGE = 4096                   # direct writes cover whole pages: none is shared with a buffered write
 DIRECT_MIN_BYTES = 1 << 20    # smaller stretches go through the page cache (a direct write waits for the disk)
+COPY_CHUNK = 64 << 20        # a pass-through copy's piece: its memory when copied by hand
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,7 @@ def read_tensor(fd: int, info: TensorInfo, path: str = "?", out: torch.Tensor | 
     With `direct` (the same file from open_direct(path, os.O_RDONLY)), a tensor of DIRECT_MIN_BYTES
     or more is read past the page cache: its whole pages go from the disk into the buffer. Cold, a
     3.6 GB shard read so took this machine's kernel 0.2 s of CPU time against 3.1 s through the
-    cache (its copy and page bookkeeping), and less wall time (scripts/bench_throughput_results.md)."""
+    cache (its copy and page bookkeeping), and less wall time (benchmarks/results/2026-12-01-2vcpu-convert.json)."""
     if direct is not None and info.nbytes >= DIRECT_MIN_BYTES:
         tensor = _read_direct(direct, info, path, out)
         if tensor is not None:
@@ -250,21 +251,27 @@ class ShardWriter:
         """Write a tensor (torch tensor or bytes-like) at its planned offset."""
         write_tensors(self.fd, [(self.specs[name], data, self.offsets[name])])
 
-    def copy_from(self, name: str, src_fd: int, src_offset: int) -> None:
-        """Copy a tensor's bytes from another file inside the kernel (no trip through Python)."""
+    def copy_from(self, name: str, src_fd: int, src_offset: int,
+                  progress: Callable[[int], object] | None = None) -> None:
+        """Copy a tensor's bytes from another file inside the kernel (no trip through Python), in
+        pieces of at most COPY_CHUNK bytes: a tensor of any size (a 100 GB embedding table) costs
+        no more memory than a small one. `progress(n)` after each piece."""
         remaining = self.specs[name].nbytes
         src, dst = src_offset, self.offsets[name]
         while remaining:
+            step = min(remaining, COPY_CHUNK)
             try:
-                n = os.copy_file_range(src_fd, self.fd, remaining, src, dst)
+                n = os.copy_file_range(src_fd, self.fd, step, src, dst)
             except OSError:
                 n = 0
             if n <= 0:  # unsupported across these filesystems, or a short source: copy by hand
-                chunk = os.pread(src_fd, min(remaining, 64 << 20), src)
+                chunk = os.pread(src_fd, step, src)
                 if not chunk:
                     raise CheckpointError("unexpected end of file while copying", tensor=name)
                 n = _pwrite_all(self.fd, chunk, dst)
             src, dst, remaining = src + n, dst + n, remaining - n
+            if progress is not None:
+                progress(n)
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1
@@ -288,7 +295,7 @@ def write_tensors(fd: int, items: list[tuple[TensorSpec, object, int]], direct: 
     With `direct` (the same file from open_direct) and `staging` (staging(n): a reused page-aligned
     uint8 buffer of at least n bytes), a stretch of DIRECT_MIN_BYTES or more is copied into the
     buffer and its whole pages go straight to the disk. Writing through the page cache costs this
-    machine several times the CPU of that copy (scripts/bench_convert_results.md); the partial
+    machine several times the CPU of that copy (benchmarks/results/2026-12-01-2vcpu-convert.json); the partial
     pages at the stretch's ends, which neighbouring writes share, still go through the cache.
     """
     runs: list[tuple[int, list[memoryview]]] = []   # (offset, buffers) of contiguous stretches

@@ -34,7 +34,7 @@ def is_exact(metrics: dict) -> bool:
 
 # The SQNR W4A16 INT4 reaches at best against an MXFP4 source, by group size and scheme: the exhaustive
 # scale search's optimum (the format's ceiling for round-to-nearest codes) on synthetic DeepSeek-V4-size
-# projections (docs/w4a16.md, scripts/bench_w4a16.py); README "Format facts" quotes them.
+# projections (docs/w4a16.md, benchmarks/bench_w4a16.py); README "Format facts" quotes them.
 W4A16_BEST_SQNR_DB = {(32, "sym"): 20.84, (32, "asym"): 23.24, (64, "sym"): 19.01, (64, "asym"): 20.55,
                       (128, "sym"): 17.52, (128, "asym"): 18.81}
 # within this of the format's best: the conversion is as good as the format allows (synthetic

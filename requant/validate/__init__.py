@@ -91,7 +91,7 @@ def validate(src: str, dst: str, layers: str | None = None, tokens: int = 64, de
 
 # Seconds per decoded expert weight (both checkpoints counted) of the CPU reference on one core,
 # every mode included; decoding dominates. From one full-size layer on a 2-vCPU machine: 32-52 s
-# (scripts/bench_throughput_results.md), so this errs long on a quiet machine.
+# (benchmarks/results/2026-12-03-2vcpu-throughput.json), so this errs long on a quiet machine.
 _CPU_SECONDS_PER_WEIGHT = 5e-9
 
 

@@ -16,7 +16,7 @@ without disturbing other processes' caches):
 - validate of one full-size layer (64 tokens, every serving mode) on the device the CLI picks (the
   torch reference on a CPU).
 
-    python scripts/bench_throughput.py --workdir /tmp/requant-throughput [--report-layers 0]
+    python benchmarks/bench_throughput.py --workdir /tmp/requant-throughput [--report-layers 0]
 """
 
 from __future__ import annotations
@@ -148,12 +148,12 @@ def copy_seconds(src: str, dst: str) -> float:
 
 
 def encoder_experts_per_second(device: str, group: int, threads: int, per_thread: int = 8) -> float:
-    """Full-size experts (3 projections) per second through int4.encode_many on `device`, from
+    """Full-size experts (3 projections) per second through int4_search.encode_many on `device`, from
     memory (pinned for a GPU, as a conversion reads them), `threads` threads set up as a
     conversion's encoders are (the first expert of each, which readies tables and a GPU thread's
     CUDA graph, untimed)."""
     from requant import synth
-    from requant.formats import int4
+    from requant.formats import int4_search
     from requant.workers import _init_gpu_thread, worker_settings
 
     hidden, inter = 4096, 2048
@@ -166,7 +166,7 @@ def encoder_experts_per_second(device: str, group: int, threads: int, per_thread
 
     def work(n):
         for _ in range(n):
-            int4.encode_many(expert, group, "sym", device)
+            int4_search.encode_many(expert, group, "sym", device)
 
     if device == "cpu":
         worker_settings()   # as in a worker process

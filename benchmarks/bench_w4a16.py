@@ -9,7 +9,7 @@ Times are the best of --repeat runs per projection (the machine may be busy); th
 search runs once. --baseline FILE also times another int4.py (e.g. an older encoder:
 `git show 519ff3a:requant/formats/int4.py > old_int4.py`).
 
-    python scripts/bench_w4a16.py [--experts 1] [--threads N] [--repeat 3] [--baseline FILE]
+    python benchmarks/bench_w4a16.py [--experts 1] [--threads N] [--repeat 3] [--baseline FILE]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from compressed_tensors.quantization.lifecycle.forward import dequantize, quanti
 from compressed_tensors.quantization.utils import calculate_qparams
 
 from requant import synth
-from requant.formats import int4, mxfp4, nvfp4
+from requant.formats import int4, int4_search, mxfp4, nvfp4
 
 HIDDEN, INTER = 4096, 2048
 PROJ_SHAPES = {"w1": (INTER, HIDDEN), "w3": (INTER, HIDDEN), "w2": (HIDDEN, INTER)}
@@ -97,8 +97,8 @@ def main() -> None:
         for scheme in int4.SCHEMES:
             runs = {}
             for name, encode, repeat in (
-                    ("fast", lambda w, s: int4.encode_mxfp4(w, s, group, scheme), a.repeat),
-                    ("exhaustive", lambda w, s: int4.encode_mxfp4(w, s, group, scheme, exhaustive=True), 1),
+                    ("fast", lambda w, s: int4_search.encode_mxfp4(w, s, group, scheme), a.repeat),
+                    ("exhaustive", lambda w, s: int4_search.encode_mxfp4(w, s, group, scheme, exhaustive=True), 1),
                     ("baseline", baseline and (lambda w, s: baseline.encode_mxfp4(w, s, group, scheme)), 1)):
                 if encode:
                     done = [timed(lambda: encode(w, s), repeat) for _, w, s in tensors]

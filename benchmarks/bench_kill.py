@@ -12,7 +12,7 @@ the time from the kill until no process of the child's process group or naming i
 remains, then `--resume` and a byte comparison with the reference (README.md and requant.json,
 which name the source's path, left out), then `requant verify`.
 
-    python scripts/bench_kill.py --workdir /tmp/requant-kill [--formats w4a16,nvfp4] [--modes copy,in-place]
+    python benchmarks/bench_kill.py --workdir /tmp/requant-kill [--formats w4a16,nvfp4] [--modes copy,in-place]
         [--layers 1] [--experts 256] [--workers 2] [--points 2] [--seed 0] [--data]
 
 Smaller shards for a quick run: `--experts 16` (the layer's other tensors stay full size).

@@ -1,0 +1,167 @@
+"""Resuming: what a conversion journals about how it was asked for, the checks that a resume is the
+same conversion of the same source, and which shards the target already holds finished."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+
+from requant.errors import CheckpointError, RequantError
+from requant.io import hub as hub_lib
+from requant.io import journal
+from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
+from requant.io.safetensors import encode_header
+from requant.plan import ShardPlan
+from requant.targets import TARGETS, Options
+
+from requant.convert.outputs import SourceDamaged, untouched
+
+# Options fields that never change the output, so a resume may differ in them.
+_UNJOURNALED = ("target", "device")
+
+
+def journaled_options(options: Options, in_format: str | None, out_format: str) -> dict:
+    """The options a journal records: --in, --out, Options' fields (those that shape the output),
+    and the target's own options under "target"."""
+    fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(Options) if f.name not in _UNJOURNALED}
+    target = dataclasses.asdict(options.target) if options.target else None
+    return json.loads(json.dumps({"in": in_format, "out": out_format, **fields, "target": target}))
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")   # click's spelling of a parameter name
+
+
+# A journaled option's dotted path -> the `requant convert` flag that sets it, from the same
+# dataclasses the CLI fills (tests check each flag exists on the command).
+OPTION_FLAGS: dict[str, str] = {
+    "in": "--in", "out": "--out",
+    **{f.name: _flag(f.name) for f in dataclasses.fields(Options) if f.name not in _UNJOURNALED},
+    **{f"target.{f.name}": _flag(f.name) for t in TARGETS.values() for f in dataclasses.fields(t.options_type)},
+}
+
+
+def open_source(src: str, target: str, in_place: bool, resume: bool, request: dict,
+                hub: hub_lib.HubSource | None) -> tuple[Checkpoint, dict]:
+    """The source checkpoint and its snapshot: from the journal when resuming (in place or
+    streamed, converted shards' sources are gone), after checking it is the same conversion."""
+    staging = journal.path_of(target, "source")   # a streamed source's small files and current shard
+    if not resume:
+        if journal.exists(target):
+            raise RequantError(f"{target} holds an unfinished conversion ({journal.progress_message(target)}); "
+                               f"or delete {journal.path_of(target)} and its shards to start over")
+        if not in_place and set(os.listdir(target)) - {journal.JOURNAL_DIR}:
+            raise RequantError(f"destination {target} exists and is not an empty directory")
+        source = hub.open_streamed(staging) if hub else Checkpoint.open(src)
+        links = [n for n in source.shard_names if os.path.islink(source.shard_path(n))] if in_place else []
+        if links:   # replacing a link would leave its target (e.g. a Hugging Face cache blob) behind
+            raise RequantError(f"cannot convert in place: {source.shard_path(links[0])} is a symbolic link "
+                               "(a Hugging Face cache snapshot?); convert it to a new directory instead")
+        return source, source.snapshot()
+    try:
+        record, snapshot = journal.load(target)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    differences = [f"{what}{d}" for key, what in (("requant", "requant version "), ("mode", "mode "),
+                                                    ("options", ""), ("source", "Hub source "))
+                   for d in differences_between(record.get(key), request.get(key), named=key == "options")]
+    if differences:
+        raise RequantError(f"cannot resume: the conversion in {target} was started differently ({'; '.join(differences)}); "
+                           f"rerun with the original settings ({record.get('resume') or 'see the journal'}), or delete "
+                           f"{journal.path_of(target)} and its shards to start over")
+    if record.get("damaged"):
+        accept_replaced(target, record, snapshot)
+    if hub:
+        source = Checkpoint.from_snapshot(staging, snapshot)
+        source.reads.clear()
+        return source, snapshot
+    if not in_place:
+        with Checkpoint.open(src) as current:
+            changes = source_changes(snapshot, current.snapshot())
+        if changes:
+            raise CheckpointError(f"cannot resume: the source changed since the conversion began ({'; '.join(changes)})",
+                                  file=src)
+    return Checkpoint.from_snapshot(src, snapshot), snapshot
+
+
+def differences_between(then, now, path: str = "", named: bool = False) -> list[str]:
+    """Readable differences between what a journal recorded and what this run asks for, one per
+    differing leaf (nested dicts by dotted path): `--flag X then, Y now` where `named` and the
+    path is an option with a flag (OPTION_FLAGS), else `path X then, Y now`."""
+    if isinstance(then, dict) and isinstance(now, dict):
+        return [d for key in sorted(set(then) | set(now), key=str)
+                for d in differences_between(then.get(key), now.get(key), f"{path}.{key}" if path else str(key),
+                                             named)]
+    if then == now:
+        return []
+    name = OPTION_FLAGS.get(path, path) if named else path
+    def shown(v):
+        return "default" if v is None else str(v)
+    return [f"{name + ' ' if name else ''}{shown(then)} then, {shown(now)} now"]
+
+
+def source_changes(old: dict, new: dict) -> list[str]:
+    changes = [f"{what} differs" for key, what in (("config", CONFIG_NAME), ("weight_map", INDEX_NAME),
+                                                    ("index_metadata", INDEX_NAME + " metadata"))
+               if old[key] != new[key]]
+    before, after = ({s["name"]: s for s in snap["shards"]} for snap in (old, new))
+    for name in sorted(set(before) | set(after)):
+        if before.get(name) != after.get(name):
+            changes.append(f"shard {name} " + ("appeared" if name not in before else "is gone" if name not in after
+                                               else "has a different header, size or modification time"))
+    return changes
+
+
+def matches(path: str, size: int, header: bytes, mtime_ns: int | None = None) -> bool:
+    """Whether the file at `path` has this size, header bytes (and modification time)."""
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            head = f.read(len(header))
+    except FileNotFoundError:
+        return False
+    return st.st_size == size and head == header and mtime_ns in (None, st.st_mtime_ns)
+
+
+def shard_done(shard: ShardPlan, target: str, in_place: bool, entry: dict) -> bool:
+    """Whether the target already holds this shard's planned output. In place, a shard must be
+    either converted or still exactly its recorded source; one that only passes tensors through
+    is its own output there (outputs.untouched)."""
+    final = os.path.join(target, shard.name)
+    if matches(final, shard.file_size, encode_header(shard.specs)[0]):
+        return True
+    if not in_place:
+        return False
+    if not matches(final, entry["size"], base64.b64decode(entry["header"]), entry["mtime_ns"]):
+        raise CheckpointError("matches neither the source shard recorded in the journal nor its planned conversion: "
+                              "the directory changed since the conversion began", file=final)
+    return untouched(shard)
+
+
+def accept_replaced(target: str, record: dict, snapshot: dict) -> None:
+    """Resuming a conversion that stopped on a damaged source shard: refused while that file is
+    the one found damaged; a replacement with the recorded size and header (re-downloaded) is
+    recorded as the source from now on."""
+    d = record["damaged"]
+    entry = next((s for s in snapshot["shards"] if s["name"] == d.get("shard")), None)
+    try:
+        st = os.stat(d["file"])
+    except FileNotFoundError:
+        if entry is not None and entry["mtime_ns"] is None:   # a streamed download: fetched again
+            st = None
+        else:
+            raise SourceDamaged(f"cannot resume: {d['file']}, the damaged source shard, is missing; put the "
+                                f"re-downloaded shard there, then resume with `{record['resume']}`", d) from None
+    if st is not None and (st.st_size, st.st_mtime_ns) == (d.get("size"), d.get("mtime_ns")):
+        raise SourceDamaged(f"cannot resume: the source is damaged and has not changed since: "
+                            f"{journal.damage_advice(record)}", d)
+    if st is not None and entry is not None and entry["mtime_ns"] is not None:
+        if not matches(d["file"], entry["size"], base64.b64decode(entry["header"])):
+            raise CheckpointError("cannot resume: this replacement of the damaged source shard differs in size or "
+                                  "header from the shard the conversion began with (another revision?); download "
+                                  "the same revision's shard", file=d["file"])
+        record.setdefault("replaced", {})[entry["name"]] = entry["mtime_ns"] = st.st_mtime_ns
+    del record["damaged"]
+    journal.save(target, record)
