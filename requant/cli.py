@@ -260,6 +260,9 @@ def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_sc
                    "Ampere/Hopper); lossy, the summary reports SQNR vs the source. The output's README.md "
                    "says how to serve it.")
 @click.option("--engine", type=EngineSpec(), default=None, help=ENGINE_HELP)
+@click.option("--model", "model_name", type=click.Choice(_model_names()), default=None,
+              help="The named model SRC is; default: detected from config.json and the tensor names. A model of "
+                   "another kind than the checkpoint's is refused.")
 @click.option("--mtp", type=click.Choice(["keep", "convert"]), default=None,
               help="keep: the MTP block's experts stay MXFP4 (as in NVIDIA's release); convert: them too. "
                    "Default: what --engine loads them as (vllm: convert; sglang: keep). A choice the engine "
@@ -299,8 +302,8 @@ def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_sc
 @click.option("--json", "as_json", is_flag=True, help="Print the summary (or plan) as JSON.")
 @verbosity_options
 @reports_errors
-def convert(src, dst, in_format, out_format, engine, mtp, force, input_scale, scale_headroom, group_size, scheme,
-            workers, device, in_place, resume, revision, cache_dir, token, stream_source, dry_run, as_json, quiet):
+def convert(src, dst, in_format, out_format, engine, model_name, mtp, force, input_scale, scale_headroom, group_size,
+            scheme, workers, device, in_place, resume, revision, cache_dir, token, stream_source, dry_run, as_json, quiet):
     """Convert checkpoint SRC (a directory or a Hub repository id) into a new directory DST, or in
     place with --in-place.
 
@@ -328,8 +331,8 @@ def convert(src, dst, in_format, out_format, engine, mtp, force, input_scale, sc
     if in_place == (dst is not None):
         raise UsageError("give DST, or --in-place to convert SRC inside its own directory (not both)")
     # Only the heavy encoders (the W4A16 search) are worth a GPU.
-    options = Options(mtp=mtp, input_scale=input_scale, target=target_options, engine=engine, force=force,
-                      device=compute_device(device) if TARGETS[out_format].cpu_heavy else "cpu")
+    options = Options(mtp=mtp, input_scale=input_scale, target=target_options, engine=engine, model=model_name,
+                      force=force, device=compute_device(device) if TARGETS[out_format].cpu_heavy else "cpu")
     if dry_run:
         plan = convert_lib.plan_conversion(src, out_format, options, in_format, in_place, revision, token, cache_dir)
         summary = convert_lib.describe_plan(plan, dst, in_place, source=src)

@@ -20,9 +20,7 @@ import torch
 
 from requant import formats, sources
 from requant.errors import FormatError
-from requant.model import Expert, ModelSpec
-
-MAIN_KIND = "layer"   # the recipe's block kind of the model's own layers; every other kind is a drafter's
+from requant.model import MAIN_KIND, Expert, ModelSpec
 
 T = TypeVar("T")
 

@@ -1,5 +1,6 @@
 """Arithmetic over a recipe's named dimensions: the shapes, conditions and derived values that
-recipes/*.json write as expressions, e.g. "heads * head_dim // o_groups" or "index < hash_layers".
+recipes/*.json write as expressions, e.g. "heads * head_dim // o_groups" or "index < hash_layers" or
+"engram_rows[k]".
 
 A dimension may itself be an expression (DeepSeek-V4's compress ratio as a function of the layer
 index); it is read in place, so it sees the names bound where it is used. Recipes are data: only
@@ -11,9 +12,9 @@ from __future__ import annotations
 import ast
 
 _NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp, ast.Name, ast.Load,
-          ast.Store, ast.Constant, ast.Call, ast.List, ast.ListComp, ast.comprehension, ast.operator,
+          ast.Store, ast.Constant, ast.Call, ast.List, ast.ListComp, ast.comprehension, ast.Subscript, ast.operator,
           ast.unaryop, ast.boolop, ast.cmpop)
-_FUNCTIONS = {"min": min, "max": max, "range": range}
+_FUNCTIONS = {"min": min, "max": max, "range": range, "len": len}
 
 
 def evaluate(expr, dims: dict, bound: dict | None = None):

@@ -72,7 +72,7 @@ class Plan:
 def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: str | None = None) -> Plan:
     """The plan for converting `source`'s routed experts to `out_format`; `in_format`, when given,
     is the format the caller expects them in (None: whatever they are stored as)."""
-    model = ModelSpec.for_checkpoint(source)
+    model = ModelSpec.for_checkpoint(source, model=options.model)
     _check_config_values(model)
     index = ExpertIndex(model, source)
     found = index.main_codec
@@ -86,7 +86,7 @@ def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: 
         raise UnsupportedError(f"{source.path}: routed experts are stored as {found.name}; --out {out_format} "
                                f"converts from {', '.join(formats.encoder_sources(out_format))}")
     target = target_class(model, source, options, found)
-    target.check_engine()
+    target.check_engine(index)
 
     units_by_first_tensor: dict[str, Unit] = {}
     owned: set[str] = set()

@@ -21,7 +21,8 @@ from requant import expressions, formats, model as model_lib, sources
 from requant.errors import RequantError, UnsupportedError, UsageError
 from requant.formats import fp8_block, mxfp4
 from requant.io.fsutil import atomic_write_json, free_bytes
-from requant.io.safetensors import DTYPES, ShardWriter, TensorSpec
+from requant.io.safetensors import DTYPES, ShardWriter, TensorSpec, write_tensors
+from requant.recipe import TensorEntry, Tokenizer
 
 
 class Dims:
@@ -38,15 +39,15 @@ class Dims:
         self.template = self.spec.synth_template
         self.full_scale = full_scale
         self.overrides = {k: v for k, v in overrides.items() if v is not None}
-        unknown = set(self.overrides) - set(entry["dims"])
+        unknown = set(self.overrides) - set(entry.dims)
         if unknown:
             raise UnsupportedError(f"{self.model} has no dimension {sorted(unknown)[0]!r}")
-        values = {**entry["dims"], **({} if full_scale else self.template["reduced"]), **self.overrides}
-        values.update({k: self._evaluate(expr, values) for k, expr in self.template["fit"].items()})
+        values = {**entry.dims, **({} if full_scale else self.template.reduced), **self.overrides}
+        values.update({k: self._evaluate(expr, values) for k, expr in self.template.fit.items()})
         self.values = values
 
     def _evaluate(self, expr, values: dict, bound: dict | None = None):
-        return expressions.evaluate(expr, {**self.template["derived"], **values}, bound)
+        return expressions.evaluate(expr, {**self.template.derived, **values}, bound)
 
     def evaluate(self, expr, bound: dict | None = None):
         """An expression of the recipe's synth template over these dimensions."""
@@ -62,7 +63,7 @@ class Dims:
         return f"Dims({self.model!r}, {self.values})"
 
     def check(self) -> None:
-        for condition, message in self.template["checks"]:
+        for condition, message in self.template.checks:
             if not self.evaluate(condition):
                 raise ValueError(message.format(**self.values))
 
@@ -73,7 +74,7 @@ def dims_with(base: Dims, **overrides) -> Dims:
 
 def metadata_files(d: Dims) -> dict[str, dict]:
     """The JSON files beside the shards (config.json, ...), by path, with the dimensions of `d`."""
-    return {path: model_lib.expand_template(template, d.evaluate) for path, template in d.template["files"].items()}
+    return {path: model_lib.expand_template(template, d.evaluate) for path, template in d.template.files.items()}
 
 
 def make_config(d: Dims) -> dict:
@@ -81,32 +82,32 @@ def make_config(d: Dims) -> dict:
     return metadata_files(d)["config.json"]
 
 
-def _quantized(codec_name: str, name: str, shape) -> list[TensorSpec]:
+def _quantized(codec_name: str, name: str, shape, block) -> list[TensorSpec]:
     """Tensors of a quantized linear layer as its codec declares them (first dtype, shapes from the
-    logical [out, in])."""
+    logical [out, in]); `block` chooses among a codec's block sizes (default: its fixed or first)."""
     codec = formats.get(codec_name)
-    params = formats.Params(codec.fixed_group)
+    params = formats.Params(block or codec.fixed_group or codec.group_sizes[0])
     return [TensorSpec(f"{name}.{p.suffix}", p.dtypes[0], p.shape(shape[0], shape[1], params))
             for p in codec.written_parts(params)]
 
 
-def _tensors(d: Dims, entries: list[dict], bound: dict) -> list[TensorSpec]:
+def _tensors(d: Dims, entries: list[TensorEntry], bound: dict) -> list[TensorSpec]:
     """The tensors a list of template entries gives, in order, with the names `bound`."""
     specs = []
     for entry in entries:
-        if "if" in entry and not d.evaluate(entry["if"], bound):
+        if entry.if_ is not None and not d.evaluate(entry.if_, bound):
             continue
-        if "group" in entry:
-            inner = {**bound, **{k: d.evaluate(v, bound) for k, v in entry.get("with", {}).items()}}
-            specs += _tensors(d, d.template["groups"][entry["group"]], inner)
-        elif "for" in entry:
-            for i in range(d.evaluate(entry["count"], bound)):
-                specs += _tensors(d, entry["tensors"], {**bound, entry["for"]: i})
+        if entry.group is not None:
+            inner = {**bound, **{k: d.evaluate(v, bound) for k, v in entry.with_.items()}}
+            specs += _tensors(d, d.template.groups[entry.group], inner)
+        elif entry.for_ is not None:
+            for i in range(d.evaluate(entry.count, bound)):
+                specs += _tensors(d, entry.tensors, {**bound, entry.for_: i})
         else:
-            name = entry["name"].format(**bound)
-            shape = tuple(d.evaluate(x, bound) for x in entry["shape"])
-            specs += _quantized(entry["format"], name, shape) if "format" in entry else \
-                [TensorSpec(name, entry["dtype"], shape)]
+            name = entry.name.format(**bound)
+            shape = tuple(d.evaluate(x, bound) for x in entry.shape)
+            specs += _quantized(entry.format, name, shape, entry.block) if entry.format is not None else \
+                [TensorSpec(name, entry.dtype, shape)]
     return specs
 
 
@@ -115,14 +116,16 @@ def layout(d: Dims) -> list[list[TensorSpec]]:
     one shard per layer, head, one per MTP block)."""
     d.check()
     shards = []
-    for entry in d.template["shards"]:
-        if "blocks" not in entry:
-            shards.append(_tensors(d, entry["shard"], {}))
+    for entry in d.template.shards:
+        if entry.count is None:
+            shards.append(_tensors(d, entry.shard, {}))
             continue
-        for index in range(d.evaluate(entry["count"])):
-            bound = {"index": index, "block": d.spec.block_name(entry["blocks"], index)}
-            bound.update({k: d.evaluate(v, bound) for k, v in entry.get("with", {}).items()})
-            shards.append(_tensors(d, entry["shard"], bound))
+        for index in range(d.evaluate(entry.count)):   # one shard each: per block of a kind, or per index
+            bound = {"index": index}
+            if entry.blocks is not None:
+                bound["block"] = d.spec.block_name(entry.blocks, index)
+            bound.update({k: d.evaluate(v, bound) for k, v in entry.with_.items()})
+            shards.append(_tensors(d, entry.shard, bound))
     return shards
 
 
@@ -153,8 +156,10 @@ class _Values:
     def tensor(self, spec: TensorSpec, siblings: dict) -> torch.Tensor:
         name, shape = spec.name, spec.shape
         if spec.dtype == "F8_E4M3":
-            w, s = fp8_block.encode(torch.from_numpy(self.normal(shape, 0.02)))
-            siblings[name[: -len(".weight")] + ".scale"] = s
+            scale = name[: -len(".weight")] + ".scale"
+            block = fp8_block.block_of(shape, siblings["__shapes"][scale])
+            w, s = fp8_block.encode(torch.from_numpy(self.normal(shape, 0.02)), block)
+            siblings[scale] = s
             return w.view(torch.float8_e4m3fn)
         if name in siblings:
             return siblings.pop(name).view(DTYPES[spec.dtype][1])
@@ -301,12 +306,12 @@ def write_checkpoint(dest: str, dims: Dims | None = None, seed: int = 0, hard: H
     for path, content in metadata_files(dims).items():
         os.makedirs(os.path.dirname(os.path.join(dest, path)), exist_ok=True)
         atomic_write_json(os.path.join(dest, path), content)
-    _write_tokenizer(dest, dims.template["tokenizer"])
+    _write_tokenizer(dest, dims.template.tokenizer)
     return names
 
 
 def _fill(writer: ShardWriter, specs, values: _Values, dims: Dims, pooled: bool) -> None:
-    siblings = {"__experts": dims.experts}
+    siblings = {"__experts": dims.experts, "__shapes": {s.name: s.shape for s in specs}}
     reader = sources.reader(dims.spec)
     for spec in specs:
         ref = dims.spec.expert_tensor(spec.name)
@@ -322,20 +327,44 @@ def _fill(writer: ShardWriter, specs, values: _Values, dims: Dims, pooled: bool)
             writer.write(spec.name, torch.stack([w.view(torch.uint8) for w, _ in encoded]).reshape(spec.shape))
             scale_name = reader.tensor_name(ref.block, None, ref.proj, "scale")
             siblings[scale_name] = torch.stack([s.view(torch.uint8) for _, s in encoded])
-        else:
+        elif spec.dtype == "F8_E4M3" and spec.nbytes > _PIECE_BYTES:
+            _fill_fp8_in_pieces(writer, spec, siblings, values)
+        elif spec.name not in siblings.get("__written", ()):
             writer.write(spec.name, values.tensor(spec, siblings))
 
 
-def _write_tokenizer(dest: str, spec: dict) -> None:
+# A block-FP8 tensor larger than this (an Engram table: ~100 GB in one tensor) is encoded and written
+# a band of rows at a time, with its scale, so synth's memory stays bounded at any size.
+_PIECE_BYTES = 64 << 20
+
+
+def _fill_fp8_in_pieces(writer: ShardWriter, spec: TensorSpec, siblings: dict, values: _Values) -> None:
+    scale_name = spec.name[: -len(".weight")] + ".scale"
+    rows, cols = spec.shape
+    block_rows, block_cols = fp8_block.block_of(spec.shape, siblings["__shapes"][scale_name])
+    scale_cols = -(-cols // block_cols)
+    band = max(block_rows, _PIECE_BYTES // 4 // cols // block_rows * block_rows)   # float32 rows, whole blocks
+    for start in range(0, rows, band):
+        stop = min(rows, start + band)
+        codes, scale = fp8_block.encode(torch.from_numpy(values.normal((stop - start, cols), 0.02)),
+                                        (block_rows, block_cols))
+        write_tensors(writer.fd, [
+            (TensorSpec(spec.name, spec.dtype, tuple(codes.shape)), codes, writer.offsets[spec.name] + start * cols),
+            (TensorSpec(scale_name, "F8_E8M0", tuple(scale.shape)), scale,
+             writer.offsets[scale_name] + start // block_rows * scale_cols)])
+    siblings.setdefault("__written", set()).add(scale_name)
+
+
+def _write_tokenizer(dest: str, spec: Tokenizer) -> None:
     """A tiny byte-level tokenizer with the model's special tokens (recipe `synth.tokenizer`), so the
     directory carries the files a real release does."""
-    vocab = {spec["bos"]: 0, spec["eos"]: 1}
+    vocab = {spec.bos: 0, spec.eos: 1}
     vocab.update({chr(c): i + 2 for i, c in enumerate(range(32, 127))})
     tokenizer = {"version": "1.0", "added_tokens": [], "normalizer": None, "pre_tokenizer": None,
                  "post_processor": None, "decoder": None,
-                 "model": {"type": "WordLevel", "vocab": vocab, "unk_token": spec["eos"]}}
+                 "model": {"type": "WordLevel", "vocab": vocab, "unk_token": spec.eos}}
     atomic_write_json(os.path.join(dest, "tokenizer.json"), tokenizer)
     atomic_write_json(os.path.join(dest, "tokenizer_config.json"),
-                      {"bos_token": spec["bos"], "eos_token": spec["eos"],
-                       "model_max_length": spec["model_max_length"], "tokenizer_class": "PreTrainedTokenizerFast"})
+                      {"bos_token": spec.bos, "eos_token": spec.eos,
+                       "model_max_length": spec.model_max_length, "tokenizer_class": "PreTrainedTokenizerFast"})
 

@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
     if wheels.fetch(name) is None:
         print(f"{name}=={version}: no wheel could be fetched", file=sys.stderr)
         return 2
-    checked = engines.rules_for({"name": "deepseek_v4"}, name, version)
+    checked = engines.rules_for(SimpleNamespace(name="deepseek_v4"), name, version)
     print(f"{name} {version}: " + ("requant has rules for this release" if checked.checked
                                    else f"checking the rules of {checked.checked_version} against it"))
     tier = [os.path.join("tests", "engines", f) for f in sorted(os.listdir(os.path.join(ROOT, "tests", "engines")))

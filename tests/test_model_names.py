@@ -1,7 +1,7 @@
-"""Knowledge of models lives in recipes/ and requant/model.py (with the layout readers of
-requant/sources.py); other modules ask ModelSpec. A model's name or a fragment of its tensor names
-in a string the code computes with (docstrings and comments are prose, not dispatch) is knowledge
-in the wrong place."""
+"""Knowledge of models lives in recipes/ and requant/model.py (with the recipe schema of
+requant/recipe.py and the layout readers of requant/sources.py); other modules ask ModelSpec. A
+model's name or a fragment of its tensor names in a string the code computes with (docstrings and
+comments are prose, not dispatch) is knowledge in the wrong place."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ import requant
 PACKAGE = pathlib.Path(requant.__file__).parent
 MODEL_STRINGS = re.compile(r"deepseek|gpt[-_]oss|\bffn\.|\bmlp\.|experts\.|tid2eid|gate_up|down_proj|"
                            r"shared_experts|embed_tokens|lm_head", re.IGNORECASE)
-HOME = {"model.py", "sources.py"}
+HOME = {"model.py", "recipe.py", "sources.py"}
 # Known exceptions, each with why it is still here: prose for people, naming the model a rule is
 # about. Rules themselves live in the recipes.
 EXPLAINED = {
     # error messages that name the model a rule is about, for the person reading them
     ("engine_check.py", "its DeepSeek-V4 model has no other FP8-block attention path"),
     ("kernels/fused_moe.py", "swiglu_alpha is the gpt-oss activation's sigmoid slope"),
-    ("verify/config_rules.py", "vLLM and SGLang dispatch DeepSeek-V4 NVFP4"),
-    ("verify/config_rules.py", "SGLang reads the NVFP4 details of DeepSeek-V4"),
+    ("targets/nvfp4.py", "vLLM and SGLang dispatch DeepSeek-V4 NVFP4"),
+    ("targets/nvfp4.py", "SGLang reads the NVFP4 details of DeepSeek-V4"),
 }
 
 

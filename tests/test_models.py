@@ -10,14 +10,14 @@ import pytest
 
 from requant import synth
 from requant.convert import convert, plan_conversion
-from requant.inspect import inspect_checkpoint
+from requant.describe import inspect_checkpoint
 from requant.io.checkpoint import Checkpoint
 from requant.model import ModelSpec
 from requant.targets import Options
 from requant.validate import validate
 from requant.verify import verify
 from tests import release_fixture
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 

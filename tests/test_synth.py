@@ -15,7 +15,7 @@ from requant.errors import UnsupportedError
 from requant.formats import mxfp4
 from requant.io.checkpoint import Checkpoint
 from tests import release_fixture
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 
 
 def test_full_scale_layout_is_the_release_tensor_for_tensor():
@@ -124,7 +124,7 @@ def test_full_scale_sparse_dry_run_takes_seconds(tmp_path):
     from requant.convert import plan_conversion
     from requant.targets import Options
     plan = plan_conversion(src, "nvfp4", Options())
-    # formats.md section 5: +201,332,736 bytes per converted layer, scalars included (43 layers + MTP).
+    # docs/formats.md, Sizes: +201,332,736 bytes per converted layer, scalars included (43 layers + MTP).
     assert plan.total_size - plan.source.tensor_bytes == (43 + 1) * 201_332_736
     print(f"dry run of the full-scale plan: {elapsed:.1f} s")
     assert elapsed < 120  # generous: this is "seconds", not a benchmark; see scripts/ for speed

@@ -14,6 +14,7 @@ release, and every verdict says it was not checked against the release asked for
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import json
 from dataclasses import dataclass
@@ -180,6 +181,34 @@ class EngineRules:
     def mtp_evidence(self, fmt: str) -> str:
         return self.data["formats"].get(fmt, {}).get("mtp_evidence", "")
 
+    def mtp_loads(self, fmt: str, written: str) -> bool:
+        """Whether requant's output loads correctly here with MTP/drafter experts written as
+        `written` (main experts `fmt`): the format the engine expects, or, where the rules say the
+        output's quantization_config.ignore decides the drafter's method (`mtp_by_ignore`), either
+        format, requant writing the ignore list that matches its choice."""
+        by_ignore = self.data["formats"].get(fmt, {}).get("mtp_by_ignore")
+        if by_ignore:
+            return written in (by_ignore["listed"], by_ignore["unlisted"])
+        expected = self.mtp_format(fmt)
+        return expected is None or written == expected
+
+    def mtp_format_for(self, fmt: str, block: str, ignore) -> str | None:
+        """The format this engine loads drafter block `block`'s experts in, for a checkpoint whose
+        main experts are `fmt` and whose quantization_config.ignore is `ignore`."""
+        by_ignore = self.data["formats"].get(fmt, {}).get("mtp_by_ignore")
+        if not by_ignore:
+            return self.mtp_format(fmt)
+        module = by_ignore["module"].format(block=block)
+        listed = any(fnmatch.fnmatchcase(module, p) for p in ignore or () if isinstance(p, str))
+        return by_ignore["listed" if listed else "unlisted"]
+
+    @property
+    def drafter(self) -> dict:
+        """The draft block the family ships and how this release serves it: kind ("mtp" or
+        "dspark"), the engine's draft model class, the speculative method, evidence; {} where the
+        rules name none."""
+        return dict(self.data.get("drafter", {}))
+
     def expert_probes(self, layer: int, projections: list[str]) -> dict[str, str]:
         """projection -> the module name the engine asks a compressed-tensors config about for
         layer `layer`'s routed experts (expert 0, as engines probe)."""
@@ -263,19 +292,40 @@ def releases(engine: str) -> list[str]:
 
 
 def _merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`, nested objects merged key by key; a null in `over` removes the key."""
     out = dict(base)
     for key, value in over.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 
 @lru_cache(maxsize=None)
 def release_data(engine: str, version: str) -> dict:
-    """The data of one checked release, its `base` release's merged under it."""
+    """The data of one checked release, its `base` release's merged under it. A model family may
+    name a `base` family of the same release whose rules it repeats except where it says otherwise
+    (DeepSeek-V4 with a DSpark drafter: the V4 main layers, its own drafter rules)."""
     path = _release_files()[engine][version]
     data = json.loads(path.read_text())
     base = data.pop("base", None)
-    return _merge(release_data(engine, base), data) if base else data
+    data = _merge(release_data(engine, base), data) if base else data
+    models = data["models"] = dict(data["models"])   # never the cached base release's own dict
+    for family in list(models):
+        models[family] = _family(models, family, ())
+    return data
+
+
+def _family(models: dict, family: str, seen: tuple) -> dict:
+    rules = dict(models[family])
+    base = rules.pop("base", None)
+    if base is None:
+        return rules
+    if base in seen or base not in models:
+        raise ValueError(f"engine rules: family {family} names base {base!r}, which is "
+                         f"{'a cycle' if base in seen else 'not in the release'}")
+    return _merge(_family(models, base, seen + (family,)), rules)
 
 
 def parse_spec(spec: str) -> tuple[str, str | None]:
@@ -333,7 +383,7 @@ def rules_for(recipe: dict, engine: str, version: str | None = None) -> EngineRu
     version = version or named or resolve(name)[1]
     checked = _checked_for(name, version)
     data = release_data(name, checked)
-    family = recipe["name"]
+    family = recipe.name
     if family not in data["models"]:
         raise UnsupportedError(f"{data['label']} {checked}: requant has no rules for {family} models "
                                f"(it has: {', '.join(data['models'])})")
@@ -344,8 +394,8 @@ def rules_for(recipe: dict, engine: str, version: str | None = None) -> EngineRu
 
 def available(recipe: dict) -> list[str]:
     """The engines requant has rules for this model family with, in any release."""
-    return [e for e in engine_names() if any(recipe["name"] in release_data(e, v)["models"] for v in releases(e))]
+    return [e for e in engine_names() if any(recipe.name in release_data(e, v)["models"] for v in releases(e))]
 
 
 def default_engine(recipe: dict) -> str:
-    return recipe["default_engine"]
+    return recipe.default_engine

@@ -14,6 +14,7 @@ import torch
 
 from requant import __version__, formats, sources
 from requant.errors import FormatError, RequantError, UnsupportedError
+from requant.experts import MAIN_KIND, ExpertIndex
 from requant.io.checkpoint import Checkpoint
 from requant.io.safetensors import TensorSpec
 from requant.serve import calibrated_input_scale
@@ -81,6 +82,7 @@ class Options:
     input_scale: float | None = None    # None: data-free bound; else this constant everywhere
     target: object | None = None        # the target's own options (its `options_type`); None: its defaults
     engine: str | None = None           # serving engine the layout is made for; None: the recipe's default
+    model: str | None = None            # the named model (--model), among those detection allows; None: detected
     force: bool = False                 # write a layout the engine would load wrongly (recorded in the card)
     device: str = "cpu"                 # where encoders run ("cpu", "cuda"): never changes the output
 
@@ -126,18 +128,21 @@ class Target:
         """MTP policy that gives the engine the experts in the format it loads them as."""
         return "convert" if self.engine.mtp_format(self.name) == self.name else "keep"
 
-    def check_engine(self) -> None:
+    def check_engine(self, experts: ExpertIndex) -> None:
         """Refuse (once the target knows its options) a layout the engine would load wrongly,
-        unless --force; then remember why, for the card."""
-        if self.options.mtp and not any(self.model.is_mtp(e.block) for e in self.reader.experts(self.source.names)):
+        unless --force; then remember why, for the card. `experts` is the plan's view of the
+        source's routed experts."""
+        has_drafter = bool(experts.drafter_blocks())
+        if self.options.mtp and not has_drafter:
             raise UnsupportedError(f"--mtp {self.options.mtp}: {self.source.path} has no MTP block "
                                    f"({self.model.name}); leave --mtp out")
-        self.forced_problems = self._engine_problems()
+        self.forced_problems = self._engine_problems(has_drafter)
         if self.forced_problems and not self.options.force:
             raise UnsupportedError(f"{self.forced_problems[0]} (--force writes it anyway)")
 
-    def _engine_problems(self) -> list[str]:
-        """What the engine would load wrongly from this layout: one sentence each, with the fix."""
+    def _engine_problems(self, has_drafter: bool) -> list[str]:
+        """What the engine would load wrongly from this layout (`has_drafter`: the source has MTP or
+        drafter blocks with routed experts): one sentence each, with the fix."""
         problems = []
         refusal = self.engine.refusal(self.name)
         if refusal:
@@ -150,8 +155,7 @@ class Target:
                                 f"{refused[value]}")
         expected = self.engine.mtp_format(self.name)
         written = self.name if self.mtp == "convert" else self.source_codec.name
-        if expected and written != expected and any(self.model.is_mtp(e.block)
-                                                    for e in sources.reader(self.model).experts(self.source.names)):
+        if expected and has_drafter and not self.engine.mtp_loads(self.name, written):
             fix = "convert" if expected == self.name else "keep"
             problems.append(f"{self.engine.label} loads the MTP block's experts as {expected.upper()}, so "
                             f"{written.upper()} ones would load without error and draft garbage "
@@ -160,7 +164,9 @@ class Target:
 
     # planning -------------------------------------------------------------------------------
     def converts(self, block: str) -> bool:
-        return not self.model.is_mtp(block) or self.mtp == "convert"
+        """Whether `block`'s routed experts are converted: a main layer's always, an MTP or drafter
+        block's (any other kind in the recipe's `blocks`) as --mtp says."""
+        return self.model.block_kind(block) == MAIN_KIND or self.mtp == "convert"
 
     def plan_tensor(self, spec: TensorSpec) -> Unit:
         """How a tensor that is not a converted routed expert reaches the output."""

@@ -1,0 +1,290 @@
+"""The DeepSeek releases after the first: V4-Flash-0731 and V4-Pro-0813 (a DSpark drafter under mtp.)
+and V4.1-Flash (Engram tables, 32x32 FP8, a vision tower). Their full-scale layouts against the
+published facts (docs/models/deepseek-v4-family.md), detection, and small checkpoints through
+convert, verify and inspect with the drafter's bytes kept where the engine's rule keeps them."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+
+import pytest
+import torch
+
+from requant import synth
+from requant.convert import convert, plan_conversion
+from requant.describe import inspect_checkpoint
+from requant.errors import UnsupportedCheckpoint
+from requant.io.checkpoint import Checkpoint
+from requant.model import ModelSpec, named_models
+from requant.targets import Options
+from requant.verify import verify
+from tests.helpers.cli import run_cli
+
+NEW = ["deepseek-v4-flash-0731", "deepseek-v4-pro-0813", "deepseek-v4.1-flash"]
+
+
+def _layout(model: str) -> dict[str, tuple[str, tuple, int]]:
+    """name -> (dtype, shape, shard number from 1) of a named model at full scale."""
+    shards = synth.layout(synth.Dims(model, full_scale=True))
+    return {s.name: (s.dtype, tuple(s.shape), i + 1) for i, specs in enumerate(shards) for s in specs}
+
+
+def test_v41_full_scale_is_the_published_inventory():
+    """The release's 48 shard headers, as a third-party inventory sums them (the recipe's source):
+    tensor count, total_size and bytes per dtype, all exact."""
+    shards = synth.layout(synth.Dims("deepseek-v4.1-flash", full_scale=True))
+    by_dtype = collections.Counter()
+    for specs in shards:
+        for s in specs:
+            by_dtype[s.dtype] += s.nbytes
+    assert len(shards) == 48 and sum(map(len, shards)) == 96_085
+    assert sum(by_dtype.values()) == 510_286_023_000
+    assert by_dtype == {"I8": 278_585_671_680, "F8_E4M3": 204_015_223_296, "F8_E8M0": 23_563_015_184,
+                        "BF16": 3_952_883_712, "F32": 169_229_128}
+
+
+def test_v41_full_scale_names_and_shapes_are_the_loaders():
+    t = _layout("deepseek-v4.1-flash")
+    # MXFP4 experts, one E8M0 per 32 along K; 32x32 FP8 dense weights (third-party header reads)
+    assert t["layers.0.ffn.experts.0.w1.weight"][:2] == ("I8", (2304, 2560))
+    assert t["layers.0.ffn.experts.0.w1.scale"][:2] == ("F8_E8M0", (2304, 160))
+    assert t["layers.0.attn.wq_b.weight"][:2] == ("F8_E4M3", (32768, 1280))
+    assert t["layers.0.attn.wq_b.scale"][:2] == ("F8_E8M0", (1024, 40))
+    # Engram tables: FP8 rows with a scale per 32, in the last two shards
+    assert t["layers.1.engram.embed.weight"] == ("F8_E4M3", (384_006_168, 256), 47)
+    assert t["layers.14.engram.embed.scale"] == ("F8_E8M0", (384_016_682, 8), 48)
+    assert t["layers.14.engram.wkv.weight"][:2] == ("F8_E4M3", (25600, 6144))
+    # compressors only on the kv sources (no ape; no wgate at ratio 1), indexers on the index sources
+    compressed = {n.split(".")[1] for n in t if ".attn.compressor.wkv." in n}
+    assert compressed == {"2", "8", "14", "20"} and not any(n.endswith(".ape") for n in t)
+    assert "layers.20.attn.compressor.wgate.weight" not in t and "layers.14.attn.compressor.wgate.weight" in t
+    assert {n.split(".")[1] for n in t if n.endswith("indexer.wq_b.weight")} == {"2", "8", "14", "20", "24", "28",
+                                                                                  "32", "36"}
+    assert "layers.24.attn.indexer.wk.weight" not in t and "layers.20.attn.indexer.wk.weight" in t
+    # no hash routing, an image-token bias, no hc_head anywhere
+    assert not any("tid2eid" in n or "hc_head" in n for n in t)
+    assert t["layers.0.ffn.gate.bias_vl"][:2] == ("F32", (384,))
+    # the drafter: three stages of 128 experts, main_proj on stage 0, the heads on the last
+    assert "mtp.2.ffn.experts.127.w2.weight" in t and "mtp.2.ffn.experts.128.w2.weight" not in t
+    assert t["mtp.0.main_proj.weight"][:2] == ("F8_E4M3", (5120, 15360))
+    assert t["mtp.2.markov_head.embed.weight"][:2] == ("BF16", (129280, 256))
+    assert t["mtp.2.confidence_head.proj.weight"][:2] == ("BF16", (1, 5376))
+    assert t["aligner.w1.weight"][:2] == ("BF16", (5120, 9216)) and t["vision.blocks.31.mlp.w1.weight"][1] == (5632, 1024)
+
+
+def test_dspark_full_scale_layouts():
+    t = _layout("deepseek-v4-flash-0731")
+    shards = synth.layout(synth.Dims("deepseek-v4-flash-0731", full_scale=True))
+    assert len(shards) == 48    # third-party: "167 GB, 48 safetensor shards", mtp.0..2 in the last three
+    assert round(sum(s.nbytes for specs in shards for s in specs) / 1e9) == 167
+    assert {t[f"mtp.{s}.ffn.experts.255.w1.weight"][2] for s in range(3)} == {46, 47, 48}
+    assert t["mtp.0.main_proj.weight"][:2] == ("F8_E4M3", (4096, 3 * 4096))
+    assert t["mtp.2.markov_head.markov_w2.weight"][:2] == ("BF16", (129280, 256))
+    assert "mtp.2.hc_head_fn" in t and not any(n.startswith("mtp.") and ".e_proj" in n for n in t)
+    config = synth.make_config(synth.Dims("deepseek-v4-flash-0731", full_scale=True))
+    assert config["dspark_target_layer_ids"] == [40, 41, 42] and config["num_nextn_predict_layers"] == 1
+    assert len(config["compress_ratios"]) == 43 + 3   # vLLM builds the stages as layers.43-45
+    pro = _layout("deepseek-v4-pro-0813")
+    assert pro["mtp.1.ffn.experts.383.w2.weight"][:2] == ("I8", (7168, 3072 // 2))
+
+
+@pytest.mark.parametrize("model", NEW)
+def test_full_scale_config_is_recognised(model):
+    config = synth.make_config(synth.Dims(model, full_scale=True))
+    assert ModelSpec.for_config(config).model_name == model
+
+
+@pytest.mark.parametrize("model", NEW)
+def test_full_scale_dry_run_plans_the_layout(model, tmp_path):
+    src = str(tmp_path / "full")
+    result = run_cli("synth", src, "--model", model, "--full-scale", "--sparse")
+    assert result.returncode == 0, result.stderr
+    result = run_cli("convert", src, str(tmp_path / "out"), "--out", "nvfp4", "--dry-run", "--json")
+    plan = json.loads(result.stdout)
+    assert result.returncode in (0, 3), result.stderr   # 3: this machine's disk is short of the plan
+    assert not os.path.exists(tmp_path / "out")
+    with Checkpoint.open(src) as ck:
+        spec = ModelSpec.for_checkpoint(ck)
+        blocks = {n.rsplit(".ffn.experts.", 1)[0] for n in ck.names if ".ffn.experts." in n}
+    converted_drafter = spec.engine().mtp_format("nvfp4") == "nvfp4"
+    per_block = {b: spec.value("num_experts", b) for b in blocks if converted_drafter or not spec.is_mtp(b)}
+    assert plan["tensors"]["converted tensors"] == 6 * sum(per_block.values())
+    full = plan_conversion(src, "nvfp4", Options())
+    # per expert, NVFP4 doubles each projection's scale bytes and adds two FP32 scalars per projection
+    hidden, inter = spec.value("hidden_size"), spec.value("intermediate_size")
+    assert full.total_size - full.source.tensor_bytes == sum(per_block.values()) * 3 * (hidden * inter // 32 + 8)
+
+
+def test_v41_small_mode_keeps_engram_tables_small():
+    shards = synth.layout(synth.Dims("deepseek-v4.1-flash"))
+    tables = [s for specs in shards for s in specs if ".engram.embed." in s.name]
+    assert len(tables) == 4 and sum(s.nbytes for s in tables) < 2**20
+    assert sum(s.nbytes for specs in shards for s in specs) < 16 * 2**20
+
+
+@pytest.fixture(scope="module", params=NEW)
+def small(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("new") / request.param)
+    synth.write_checkpoint(path, synth.Dims(request.param), seed=5)
+    return request.param, path
+
+
+def _drafter_bytes(path: str) -> dict[str, bytes]:
+    with Checkpoint.open(path) as ck:
+        return {n: ck.tensor(n).contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                for n in ck.names if n.startswith("mtp.")}
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_small_converts_to_nvfp4_verifies_and_keeps_the_drafter(small, engine, tmp_path):
+    model, src = small
+    dst = str(tmp_path / "nvfp4")
+    convert(src, dst, "nvfp4", Options(engine=engine), progress=False)
+    result = verify(dst, engine=engine, progress=False)
+    assert result["ok"], result["findings"]
+    with Checkpoint.open(src) as ck:
+        rules = ModelSpec.for_checkpoint(ck).engine(engine)
+    if rules.mtp_format("nvfp4") != "nvfp4":   # the release loads the drafter as it ships: byte for byte
+        assert _drafter_bytes(dst) == _drafter_bytes(src)
+    info = inspect_checkpoint(dst)
+    assert info["expert_format"] == "nvfp4" and info["model_type"] == synth.make_config(synth.Dims(model))["model_type"]
+
+
+def test_small_w4a16_is_refused_in_one_line(small, tmp_path):
+    """W4A16 loading of these models is not established (the research doc): the engine rules refuse
+    it; for V4.1 the recipe cannot describe its FP8 linears in a W4A16 config either, so not even
+    --force writes one."""
+    model, src = small
+    result = run_cli("convert", src, str(tmp_path / "w4a16"), "--out", "w4a16")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "cannot serve --out w4a16" in lines[0] or "--out w4a16 is refused" in lines[0]
+    assert not os.path.exists(tmp_path / "w4a16")
+    if model == "deepseek-v4.1-flash":
+        result = run_cli("convert", src, str(tmp_path / "w4a16"), "--out", "w4a16", "--force")
+        assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+            "requant: error: --out w4a16 is refused for deepseek_v41 checkpoints: no engine's W4A16 (compressed-tensors) "
+            "description of V4.1's 32x32 FP8 linears and Engram projections was found; vLLM reads them only through "
+            "its FP8 config (docs/models/deepseek-v4-family.md, section 3.3)"]
+        assert not os.path.exists(tmp_path / "w4a16")
+
+
+def test_drafter_stages_take_their_own_expert_count():
+    config = synth.make_config(synth.Dims("deepseek-v4.1-flash", full_scale=True))
+    spec = ModelSpec.for_config(config)
+    assert spec.value("num_experts", "mtp.1") == 128 and spec.router("mtp.1")["top_k"] == 3
+    assert spec.value("num_experts", "layers.7") == 384 and spec.router()["top_k"] == 6
+    assert spec.config_key("num_experts", "mtp.0") == "text_config.dspark_n_routed_experts"
+
+
+# detection ----------------------------------------------------------------------------------------
+
+def _config(model: str) -> dict:
+    return synth.make_config(synth.Dims(model))
+
+
+def _names(model: str) -> list[str]:
+    return [s.name for specs in synth.layout(synth.Dims(model)) for s in specs]
+
+
+@pytest.mark.parametrize("model", [*NEW, "deepseek-v4-flash", "gpt-oss-20b"])
+def test_each_checkpoint_is_detected_as_its_own_recipe(model):
+    spec = ModelSpec.for_config(_config(model), names=_names(model))
+    assert spec.recipe is named_models()[model][0]
+
+
+def test_a_v41_checkpoint_given_a_v4_model_is_refused_in_one_line(tmp_path):
+    config, names = _config("deepseek-v4.1-flash"), _names("deepseek-v4.1-flash")
+    with pytest.raises(UnsupportedCheckpoint) as e:
+        ModelSpec.for_config(config, "v41/config.json", names, model="deepseek-v4-flash")
+    message = str(e.value)
+    assert message.startswith("v41/config.json: --model deepseek-v4-flash is a deepseek_v4 model, but this checkpoint "
+                              "is not one (model_type 'deepseek_v41', not 'deepseek_v4'") and "\n" not in message
+    # and the reverse: a V4 checkpoint is no V4.1 one, nor a DSpark release without its drafter
+    with pytest.raises(UnsupportedCheckpoint, match="is a deepseek_v41 model, but this checkpoint is not one"):
+        ModelSpec.for_config(_config("deepseek-v4-flash"), names=_names("deepseek-v4-flash"), model="deepseek-v4.1-flash")
+    with pytest.raises(UnsupportedCheckpoint, match=r"no tensor matches \^mtp"):
+        ModelSpec.for_config(_config("deepseek-v4-flash"), names=_names("deepseek-v4-flash"),
+                             model="deepseek-v4-flash-0731")
+    # --model only chooses the named model among what detection allows
+    spec = ModelSpec.for_config(config, names=names, model="deepseek-v4.1-flash")
+    assert spec.model_name == "deepseek-v4.1-flash"
+
+
+def test_a_config_that_lies_about_its_kind_is_refused():
+    """V4.1 tensors under a config claiming V4, and a DSpark config over the one-layer MTP's tensors."""
+    lying = {**_config("deepseek-v4.1-flash"), "model_type": "deepseek_v4"}
+    with pytest.raises(UnsupportedCheckpoint, match="architectures \\['DeepseekV41ForCausalLM'\\], not DeepseekV4"):
+        ModelSpec.for_config(lying, names=_names("deepseek-v4.1-flash"))
+    with pytest.raises(UnsupportedCheckpoint, match="nearest is deepseek_v4_dspark .* no tensor matches"):
+        ModelSpec.for_config(_config("deepseek-v4-flash-0731"), names=_names("deepseek-v4-flash"))
+    legacy = _names("deepseek-v4-flash-0731") + ["mtp.0.e_proj.weight"]
+    with pytest.raises(UnsupportedCheckpoint, match="tensor mtp.0.e_proj.weight is not one"):
+        ModelSpec.for_config(_config("deepseek-v4-flash-0731"), names=legacy)
+
+
+def test_an_unknown_architecture_is_refused_in_one_line(tmp_path):
+    src = str(tmp_path / "llama")
+    synth.write_checkpoint(src, synth.Dims("deepseek-v4-flash", layers=1), seed=1)
+    path = os.path.join(src, "config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    config.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    result = run_cli("convert", src, str(tmp_path / "out"), "--out", "nvfp4")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert lines[0].endswith("llama/config.json: model_type 'llama', architectures ['LlamaForCausalLM'] has no recipe "
+                             "(supported: deepseek_v4 (DeepseekV4ForCausalLM), deepseek_v41 (DeepseekV41ForCausalLM), "
+                             "gpt_oss (GptOssForCausalLM))")
+
+
+def test_convert_refuses_a_model_of_another_kind_in_one_line(small, tmp_path):
+    model, src = small
+    other = "deepseek-v4-flash" if model == "deepseek-v4.1-flash" else "deepseek-v4.1-flash"
+    result = run_cli("convert", src, str(tmp_path / "out"), "--out", "nvfp4", "--model", other)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert f"--model {other} is a " in lines[0] and "but this checkpoint is not one (model_type" in lines[0]
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("block, shape, grid", [(128, (300, 260), (3, 3)), (32, (96, 70), (3, 3)),
+                                                ((1, 32), (5, 64), (5, 2))])
+def test_fp8_block_takes_its_block_from_the_scale_grid(block, shape, grid):
+    from requant.errors import FormatError
+    from requant.formats import fp8_block
+
+    x = torch.randn(shape) * torch.logspace(-3, 1, shape[0])[:, None]   # rows of very different ranges
+    codes, scale = fp8_block.encode(x, block)
+    assert tuple(scale.shape) == grid == fp8_block.scale_shape(shape, block)
+    decoded = fp8_block.decode(codes, scale)
+    # E4M3 keeps 3 mantissa bits: within 1/16 of each value, relative to its block's largest
+    rows, cols = (block, block) if isinstance(block, int) else block
+    for r in range(0, shape[0], rows):
+        for c in range(0, shape[1], cols):
+            ref = x[r:r + rows, c:c + cols]
+            assert (decoded[r:r + rows, c:c + cols] - ref).abs().max() <= ref.abs().max() / 16 + 1e-30
+    with pytest.raises(FormatError, match="does not match weight"):
+        fp8_block.decode(codes, scale[:, :1].contiguous())
+
+
+def test_a_large_engram_table_is_written_in_pieces(tmp_path, monkeypatch):
+    """Block-FP8 tensors past synth's piece size are encoded a band of rows at a time (so a full-size
+    Engram table never sits in memory): every band lands at its offset, scales with it."""
+    from requant.formats import fp8_block
+
+    monkeypatch.setattr(synth, "_PIECE_BYTES", 64 << 10)
+    path = str(tmp_path / "v41")
+    synth.write_checkpoint(path, synth.Dims("deepseek-v4.1-flash", engram_rows=[5003, 1000]), seed=2)
+    with Checkpoint.open(path) as ck:
+        weight, scale = ck.tensor("layers.1.engram.embed.weight"), ck.tensor("layers.1.engram.embed.scale")
+        assert weight.nbytes > 4 * synth._PIECE_BYTES and tuple(scale.shape) == (5003, 64 // 32)
+        codes = weight.view(torch.uint8)
+        assert bool((codes != 0).any(dim=1).all()), "a band of rows was never written"
+        assert bool((scale.view(torch.uint8) > 100).all())   # ~0.02-sized values: E8M0 exponents near 2^-9
+        values = fp8_block.decode(weight, scale)
+        assert 0.015 < float(values.std()) < 0.025
