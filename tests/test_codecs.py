@@ -10,7 +10,7 @@ import torch
 
 from requant import formats
 from requant.errors import UnsupportedError
-from requant.formats import int4, mxfp4, nvfp4
+from requant.formats import e2m1, int4, mxfp4, nvfp4
 from requant.io.safetensors import DTYPES
 from requant.targets import TARGETS
 
@@ -148,6 +148,35 @@ def test_byte_pairs_on_the_cpu_equals_the_plain_lookup():
     packed = torch.randint(0, 256, (9, 14), dtype=torch.uint8)[:, 2:12]   # a non-contiguous view
     plain = table[packed.long()].reshape(9, -1)
     assert torch.equal(formats.byte_pairs(table, packed), plain)
+
+
+@pytest.mark.parametrize("global_scale", [1.0, 0.375, 2.0**-140, 2.0**120, 0.8127])   # normal, subnormal, overflowing
+def test_nvfp4_decode_is_each_code_times_its_e4m3_scale_times_the_global_scale(global_scale):
+    """NVFP4 decode (table lookups) gives, bit for bit, the plain float32 arithmetic: E2M1 value x
+    (E4M3 block scale x global scale), for every weight byte under every scale byte; the NaN scale
+    bytes (0x7F, 0xFF) give NaN, and so does a zero code times a scale that overflowed to inf."""
+    g = torch.Generator().manual_seed(1)
+    rows = 256
+    weight = torch.randint(0, 256, (rows, 64), dtype=torch.uint8, generator=g)
+    weight[:, :8] = torch.arange(256, dtype=torch.uint8).view(-1, 1)   # every byte in the first block...
+    wide = torch.randint(0, 256, (rows, 10), dtype=torch.uint8, generator=g)
+    wide[:, 1] = torch.arange(256, dtype=torch.uint8)                  # ...under every scale byte
+    scale = wide[:, 1:9]                                               # a strided view, as a row slice gives
+    global_scale = float(torch.tensor(global_scale, dtype=torch.float32))   # the F32 weight_scale_2
+    values = e2m1.signed_values()
+    codes = torch.stack([values[(weight & 0xF).long()], values[(weight >> 4).long()]], dim=-1).reshape(rows, -1, 16)
+    factor = scale.view(torch.float8_e4m3fn).to(torch.float32) * global_scale
+    expected = (codes * factor[..., None]).reshape(rows, -1)
+
+    def same(got, want):
+        nan = torch.isnan(want)
+        return torch.equal(torch.isnan(got), nan) and torch.equal(got.view(torch.int32)[~nan], want.view(torch.int32)[~nan])
+
+    assert same(nvfp4.factors(scale, torch.tensor(global_scale)), factor)
+    assert same(nvfp4.block_scale_values(scale), scale.view(torch.float8_e4m3fn).to(torch.float32))
+    assert same(nvfp4.decode(weight, scale.view(torch.float8_e4m3fn), global_scale), expected)
+    buffer = torch.full((rows, 128), 7.0)
+    assert same(nvfp4.decode(weight, scale, global_scale, buffer), expected) and same(buffer, expected)
 
 
 @pytest.mark.parametrize("chunk", [1 << 18, 4 * K])   # one piece; row chunks that divide the rows
