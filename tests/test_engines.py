@@ -8,8 +8,9 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import run_cli
+from tests.helpers.cli import run_cli
 from requant import engines
 from requant.card import serve_lines
 from requant.engines import table
@@ -17,7 +18,7 @@ from requant.errors import UnsupportedError
 from requant.model import ModelSpec, load_recipes
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-DSV4 = next(r for r in load_recipes() if r["name"] == "deepseek_v4")
+DSV4 = next(r for r in load_recipes() if r.name == "deepseek_v4")
 
 
 def test_engine_spec_parses_name_and_release():
@@ -170,3 +171,109 @@ def test_the_installed_release_is_the_one_judged(monkeypatch):
 
     monkeypatch.setattr(engines.metadata, "version", missing)
     assert engines.resolve("sglang") == ("sglang", engines.releases("sglang")[-1], "newest checked")
+
+
+# --------------------------------------------------------------- DeepSeek models with a DSpark drafter
+DSPARK_FAMILIES = ("deepseek_v4_dspark", "deepseek_v41")
+
+
+def family(name: str):
+    return next(r for r in load_recipes() if r.name == name)
+
+
+def test_every_family_resolves_in_every_release():
+    """A family naming a `base` family repeats its rules where it says nothing (the V4 kernel cells)."""
+    for engine in engines.engine_names():
+        for version in engines.releases(engine):
+            data = engines.release_data(engine, version)
+            assert not any("base" in rules for rules in data["models"].values()), (engine, version)
+            for name in DSPARK_FAMILIES:
+                rules = engines.rules_for(family(name), engine, version)
+                assert rules.data["kernels"]["nvfp4"]["sm_100"]["method"] == \
+                    engines.rules_for(DSV4, engine, version).kernel("nvfp4", "sm_100").method
+
+
+@pytest.mark.parametrize("name", DSPARK_FAMILIES)
+def test_dspark_drafter_rules(name):
+    """The drafter passes through (MXFP4) for NVFP4 output in every checked release; vLLM's CUDA
+    quant config reads `ignore`, so a converted drafter outside it loads too, while SGLang always
+    keeps the stages MXFP4; W4A16 is refused as not established; the serve flags are DSpark's."""
+    recipe = family(name)
+    for engine in engines.engine_names():
+        for version in engines.releases(engine):
+            rules = engines.rules_for(recipe, engine, version)
+            assert rules.drafter["kind"] == "dspark" and rules.drafter["evidence"]
+            assert rules.mtp_format("nvfp4") == "mxfp4" and rules.mtp_evidence("nvfp4")
+            assert rules.refusal("w4a16").startswith("not established") and not rules.has_kernel_rules("w4a16")
+            kept, converted = ["*.attn.*", "mtp.*"], ["*.attn.*", "mtp.*.main_proj"]
+            assert rules.mtp_format_for("nvfp4", "mtp.2", kept) == "mxfp4"
+            speculative = rules.data["serve"]["speculative"]
+            if engine == "vllm":
+                assert rules.mtp_format_for("nvfp4", "mtp.2", converted) == "nvfp4"
+                assert rules.mtp_loads("nvfp4", "nvfp4") and '"method": "dspark"' in speculative
+            else:
+                assert rules.mtp_format_for("nvfp4", "mtp.2", converted) == "mxfp4"
+                assert not rules.mtp_loads("nvfp4", "nvfp4") and speculative == "--speculative-algorithm DSPARK"
+            for gpu in engines.GPU_FAMILIES:
+                how = rules.serving("nvfp4", gpu)
+                assert not how.starts or (speculative in how.command) == how.speculative
+            assert "EAGLE" not in "\n".join(serve_lines(rules, "nvfp4", has_mtp=True))
+
+
+@pytest.fixture(scope="module")
+def dspark_source(tmp_path_factory):
+    from requant import synth
+    path = str(tmp_path_factory.mktemp("dspark") / "src")
+    synth.write_checkpoint(path, synth.Dims("deepseek-v4-flash-0731", layers=3, experts=6), seed=4)
+    return path
+
+
+def drafter_bytes(path: str) -> dict[str, bytes]:
+    from safetensors import safe_open
+    index = json.loads(Path(path, "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for name, shard in index.items():
+        if name.startswith("mtp."):
+            with safe_open(str(Path(path, shard)), "pt") as f:
+                out[name] = f.get_tensor(name).view(-1).view(torch.uint8).numpy().tobytes()
+    return out
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_convert_passes_the_dspark_drafter_through(dspark_source, tmp_path, engine):
+    """By default the drafter's bytes, experts included, equal the source's for either engine, and
+    the output's ignore lists mtp.* (what vLLM's CUDA config needs to give them the MXFP4 method)."""
+    from requant.convert import convert
+    from requant.targets import Options
+
+    out = str(tmp_path / "out")
+    convert(dspark_source, out, "nvfp4", Options(engine=engine), progress=False)
+    assert drafter_bytes(out) == drafter_bytes(dspark_source)
+    assert "mtp.*" in json.loads(Path(out, "config.json").read_text())["quantization_config"]["ignore"]
+
+
+def test_convert_refuses_what_the_rules_refuse(dspark_source, tmp_path):
+    from requant.convert import convert
+    from requant.targets import Options
+
+    for engine in ("vllm", "sglang"):
+        with pytest.raises(UnsupportedError, match="cannot serve --out w4a16: not established"):
+            convert(dspark_source, str(tmp_path / f"w4a16-{engine}"), "w4a16", Options(engine=engine), progress=False)
+    with pytest.raises(UnsupportedError, match="SGLang 0.5.23 loads the MTP block's experts as MXFP4"):
+        convert(dspark_source, str(tmp_path / "sglang-convert"), "nvfp4", Options(engine="sglang==0.5.23", mtp="convert"),
+                progress=False)
+
+
+def test_vllm_drafter_converted_on_request_verifies(dspark_source, tmp_path):
+    """--mtp convert for vLLM: the stages become NVFP4 and the ignore leaves them out, which vLLM's
+    rules accept (verify), while SGLang's say its stages load as MXFP4."""
+    from requant.convert import convert
+    from requant.targets import Options
+
+    out = str(tmp_path / "converted")
+    convert(dspark_source, out, "nvfp4", Options(engine="vllm", mtp="convert"), progress=False)
+    assert "mtp.*" not in json.loads(Path(out, "config.json").read_text())["quantization_config"]["ignore"]
+    vllm_verdict = run_cli("verify", out, "--engine", "vllm", "--quiet")
+    assert vllm_verdict.returncode == 0 and "loads it correctly" in vllm_verdict.stdout, vllm_verdict.stdout
+    sglang_verdict = run_cli("verify", out, "--engine", "sglang", "--quiet")
+    assert sglang_verdict.returncode != 0 and "loads the MTP block's experts as MXFP4" in sglang_verdict.stdout

@@ -224,8 +224,10 @@ def test_hopper_flush_counted_against_an_independent_decode(tmp_path):
 
 
 def test_mtp_layout_is_judged_per_engine(pair, tmp_path):
-    """vLLM 0.33.0 loads MTP experts as NVFP4 and SGLang 0.5.23 as MXFP4: each layout is right for
-    one engine, an error for the other, and requant.json says which one the output was made for."""
+    """SGLang 0.5.23 loads MTP experts as MXFP4 only; vLLM 0.33.0 on CUDA as the output's
+    quantization_config.ignore says (MXFP4 where it lists mtp.0.ffn.experts, else NVFP4). vLLM's
+    layout (MTP converted) is an error for SGLang; SGLang's (kept, listed in ignore) loads in both,
+    and the same bytes with ignore emptied draft garbage in vLLM."""
     assert verify(pair[1], progress=False)["ok"]              # vLLM's layout (the default)
     bad = verify(pair[1], progress=False, engine="sglang")
     assert not bad["ok"] and finding(bad, "mtp-format")["examples"] == ["mtp.0.ffn.experts"]
@@ -233,12 +235,14 @@ def test_mtp_layout_is_judged_per_engine(pair, tmp_path):
     nvidia_like = str(tmp_path / "sglang")
     convert(pair[0], nvidia_like, "nvfp4", Options(engine="sglang"), progress=False)
     assert verify(nvidia_like, progress=False)["ok"]          # requant.json: made for SGLang
-    m4 = verify(nvidia_like, progress=False, engine="vllm")
-    assert not m4["ok"] and "garbage drafts" in finding(m4, "mtp-format")["message"]
+    assert verify(nvidia_like, progress=False, engine="vllm")["ok"]
     os.remove(os.path.join(nvidia_like, "requant.json"))      # as NVIDIA's release: no record of an engine
     unknown = verify(nvidia_like, progress=False)
-    assert unknown["ok"] and "mtp-format" in codes(unknown, "warning")
-    assert unknown["engines"]["sglang"]["loads"] and not unknown["engines"]["vllm"]["loads"]
+    assert unknown["ok"] and "mtp-format" not in codes(unknown, "warning")
+    assert unknown["engines"]["sglang"]["loads"] and unknown["engines"]["vllm"]["loads"]
+    edit_config(nvidia_like, lambda qc: qc.update(ignore=[p for p in qc["ignore"] if not p.startswith("mtp.")]))
+    m4 = verify(nvidia_like, progress=False, engine="vllm")
+    assert not m4["ok"] and "garbage drafts" in finding(m4, "mtp-format")["message"]
 
 
 def test_deep_against_source_counts_exact_blocks(tmp_path):
@@ -346,6 +350,10 @@ def layouts(pair, tmp_path_factory):
     shutil.copytree(out["w4a16", "vllm"], out["old-target"])
     edit_config(out["old-target"], lambda qc: qc["config_groups"]["group_0"].update(
         targets=[r"re:.*\.ffn\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"]))
+    out["mxfp4-mtp-unlisted"] = str(root / "mxfp4-mtp-unlisted")
+    shutil.copytree(out["nvfp4", "sglang"], out["mxfp4-mtp-unlisted"])
+    edit_config(out["mxfp4-mtp-unlisted"], lambda qc: qc.update(
+        ignore=[p for p in qc["ignore"] if not p.startswith("mtp.")]))
     return out
 
 
@@ -353,7 +361,8 @@ def layouts(pair, tmp_path_factory):
     ("old-target", "vllm", 1),                # M1: vLLM probes .ffn.experts.0.w1
     ("old-target", "sglang", 1),              # M2: SGLang probes .mlp.experts.0.gate_proj
     (("w4a16", "vllm"), "sglang", 1),         # M3: attention scales as .weight_scale, no linear_fp8_config
-    (("nvfp4", "sglang"), "vllm", 1),         # M4: MXFP4 MTP experts under vLLM's NVFP4 method
+    ("mxfp4-mtp-unlisted", "vllm", 1),        # M4: MXFP4 MTP experts ignore does not list: vLLM's NVFP4 method
+    (("nvfp4", "sglang"), "vllm", 0),         # ... listed (SGLang's layout): vLLM's MXFP4 method
     (("nvfp4", "vllm"), "sglang", 1),         # M5: NVFP4 NextN experts under SGLang's MXFP4 method
     (("nvfp4", "vllm"), "vllm", 0),
     (("nvfp4", "sglang"), "sglang", 0),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from requant import synth
@@ -26,3 +27,15 @@ def source_and_outputs(root: Path, dims: synth.Dims, seed: int, outputs: dict[st
 def per_format(engine: str) -> dict[str, tuple[str, Options]]:
     """One output of each format requant writes, laid out for `engine` with default options."""
     return {fmt: (fmt, Options(engine=engine)) for fmt in ("nvfp4", "w4a16")}
+
+
+def with_ignore(src: str, dst: Path, ignore: list[str]) -> str:
+    """A copy of output `src` whose quantization_config.ignore is `ignore` (shards linked)."""
+    dst.mkdir()
+    for entry in Path(src).iterdir():
+        if entry.name != "config.json":
+            (dst / entry.name).symlink_to(entry)
+    config = json.loads((Path(src) / "config.json").read_text())
+    config["quantization_config"]["ignore"] = ignore
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)

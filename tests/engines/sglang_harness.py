@@ -31,6 +31,7 @@ import ast
 import builtins
 import concurrent.futures
 import contextlib
+import copy
 import enum
 import functools
 import json
@@ -442,6 +443,22 @@ class Engine:
         self.model_ns["Module"] = torch.nn.Module
         self.model = ext_class("models/deepseek_v4.py", "DeepseekV4ForCausalLM", self.model_ns, bases=("Module",))
         self.model.packed_modules_mapping = {}
+        # --- the DSpark draft (models/deepseek_v4_dspark.py): which checkpoints bundle one
+        # (dspark_config.py), the stages' expert count, the confidence head's presence (None while
+        # SGLANG_RAGGED_VERIFY_MODE is at its default, static: environ.py), and its load_weights,
+        # run on a stand-in `self` as DeepseekV4ForCausalLM's is
+        self.bundles_dspark = ext("speculative/dspark_components/dspark_config.py",
+                                  ["checkpoint_bundles_dspark_draft", "_cfg_get"], _base_ns())["checkpoint_bundles_dspark_draft"]
+        ragged = ext("speculative/ragged_verify.py", ["RaggedVerifyMode", "read_ragged_verify_mode"],
+                     _base_ns(envs=NS(SGLANG_RAGGED_VERIFY_MODE=_Flag("static"))))
+        self.model_ns.update(copy=copy, RaggedVerifyMode=ragged["RaggedVerifyMode"],
+                             read_ragged_verify_mode=ragged["read_ragged_verify_mode"])
+        ext("models/deepseek_v4_dspark.py", ["_dspark_stage_config", "build_dspark_v4_confidence_head"], self.model_ns)
+        dspark_cls = "DeepseekV4ForCausalLMDSpark"   # its class body builds parallel-layout enums: the methods only
+        _stand_in_missing([n for n in _tree("models/deepseek_v4_dspark.py").body
+                           if isinstance(n, ast.ClassDef) and n.name == dspark_cls], self.model_ns)
+        self.dspark_model = NS(**wheels.methods(ENGINE, SRT + "models/deepseek_v4_dspark.py", dspark_cls, [
+            "load_weights", "_remap_dspark_weight_name", "_assert_confidence_head_loaded"], self.model_ns))
         classes = {"fp8": fp8["Fp8Config"], "compressed-tensors": ct["CompressedTensorsConfig"]}
 
         def get_quant_config(model_config, load_config, packed_modules_mapping, remap_prefix):
@@ -500,7 +517,9 @@ class LoadReport:
     problems: list[str] = field(default_factory=list)
 
     def method(self, nextn: bool) -> set[str]:
-        return {m for p, m in self.methods.items() if (p.startswith("model.decoder.") == nextn)}
+        """The methods of the main layers' experts, or (nextn) of the draft's: NextN's
+        model.decoder or DSpark's stages."""
+        return {m for p, m in self.methods.items() if (not p.startswith("model.layers.")) == nextn}
 
 
 def method_name(method, layer) -> str:
@@ -509,10 +528,24 @@ def method_name(method, layer) -> str:
     return type(layer.scheme).__name__ if getattr(layer, "scheme", None) is not None else type(method).__name__
 
 
+@lru_cache(maxsize=None)
+def _normalize_v41():
+    return ext("configs/deepseek_v41.py", ["_VISION_FIELDS", "_config_dict", "normalize_deepseek_v41_config"],
+               _base_ns(PretrainedConfig=type("PretrainedConfig", (), {})))["normalize_deepseek_v41_config"]
+
+
+def hf_config(ckpt: Path) -> dict:
+    """config.json as SGLang's config class holds it: a V4.1 one (model_type deepseek_v41) through
+    configs/deepseek_v41.py normalize_deepseek_v41_config (text_config flattened, vision_config as
+    vision_*, architectures DeepseekV4ForCausalLM), which DeepseekV41Config.__init__ applies."""
+    config = json.loads((Path(ckpt) / "config.json").read_text())
+    return _normalize_v41()(config) if config.get("model_type") == "deepseek_v41" else config
+
+
 def _model_config(eng: Engine, ckpt: Path):
     """ModelConfig's quantization facts: the statements of ModelConfig.__init__ that read the
     checkpoint's quantization_config (is_fp4_experts, nvfp4_moe_meta, moe_quant_algo, ...)."""
-    hf = json.loads((ckpt / "config.json").read_text())
+    hf = hf_config(ckpt)
     self = NS(hf_config=NS(**hf), model_path=str(ckpt))
     ns = dict(eng.mc_ns, self=self, MIMO_V2_MODEL_ARCHS=(), hybrid_quant_cfg=None)
     ext_statements("configs/model_config.py", "ModelConfig", "__init__", "quantization_config = (", "moe_quant_algo", ns)
@@ -531,11 +564,24 @@ def _read(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def dspark_draft(eng: Engine, hf) -> NS | None:
+    """The DSpark draft SGLang builds for a checkpoint that bundles one, drafting with --speculative-
+    algorithm DSPARK (or none: model_config.py gives such a checkpoint DeepseekV4ForCausalLMDSpark as
+    its draft architecture): stage_config (the stages' config, dspark_n_routed_experts applied),
+    stages (one per dspark_target_layer_ids entry), the confidence head; None for a NextN draft."""
+    if not eng.bundles_dspark(hf):
+        return None
+    return NS(stage_config=eng.model_ns["_dspark_stage_config"](hf), stages=len(hf.dspark_target_layer_ids),
+              confidence_head=eng.model_ns["build_dspark_v4_confidence_head"](
+                  config=hf, markov_rank=int(getattr(hf, "dspark_markov_rank", 0) or 0)))
+
+
 def sglang_load_report(ckpt, gpu: str = "sm_100", moe_runner_backend: str = "auto", load: bool = True,
                        tp: tuple[int, int] = (1, 0), ep: tuple[int, int] = (1, 0)) -> LoadReport:
-    """Run SGLang's start-up and weight loading for DeepSeek-V4 (main model and its NextN
-    draft) over checkpoint directory `ckpt`; every way the engine would refuse, skip a tensor,
-    leave a parameter unloaded or copy bytes of the wrong kind is a problem in the report.
+    """Run SGLang's start-up and weight loading for DeepSeek-V4 (main model and its draft: NextN,
+    or the DSpark stages where the checkpoint bundles them) over checkpoint directory `ckpt`; every
+    way the engine would refuse, skip a tensor, leave a parameter unloaded or copy bytes of the
+    wrong kind is a problem in the report.
 
     tp / ep: (moe_tp_size, moe_tp_rank) and (moe_ep_size, moe_ep_rank) of the rank whose routed
     experts are built and loaded (FusedMoE's weight loader slices for that rank); the loaded
@@ -553,16 +599,22 @@ def sglang_load_report(ckpt, gpu: str = "sm_100", moe_runner_backend: str = "aut
     report.quant_config = type(qc).__name__
     hf = mc.hf_config
     tensors = _read(ckpt) if load else []
+    dspark = dspark_draft(eng, hf)
     for nextn in (False, True):
-        prefixes = (["model.decoder.mlp.experts"] if nextn else
-                    [f"model.layers.{i}.mlp.experts" for i in range(hf.num_hidden_layers)])
+        layer_config = dspark.stage_config if nextn and dspark else hf
+        if not nextn:
+            prefixes = [f"model.layers.{i}.mlp.experts" for i in range(hf.num_hidden_layers)]
+        elif dspark:
+            prefixes = [f"stages.{s}.mlp.experts" for s in range(dspark.stages)]
+        else:
+            prefixes = ["model.decoder.mlp.experts"]
         experts = {}
         for prefix in prefixes:
-            layer = _build_experts(eng, qc, prefix, hf, report, tp, ep)
+            layer = _build_experts(eng, qc, prefix, layer_config, report, tp, ep)
             if layer is not None:
                 experts[prefix] = layer
         if load and len(experts) == len(prefixes):
-            _load(eng, qc, hf, tensors, experts, nextn, report)
+            _load(eng, qc, hf, tensors, experts, nextn, report, dspark if nextn else None)
             for prefix, layer in experts.items():
                 report.tensors[prefix] = {n: p.data for n, p in layer.named_parameters()}
                 report.global_experts |= {f"{prefix}.{n}" for n, p in layer.named_parameters()
@@ -611,7 +663,7 @@ class _Stream:
             yield name, t
 
 
-def _model_params(eng, qc, tensors, nextn, num_layers, problems):
+def _model_params(eng, qc, tensors, nextn, num_layers, problems, dspark=None):
     """name -> dtype of the parameters DeepseekV4ForCausalLM(NextN) would have outside the routed
     experts. Modelled from the checkpoint, because building the model needs CUDA: each tensor
     under its remapped name (NextN: under model.decoder / model, as load_weights moves them), with
@@ -623,13 +675,18 @@ def _model_params(eng, qc, tensors, nextn, num_layers, problems):
     wo_a_fp8_gemm_enabled (models/deepseek_v4.py MQALayer). Shapes are not modelled."""
     remap = eng.model.remap_weight_name_to_dpsk_hf_format
     wo_a_fp8 = eng.model_ns["wo_a_fp8_gemm_enabled"](qc)
+    if dspark is not None:
+        remap = lambda name, **k: eng.dspark_model._remap_dspark_weight_name(dspark.self, name)  # noqa: E731
+        wo_a_fp8 = False   # DSparkAttention builds wo_a with wo_a_fp8=False, no quant_config (deepseek_v4_dspark.py)
     fp8_modules = {n.rsplit(".", 1)[0] for n, t in tensors if t.dtype == torch.float8_e4m3fn}
     out = {}
     for name, t in tensors:
         if ".experts." in name.replace(".shared_experts.", "") or nextn != name.startswith("mtp."):
             continue
         n = remap(name, is_nextn=nextn, num_hidden_layers=num_layers)
-        if nextn:
+        if n is None:   # a tensor the draft's own remap drops (DSpark: a confidence head it did not build)
+            continue
+        if nextn and dspark is None:
             outside = any(w in n for w in ("shared_head.norm", "shared_head.head", "embed_tokens", ".e_proj", "h_proj",
                                            "enorm", "hnorm", "hc_head_base", "hc_head_fn", "hc_head_scale"))
             n = n.replace(f"model.layers.{num_layers}", "model" if outside else "model.decoder")
@@ -638,7 +695,8 @@ def _model_params(eng, qc, tensors, nextn, num_layers, problems):
                 out[n] = t.dtype
             continue
         mod = n.rsplit(".", 1)[0]
-        if ".compressor." not in mod and mod.endswith((".wq_a", ".wkv")):
+        # the DSpark stages build their attention with fuse_wqa_wkv=False (deepseek_v4_dspark.py)
+        if ".compressor." not in mod and mod.endswith((".wq_a", ".wkv")) and dspark is None:
             mod = mod.rsplit(".", 1)[0] + ".wqkv_a"
         mod = mod.replace(".gate_proj", ".gate_up_proj").replace(".up_proj", ".gate_up_proj")
         if mod.endswith(".wo_a") and not wo_a_fp8:
@@ -671,11 +729,12 @@ def _kind_problem(param_dtype, loaded_dtype) -> str | None:
     return None
 
 
-def _load(eng, qc, hf, tensors, experts, nextn, report):
-    consumed, seen, problems = set(), [], report.problems
+def _load(eng, qc, hf, tensors, experts, nextn, report, dspark=None):
+    consumed, seen, problems, written = set(), [], report.problems, set()
 
     def note(pname, loaded):
         consumed.add(_Stream.current)
+        written.add(pname)
         short = pname.rsplit(".", 1)[-1] if ".mlp.experts." in pname else re.sub(r"^model\.(layers\.\d+\.|decoder\.)?", "", pname)
         report.loads[f"{short} <- {str(loaded.dtype).removeprefix('torch.')}"] += 1
 
@@ -695,7 +754,13 @@ def _load(eng, qc, hf, tensors, experts, nextn, report):
                                     f"{loaded.dtype}: {type(e).__name__}: {e}")
             p.weight_loader = load
             params[f"{prefix}.{pn}"] = p
-    for pname, dtype in _model_params(eng, qc, tensors, nextn, hf.num_hidden_layers, problems).items():
+    if dspark is not None:   # the stand-in `self` DeepseekV4ForCausalLMDSpark's methods run on
+        dspark.self = NS(config=hf, quant_config=qc, num_fused_shared_experts=0, confidence_head=dspark.confidence_head,
+                         named_parameters=lambda: params.items(), post_load_weights=lambda **k: None)
+        dspark.self._remap_dspark_weight_name = lambda name: eng.dspark_model._remap_dspark_weight_name(dspark.self, name)
+        dspark.self._assert_confidence_head_loaded = lambda **k: eng.dspark_model._assert_confidence_head_loaded(
+            dspark.self, **k)
+    for pname, dtype in _model_params(eng, qc, tensors, nextn, hf.num_hidden_layers, problems, dspark).items():
         p = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
         def load(param, loaded, *a, _name=pname, **k):
@@ -726,19 +791,36 @@ def _load(eng, qc, hf, tensors, experts, nextn, report):
                remap_weight_name_to_dpsk_hf_format=eng.model.remap_weight_name_to_dpsk_hf_format,
                post_load_weights=lambda **k: None, _prewarm_mhc_kernels=lambda: None)
     part = [(n, t) for n, t in tensors if n.startswith("mtp.") == nextn]
-    eng.model_ns.update(_clone_if_runai_streamed_tensor=buffer_for_fusion, _prepare_deepseek_v4_weights=prepare_stream)
+    dequant = eng.model_ns["_dequant_fp8_wo_a_streaming"]
+
+    def dequant_stream(weights):   # DSpark's load_weights runs the wo_a dequant pass itself
+        return _Stream(dequant(weights), prepared)
+
+    eng.model_ns.update(_clone_if_runai_streamed_tensor=buffer_for_fusion, _prepare_deepseek_v4_weights=prepare_stream,
+                        _dequant_fp8_wo_a_streaming=dequant_stream if dspark is not None else dequant)
     Ctx.warnings = []
+    label = "DSpark" if dspark is not None else "NextN" if nextn else "main model"
     try:
-        eng.model.load_weights(model, _Stream(part, seen), is_nextn=nextn)
+        if dspark is not None:
+            eng.dspark_model.load_weights(dspark.self, _Stream(part, seen))
+        else:
+            eng.model.load_weights(model, _Stream(part, seen), is_nextn=nextn)
     except Exception as e:
-        problems.append(f"{'NextN' if nextn else 'main model'} load_weights raises {type(e).__name__}: {e}")
+        problems.append(f"{label} load_weights raises {type(e).__name__}: {e}")
         return
     finally:
-        eng.model_ns.update(_clone_if_runai_streamed_tensor=clone, _prepare_deepseek_v4_weights=prepare)
+        eng.model_ns.update(_clone_if_runai_streamed_tensor=clone, _prepare_deepseek_v4_weights=prepare,
+                            _dequant_fp8_wo_a_streaming=dequant)
     # names the wo_a dequant pass folded into another tensor were consumed by the engine there
     folded = set(seen) - set(prepared) if prepared else set()
-    for name in [n for n, _ in part if n not in consumed and n not in folded]:
+    # DSpark: names its own remap drops on purpose (a confidence head the draft does not build)
+    dropped = {n for n, _ in part if dspark is not None and dspark.self._remap_dspark_weight_name(n) is None}
+    for name in [n for n, _ in part if n not in consumed and n not in folded and n not in dropped]:
         problems.append(f"{name}: reaches no parameter (SGLang skips it)")
+    if dspark is not None:   # its load_weights logs no 'not initialized' warning: check the parameters here
+        unwritten = sorted(n for n, p in params.items() if n not in written)
+        if unwritten:
+            problems.append(f"parameters left at their initial values (no checkpoint tensor loads them): {unwritten}")
     for w in Ctx.warnings:
         problems.append(_unloaded_problem(w, experts) if "not initialized" in w else w)
     problems[:] = [p for p in problems if p]

@@ -168,7 +168,7 @@ def _strip_launcher(argv: list[str]) -> list[str]:
 
 def _server_args(argv, checkpoint_dir: Path, gpu: str) -> _Args:
     raw = vars(parser().parse_args(_strip_launcher(argv)))
-    hf = json.loads((checkpoint_dir / "config.json").read_text())
+    hf = H.hf_config(checkpoint_dir)
     mc = H._model_config(H.engine(), checkpoint_dir)   # ModelConfig's quantization statements, executed
     raw.update(model_config=mc, device=raw.get("device") or "cuda")
     raw["model_path"] = str(checkpoint_dir)
@@ -189,6 +189,15 @@ def _speculative(sa, ns):
         ns["_handle_dspark"](sa)
 
 
+def _unread_draft_config(*, server_args):
+    """dspark_config.py read_draft_checkpoint_config: it parses the draft's config through
+    msgspec structs, which are not modelled here. _handle_dspark catches its failure and then
+    takes gamma from --speculative-dspark-block-size, else DEFAULT_DSPARK_GAMMA, as SGLang does
+    when the draft config cannot be read: the flags' acceptance is checked, not the gamma a
+    real draft config would give."""
+    raise NotImplementedError("the DSpark draft config is not read by this harness")
+
+
 def _engine_fns(ns):
     H.ext("arg_groups/deepseek_v4_hook.py", ["_attention_is_tensor_parallel", "_default_dsv4_attention_backend",
                                               "apply_deepseek_v4_defaults"], ns)
@@ -199,8 +208,16 @@ def _engine_fns(ns):
         "_target_checkpoint_bundles_dspark_draft", "_target_checkpoint_dspark_subfolder", "_handle_dspark"], ns)
     dspark = H.ext("speculative/dspark_components/dspark_config.py", ["checkpoint_bundles_dspark_draft", "_cfg_get"],
                    H._base_ns())
+    gamma = H.ext("speculative/dspark_components/dspark_config.py", ["DEFAULT_DSPARK_GAMMA"], {})
     H.wheels.fake_module("sglang.srt.speculative.dspark_components.dspark_config",
-                         checkpoint_bundles_dspark_draft=dspark["checkpoint_bundles_dspark_draft"])
+                         checkpoint_bundles_dspark_draft=dspark["checkpoint_bundles_dspark_draft"],
+                         DEFAULT_DSPARK_GAMMA=gamma["DEFAULT_DSPARK_GAMMA"],
+                         read_draft_checkpoint_config=_unread_draft_config)
+    # environ.py: SGLANG_RAGGED_VERIFY_MODE defaults to "static"
+    ragged = H.ext("speculative/ragged_verify.py", ["RaggedVerifyMode", "read_ragged_verify_mode"],
+                   H._base_ns(envs=NS(SGLANG_RAGGED_VERIFY_MODE=H._Flag("static"))))
+    H.wheels.fake_module("sglang.srt.speculative.ragged_verify", RaggedVerifyMode=ragged["RaggedVerifyMode"],
+                         read_ragged_verify_mode=ragged["read_ragged_verify_mode"])
     return ns
 
 
@@ -245,7 +262,7 @@ def sglang_accepts(argv: list[str], checkpoint_dir, gpu: str, kernels: bool = Tr
         return False, f"speculative hook ({_where(e)}): {type(e).__name__}: {e}"
     report = H.sglang_load_report(checkpoint_dir, gpu, sa.moe_runner_backend, load=False)
     drafting = sa.speculative_algorithm is not None
-    refusals = [p for p in report.problems if "refuses to start" in p and (drafting or not p.startswith("model.decoder."))]
+    refusals = [p for p in report.problems if "refuses to start" in p and (drafting or p.startswith("model.layers."))]
     if refusals:
         return False, f"MoE layer construction: {refusals[0]}"
     summary = (f"accepted: moe_runner_backend={report.backend}, speculative_algorithm={sa.speculative_algorithm}"

@@ -31,7 +31,7 @@ if not wheels.available("vllm"):
                 "REQUANT_NO_WHEEL_FETCH set): vLLM conformance tier skipped", allow_module_level=True)
 
 from . import vllm_harness as vllm  # noqa: E402
-from .outputs import source_and_outputs  # noqa: E402
+from .outputs import source_and_outputs, with_ignore  # noqa: E402
 
 ENGINE = f"vLLM {wheels.version('vllm')}"
 
@@ -123,11 +123,22 @@ def test_m1_old_w4a16_target_crashes_vllm(ckpts, tmp_path):
     assert "DeepSeekV4MTP.load_weights raises KeyError: 'model.layers.2.mtp_block.ffn.experts.routed_experts.w13_weight_packed'" in text
 
 
-def test_m4_mxfp4_mtp_experts_load_as_garbage(ckpts):
-    """M4: NVFP4 main experts with MXFP4 MTP experts (SGLang's layout): vLLM gives the MTP layer the
-    NVFP4 method, converts the E8M0 scale bytes by value and never writes the global and input
-    scales; no error. The main layers load."""
-    problems = vllm.vllm_load_report(ckpts["sglang-nvfp4"])
+def test_mxfp4_mtp_experts_under_ignore_load_as_mxfp4(ckpts):
+    """SGLang's layout (MTP experts kept MXFP4, `ignore` listing mtp.*) loads in vLLM too: on CUDA
+    the deepseek_v4_fp8 config is models/deepseek_v41/quant_config.py's, which gives an expert layer
+    that `ignore` matches (mtp.0.ffn.experts) Mxfp4MoEMethod."""
+    assert vllm.cuda_ds4_quant_file() == "vllm/models/deepseek_v41/quant_config.py"
+    assert "mtp.*" in json.loads(Path(ckpts["sglang-nvfp4"], "config.json").read_text())["quantization_config"]["ignore"]
+    assert vllm.vllm_load_report(ckpts["sglang-nvfp4"]) == []
+
+
+def test_m4_mxfp4_mtp_experts_outside_ignore_load_as_garbage(ckpts, tmp_path):
+    """M4: NVFP4 main experts with MXFP4 MTP experts that `ignore` does not cover: vLLM gives the MTP
+    layer the NVFP4 method, converts the E8M0 scale bytes by value and never writes the global and
+    input scales; no error. The main layers load."""
+    ignore = [p for p in json.loads(Path(ckpts["sglang-nvfp4"], "config.json").read_text())["quantization_config"]["ignore"]
+              if not p.startswith("mtp.")]
+    problems = vllm.vllm_load_report(with_ignore(ckpts["sglang-nvfp4"], tmp_path / "m4", ignore))
     assert problems and all("mtp.0" in p for p in problems), problems
     text = "\n".join(problems)
     assert f"mtp.0 (mxfp4 experts): {ENGINE} gives model.layers.2.ffn.experts ModelOptNvFp4FusedMoE" in text

@@ -20,6 +20,7 @@ load_weights but not checked against a parameter.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import enum
 import fnmatch
@@ -51,6 +52,11 @@ GPUS = ("sm_80", "sm_90", "sm_100", "sm_120")
 
 MODEL = "vllm/models/deepseek_v4/nvidia/model.py"   # the CUDA build's classes (deepseek_v4/__init__.py)
 MTP = "vllm/models/deepseek_v4/nvidia/mtp.py"
+DSPARK = "vllm/models/deepseek_v4/nvidia/dspark.py"
+DSPARK_V41 = "vllm/models/deepseek_v41/nvidia/dspark.py"
+MODEL_V41 = "vllm/models/deepseek_v41/nvidia/model.py"
+VL_MODEL_V41 = "vllm/models/deepseek_v41/nvidia/vl_model.py"
+V41_CONFIG = "vllm/transformers_utils/configs/deepseek_v41.py"
 DS4_QUANT = "vllm/models/deepseek_v4/quant_config.py"
 MODEL_UTILS = "vllm/model_executor/models/utils.py"
 ROUTED = "vllm/model_executor/layers/fused_moe/routed_experts.py"
@@ -105,7 +111,10 @@ class Checkpoint:
 
     def __init__(self, path):
         self.path = Path(path)
-        self.config = json.loads((self.path / "config.json").read_text())
+        raw = json.loads((self.path / "config.json").read_text())
+        self.v41 = raw.get("model_type") == "deepseek_v41"
+        # vLLM's hf_config: a V4.1 config.json through its DeepseekV41Config (text_config flattened)
+        self.config = _v41_hf_config(raw) if self.v41 else raw
         self.quant = self.config.get("quantization_config") or {}
         self.weight_map = json.loads((self.path / "model.safetensors.index.json").read_text())["weight_map"]
         self.header: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -113,7 +122,7 @@ class Checkpoint:
             with open(self.path / shard, "rb") as f:
                 header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
             self.header.update({k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"})
-        self.spec = ModelSpec.for_config(self.config)
+        self.spec = ModelSpec.for_config(raw)
 
     def tensor(self, name: str) -> torch.Tensor:
         with safe_open(str(self.path / self.weight_map[name]), "pt") as f:
@@ -132,9 +141,26 @@ class Checkpoint:
                 return fmt
         raise AssertionError(f"{self.path}: no routed experts in {block}")
 
+    @property
+    def dspark(self) -> bool:
+        """The checkpoint ships a DSpark drafter under mtp.* (config.json carries the dspark_* keys
+        vLLM's DSpark draft reads, dspark_target_layer_ids among them), which vLLM serves with
+        speculative method "dspark" (DSparkDeepseekV4ForCausalLM) rather than the MTP module."""
+        return "dspark_target_layer_ids" in self.config
+
     def hf_config(self) -> SimpleNamespace:
         """vLLM's hf_config: config.json's keys as attributes."""
         return SimpleNamespace(**self.config)
+
+
+def _v41_hf_config(raw: dict) -> dict:
+    """transformers_utils/configs/deepseek_v41.py DeepseekV41Config(**config.json), on the
+    transformers release installed here: its attributes."""
+    import transformers
+    cls = extract(V41_CONFIG, ["DeepseekV41Config"], dict(PreTrainedConfig=transformers.PreTrainedConfig,
+                                                         Any=typing.Any))["DeepseekV41Config"]
+    config = cls(**raw)
+    return {k: v for k, v in vars(config).items() if not k.startswith("_")}
 
 
 # --------------------------------------------------------------------------- name remapping
@@ -151,6 +177,28 @@ def weights_mapper(ckpt: Checkpoint):
     """DeepseekV4ForCausalLM.hf_to_vllm_mapper: made for "fp4" experts unless config.json says
     otherwise (model.py, DeepseekV4ForCausalLM.__init__)."""
     return _mapper_ns()["_make_deepseek_v4_weights_mapper"](ckpt.config.get("expert_dtype", "fp4"))
+
+
+@lru_cache(maxsize=None)
+def _v41_mapper_ns() -> dict:
+    ns = dict(_mapper_ns())
+    extract(MODEL_V41, ["_make_deepseek_v4_weights_mapper"], ns)
+    extract(VL_MODEL_V41, ["_make_deepseek_v4_vl_weights_mapper"], ns)
+    return ns
+
+
+def v41_weights_mapper(ckpt: Checkpoint, linear_scale_name: str):
+    """DeepseekV41ForCausalLM.hf_to_vllm_mapper (vl_model.py): the text rules re-rooted under
+    language_model., with the scale name the 32x32 linears' method registers."""
+    return _v41_mapper_ns()["_make_deepseek_v4_vl_weights_mapper"](ckpt.config.get("expert_dtype", "fp4"),
+                                                                   linear_scale_name)
+
+
+def linear_scale_name(ckpt: Checkpoint, quant_config) -> str:
+    """V4.1's _linear_scale_param_name (deepseek_v41/nvidia/model.py): weight_scale for 32x32 MXFP8
+    linears beside fp4 experts, else weight_scale_inv."""
+    fn = wheels.extract_closure(ENGINE, MODEL_V41, ["_linear_scale_param_name"], {})["_linear_scale_param_name"]
+    return fn(SimpleNamespace(quant_config=quant_config), ckpt.config.get("expert_dtype", "fp4"))
 
 
 def expert_params_mapping(experts: int) -> list[tuple[str, str, int, str]]:
@@ -260,25 +308,50 @@ def _mtp_prefix_mapper(ckpt: Checkpoint):
     return ns["align_mtp_quant_config"]
 
 
+@lru_cache(maxsize=None)
+def cuda_ds4_quant_file() -> str:
+    """The file of the DeepseekV4FP8Config class vLLM registers as "deepseek_v4_fp8" on a CUDA
+    GPU: get_quantization_config (quantization/__init__.py) imports it from the module named in
+    its `if current_platform.is_cuda() ...` branch (vLLM 0.33.0 and 0.34.0: models/deepseek_v41,
+    for every DeepSeek-V4 model type), else from models/deepseek_v4."""
+    tree = wheels._tree(ENGINE, QUANT + "__init__.py")
+    get = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "get_quantization_config")
+    for node in ast.walk(get):
+        if isinstance(node, ast.If) and "is_cuda" in ast.unparse(node.test):
+            for imp in ast.walk(ast.Module(body=node.body, type_ignores=[])):
+                if isinstance(imp, ast.ImportFrom) and any(a.name == "DeepseekV4FP8Config" for a in imp.names):
+                    package = imp.module.replace(".", "/")
+                    for top in wheels._tree(ENGINE, package + "/__init__.py").body:   # from .quant_config import
+                        if isinstance(top, ast.ImportFrom) and any(a.name == "DeepseekV4FP8Config" for a in top.names):
+                            base = package if top.level else ""
+                            return "/".join(p for p in (base, (top.module or "").replace(".", "/")) if p) + ".py"
+    return DS4_QUANT
+
+
 def ds4_fp8_dispatch(ckpt: Checkpoint) -> Dispatch:
-    """DeepseekV4FP8Config (quant_config.py) over Fp8Config (fp8.py), both whole classes, as vLLM
-    builds it for a `quant_method: fp8` DeepSeek-V4 checkpoint."""
+    """DeepseekV4FP8Config over Fp8Config (fp8.py), both whole classes, as vLLM builds it on a CUDA
+    GPU for a `quant_method: fp8` DeepSeek-V4 checkpoint (the class of cuda_ds4_quant_file)."""
     ns = dict(ACTIVATION_SCHEMES=["static", "dynamic"], Literal=typing.Literal, logger=LOG, cast=typing.cast,
               LinearBase=LinearBase, RoutedExperts=RoutedExperts, Attention=Attention,
               MappingProxyType=MappingProxyType, Mapping=Mapping, get_marlin_input_dtype=lambda prefix: None,
               QuantizationConfig=_quantization_config_stub(), kMxfp8Dynamic="kMxfp8Dynamic",
+              kMxfp8Static="kMxfp8Static", QuantSpec=lambda **kw: ("QuantSpec", kw), fnmatch=fnmatch, re=regex,
               **{n: recorder(n) for n in ("UnquantizedLinearMethod", "UnquantizedFusedMoEMethod", "Fp8LinearMethod",
                                           "Fp8MoEMethod", "Fp8KVCacheMethod", "Mxfp4MoEMethod")})
     extract(QUANT_UTILS, ["is_layer_skipped"], ns)
     klass(FP8, "Fp8Config", ns, bases=("QuantizationConfig",))
     hf = ckpt.hf_config()
-    # get_current_vllm_config(): the running engine's config, of which these read hf_config only
-    ns["get_current_vllm_config"] = lambda: SimpleNamespace(model_config=SimpleNamespace(hf_config=hf))
-    extract(DS4_QUANT, ["_DEEPSEEK_V4_EXPERT_DTYPES"], ns)
+    # get_current_vllm_config(): the running engine's config, of which these read the hf configs only
+    ns["get_current_vllm_config"] = lambda: SimpleNamespace(model_config=SimpleNamespace(hf_config=hf,
+                                                                                          hf_text_config=hf))
+    quant_file = cuda_ds4_quant_file()
+    for name in ("_DEEPSEEK_V4_EXPERT_DTYPES", "_EXPERTS_LAYER_RE"):   # the V4 file has no _EXPERTS_LAYER_RE
+        _extract_where_defined(quant_file, name, ns)
     wheels.fake_module("vllm.logger", init_logger=lambda name: LOG)
     wheels.fake_module(MODELOPT[:-3].replace("/", "."), ModelOptNvFp4FusedMoE=recorder("ModelOptNvFp4FusedMoE"),
-                       ModelOptNvFp4Config=_modelopt_nvfp4_config())
-    cls = klass(DS4_QUANT, "DeepseekV4FP8Config", ns, bases=("Fp8Config",))
+                       ModelOptNvFp4Config=_modelopt_nvfp4_config(),
+                       ModelOptLinearMethod=recorder("ModelOptLinearMethod"), CkptCtx=lambda **kw: ("CkptCtx", kw))
+    cls = klass(quant_file, "DeepseekV4FP8Config", ns, bases=("Fp8Config",))
     name = cls.override_quantization_method(dict(ckpt.quant), None, hf_config=hf)
     assert name == "deepseek_v4_fp8", f"vLLM does not take {ckpt.path} as DeepSeek-V4 FP8 ({name!r})"
     config = cls.from_config(dict(ckpt.quant))
@@ -632,7 +705,9 @@ def load_main(ckpt: Checkpoint, experts: dict[int, torch.nn.Module], record: Loa
               placement: Placement = ONE_GPU):
     """DeepseekV4Model.load_weights (model.py) with get_expert_mapping, over every checkpoint
     tensor that hf_to_vllm_mapper maps into the model (what AutoWeightsLoader hands it), on the
-    GPU of `placement`."""
+    GPU of `placement`. V4.1: deepseek_v41/nvidia/model.py's, behind the VL wrapper's mapper
+    (language_model.model.*); the wrapper's own vision tower and image_* tensors are noted as
+    taken, not loaded."""
     params = Params({f"layers.{layer}.ffn.experts.routed_experts": m for layer, m in experts.items()}, record)
     mapping = expert_params_mapping(ckpt.config["n_routed_experts"])
     ns = dict(torch=torch, typing=typing, Callable=Callable, default_weight_loader=None, dict=lambda _: params,
@@ -642,21 +717,23 @@ def load_main(ckpt: Checkpoint, experts: dict[int, torch.nn.Module], record: Loa
               fused_moe_make_expert_params_mapping=lambda model, **kwargs: mapping,
               make_deepseek_v4_expert_params_mapping=None, cdiv=lambda a, b: -(-a // b),
               get_tensor_model_parallel_world_size=lambda: placement.tp_size)
-    fns = methods(MODEL, "DeepseekV4Model", ["load_weights", "get_expert_mapping", "_pad_shared_expert_weight"], ns)
+    fns = methods(MODEL_V41 if ckpt.v41 else MODEL, "DeepseekV4Model",
+                  ["load_weights", "get_expert_mapping", "_pad_shared_expert_weight"], ns)
     model = SimpleNamespace(layers=_decoder_layers(ckpt.layers), start_layer=0, end_layer=ckpt.layers,
                             quant_config=quant_config, use_sequence_parallel=False, named_parameters=lambda: [],
                             config=ckpt.hf_config())
     model.get_expert_mapping = lambda: fns["get_expert_mapping"](model)
     pad = fns["_pad_shared_expert_weight"]
     model._pad_shared_expert_weight = getattr(pad, "__func__", pad)
-    mapper = weights_mapper(ckpt)
+    mapper, root = ((v41_weights_mapper(ckpt, linear_scale_name(ckpt, quant_config)), "language_model.model.")
+                    if ckpt.v41 else (weights_mapper(ckpt), "model."))
     names = []
     for name in sorted(ckpt.header):
         mapped = mapper.map_name(name)
-        if mapped is not None and mapped.startswith("model."):
-            names.append((mapped[len("model."):], name))
+        if mapped is not None and mapped.startswith(root):
+            names.append((mapped[len(root):], name))
         elif mapped is not None:
-            record.targets[name] = [mapped]   # lm_head: outside the decoder model
+            record.targets[name] = [mapped]   # lm_head, the V4.1 vision tower: outside the decoder model
     return fns["load_weights"](model, record.tensors(ckpt, names))
 
 
@@ -681,18 +758,74 @@ def load_mtp(ckpt: Checkpoint, experts: torch.nn.Module, record: LoadRecord, qua
     return fns["load_weights"](mtp, record.tensors(ckpt, names))
 
 
+def _extract_where_defined(file: str, name: str, ns: dict) -> dict:
+    """Top-level definition `name` as engine file `file` sees it: its own, else the one it imports
+    (with the definitions it uses from its file), into `ns`; nothing where the file has neither
+    (0.33.0's V4.1 draft has no context-WKV duplication)."""
+    if name in {b for node in wheels._tree(ENGINE, file).body for b in wheels._binds(node)}:
+        return wheels.extract_closure(ENGINE, file, [name], ns)
+    module = wheels.imports(ENGINE, file).get(name)
+    if module is None:
+        return ns
+    where = module.replace(".", "/") + ".py"
+    return wheels.extract_closure(ENGINE, where if module.startswith("vllm.") else f"{file.rsplit('/', 1)[0]}/{where}",
+                                  [name], ns)
+
+
+def dspark_stage_count(ckpt: Checkpoint) -> int:
+    """The DSpark stages DSparkDeepseekV4Model builds: n_mtp_layers, else 3 (V4: deepseek_v4/nvidia/
+    dspark.py:106); V4.1 takes num_nextn_predict_layers before 3 (deepseek_v41/nvidia/dspark.py:85-89)."""
+    config = ckpt.config
+    return config.get("n_mtp_layers") or (config.get("num_nextn_predict_layers") if ckpt.v41 else None) or 3
+
+
+def draft_experts(ckpt: Checkpoint) -> int:
+    """Routed experts per DSpark stage: V4's draft uses the target's n_routed_experts (deepseek_v4/
+    nvidia/dspark.py load_weights), V4.1's dspark_n_routed_experts where set (deepseek_v41)."""
+    return (ckpt.v41 and ckpt.config.get("dspark_n_routed_experts")) or ckpt.config["n_routed_experts"]
+
+
+def load_dspark(ckpt: Checkpoint, experts: dict[int, torch.nn.Module], record: LoadRecord, quant_config):
+    """DSparkDeepseekV4ForCausalLM.load_weights (dspark.py) with its _remap_dspark_name and the
+    context-WKV duplication, over the mtp.* tensors: stage s's decoder block loads as
+    model.layers.<s>.*, the heads as model.<name>."""
+    params = Params({f"model.layers.{stage}.ffn.experts.routed_experts": m for stage, m in experts.items()}, record)
+    mapping = expert_params_mapping(draft_experts(ckpt))
+    ns = dict(torch=torch, typing=typing, Iterable=Iterable, re=regex, logger=LOG, default_weight_loader=None,
+              make_deepseek_v4_expert_params_mapping=None, dict=lambda _: params,
+              fused_moe_make_expert_params_mapping=lambda model, **kwargs: mapping)
+    extract(MODEL_UTILS, ["extract_layer_index"], ns)
+    file = DSPARK_V41 if ckpt.v41 else DSPARK
+    for name in ("_EXPERT_SCALE_RE", "_duplicate_context_wkv_weights"):
+        _extract_where_defined(file, name, ns)
+    fns = methods(file, "DSparkDeepseekV4ForCausalLM", ["load_weights", "_remap_dspark_name"], ns)
+    stages = dspark_stage_count(ckpt)
+    heads = SimpleNamespace(confidence_head=object() if ckpt.config.get("enable_confidence_head", True) else None)
+    draft = SimpleNamespace(config=ckpt.hf_config(), quant_config=quant_config, pad_shared_expert=False,
+                            model=SimpleNamespace(layers=_decoder_layers(stages), **vars(heads)),
+                            named_parameters=lambda: [])
+    if "_linear_scale_param_name" in wheels.imports(ENGINE, file):   # V4.1: the scale name of its linears
+        scale_name = _extract_where_defined(file, "_linear_scale_param_name", {})["_linear_scale_param_name"]
+        draft.linear_scale_name = scale_name(SimpleNamespace(quant_config=quant_config),
+                                             ckpt.config.get("expert_dtype", "fp4"))
+    draft._remap_dspark_name = lambda name: fns["_remap_dspark_name"](draft, name)
+    names = [(name, name) for name in sorted(ckpt.header) if name.startswith("mtp.")]
+    return fns["load_weights"](draft, record.tensors(ckpt, names))
+
+
 # ------------------------------------------------------------------------------ the checker
 def expert_blocks(ckpt: Checkpoint) -> list[tuple[str, str]]:
     """(checkpoint block, the module prefix vLLM builds its experts under): main layers, then the
-    MTP draft's, which mtp.py builds as model.layers.<num_hidden_layers + i>."""
+    draft's, which mtp.py and dspark.py build as model.layers.<num_hidden_layers + i>."""
     blocks = [(f"layers.{layer}", f"model.layers.{layer}.ffn.experts") for layer in range(ckpt.layers)]
-    return blocks + [(f"mtp.{i}", f"model.layers.{ckpt.layers + i}.ffn.experts")
-                     for i in range(ckpt.config.get("num_nextn_predict_layers", 0))]
+    drafts = dspark_stage_count(ckpt) if ckpt.dspark else ckpt.config.get("num_nextn_predict_layers", 0)
+    return blocks + [(f"mtp.{i}", f"model.layers.{ckpt.layers + i}.ffn.experts") for i in range(drafts)]
 
 
-def dims(ckpt: Checkpoint) -> tuple[int, int, int]:
-    """(experts, hidden, intermediate) as the MoE methods' create_weights take them."""
-    return ckpt.config["n_routed_experts"], ckpt.config["hidden_size"], ckpt.config["moe_intermediate_size"]
+def dims(ckpt: Checkpoint, block: str = "layers.0") -> tuple[int, int, int]:
+    """(experts, hidden, intermediate) of `block`'s experts as the MoE methods' create_weights take them."""
+    experts = draft_experts(ckpt) if block.startswith("mtp.") and ckpt.dspark else ckpt.config["n_routed_experts"]
+    return experts, ckpt.config["hidden_size"], ckpt.config["moe_intermediate_size"]
 
 
 def _bytes(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -715,7 +848,11 @@ def vllm_load_report(path) -> list[str]:
     """What vLLM (the pinned release) gets wrong loading the checkpoint at `path`, one sentence
     per problem; empty when every tensor, MTP block included, lands in a parameter of the method
     vLLM dispatches for its layer, with its bits, that method is the one requant's rules name for
-    the experts' format, and attention / shared-expert linears get an FP8-block method."""
+    the experts' format, and attention / shared-expert linears get an FP8-block method.
+
+    V4.1 (model_type deepseek_v41): its own model.py / dspark.py loaders; the 32x32 linears get
+    ModelOptLinearMethod (MXFP8), which this tier does not build, so their parameters are not
+    checked, nor the Engram tables' and vision tower's (taken by name only)."""
     ckpt = Checkpoint(path)
     rules = ckpt.spec.engine(ENGINE, VERSION)
     engine = f"vLLM {VERSION}"
@@ -735,10 +872,21 @@ def vllm_load_report(path) -> list[str]:
         if method is None:
             problems.append(f"{block}: {engine}'s {name} is not built by this tier, its loading is unchecked")
             continue
-        experts[block] = routed_experts(method, disp.config, *dims(ckpt), record)
+        experts[block] = routed_experts(method, disp.config, *dims(ckpt, block), record)
 
     main = {int(b.split(".")[1]): m for b, m in experts.items() if b.startswith("layers.")}
     mtp = {b: m for b, m in experts.items() if b.startswith("mtp.")}
+    if ckpt.dspark:
+        draft_label = "DSparkDeepseekV4ForCausalLM.load_weights"
+        draft_load = lambda: load_dspark(ckpt, {int(b.split(".")[1]): m for b, m in mtp.items()},  # noqa: E731
+                                         record, disp.config)
+        stored = sorted({int(n.split(".")[1]) for n in ckpt.header if n.startswith("mtp.")})
+        if stored != list(range(dspark_stage_count(ckpt))):
+            problems.append(f"the checkpoint's DSpark stages are mtp.{stored}, {engine} builds "
+                            f"{dspark_stage_count(ckpt)} (n_mtp_layers, else 3: dspark.py)")
+    else:
+        draft_label = "DeepSeekV4MTP.load_weights"
+        draft_load = lambda: load_mtp(ckpt, next(iter(mtp.values())), record, disp.config)  # noqa: E731
     failed: set[str] = set()
     snapshots = []
     # Two loads, the parameters first filled with 0x00 bytes, then 0xFF: a byte that still holds
@@ -747,8 +895,7 @@ def vllm_load_report(path) -> list[str]:
         _fill(experts.values(), sentinel)
         for label, run, blocks in (
                 ("DeepseekV4Model.load_weights", lambda: load_main(ckpt, main, record, disp.config), main),
-                ("DeepSeekV4MTP.load_weights", lambda: load_mtp(ckpt, next(iter(mtp.values())), record, disp.config),
-                 mtp)):
+                (draft_label, draft_load, mtp)):
             if not blocks:
                 continue
             try:
@@ -761,7 +908,7 @@ def vllm_load_report(path) -> list[str]:
     problems += [f"{change}: {len(names)} tensors" for change, names in sorted(record.by_value.items())]
 
     for block, layer in experts.items():
-        if ("DeepSeekV4MTP.load_weights" if block.startswith("mtp.") else "DeepseekV4Model.load_weights") in failed:
+        if (draft_label if block.startswith("mtp.") else "DeepseekV4Model.load_weights") in failed:
             continue
         for name in snapshots[0][block]:
             never = (snapshots[0][block][name] == 0x00) & (snapshots[1][block][name] == 0xFF)
@@ -773,7 +920,8 @@ def vllm_load_report(path) -> list[str]:
         for name, (dtype, _) in sorted(ckpt.header.items()):
             if not record.targets.get(name):
                 problems.append(f"{name}: no {engine} parameter takes it (dropped at load)")
-    problems += fp8_linear_problems(ckpt, disp, record, engine)
+    if not ckpt.v41:   # V4.1's 32x32 linears get ModelOptLinearMethod (MXFP8), which this tier does not build
+        problems += fp8_linear_problems(ckpt, disp, record, engine)
     return problems
 
 

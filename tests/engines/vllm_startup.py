@@ -417,17 +417,26 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+def _vllm_modules() -> dict:
+    return {k: m for k, m in sys.modules.items() if k == "vllm" or k.startswith("vllm.")}
+
+
 @contextlib.contextmanager
 def _engine_imports(world: World):
+    """`vllm.*` imports resolved from `world` alone: other `vllm.*` modules (the loader harness's
+    stand-ins, left by an earlier test module) step aside meanwhile and come back after."""
     finder = _Finder(world)
-    before = {k for k in sys.modules if k == "vllm" or k.startswith("vllm.")}
+    others = _vllm_modules()
+    for name in others:
+        del sys.modules[name]
     sys.meta_path.insert(0, finder)
     try:
         yield
     finally:
         sys.meta_path.remove(finder)
-        for k in [k for k in sys.modules if (k == "vllm" or k.startswith("vllm.")) and k not in before]:
-            sys.modules.pop(k, None)
+        for name in _vllm_modules():
+            del sys.modules[name]
+        sys.modules.update(others)
 
 
 # -- stage 1: the command line ------------------------------------------------------------------
@@ -528,7 +537,13 @@ class _HfConfig(types.SimpleNamespace):
 
 
 def _hf_config(model: str) -> _HfConfig:
-    return _HfConfig(**json.loads((Path(model) / "config.json").read_text()))
+    """config.json as vLLM's hf_config: a V4.1 one (model_type deepseek_v41) through the release's
+    transformers_utils/configs/deepseek_v41.py DeepseekV41Config, which flattens text_config."""
+    raw = json.loads((Path(model) / "config.json").read_text())
+    if raw.get("model_type") == "deepseek_v41":
+        cls = _spec_world().space("vllm/transformers_utils/configs/deepseek_v41.py")["DeepseekV41Config"]
+        raw = {k: v for k, v in vars(cls(**raw)).items() if not k.startswith("_")}
+    return _HfConfig(**raw)
 
 
 def _any_schema(cls, source, handler):
@@ -549,7 +564,7 @@ class _ModelConfig:
         if callable(self.hf_overrides):
             hf = self.hf_overrides(hf)
         self.hf_config = self.hf_text_config = hf
-        self.architectures = list(getattr(hf, "architectures", []) or [])
+        self.model_arch_config = self.get_model_arch_config()
         self.quantization = quantization
         self.max_model_len = max_model_len or getattr(hf, "max_position_embeddings", 4096)
         self.tokenizer = kwargs.get("tokenizer", model)
@@ -560,15 +575,64 @@ class _ModelConfig:
         self.enforce_eager, self.max_logprobs = False, 20
         self.is_moe = bool(getattr(hf, "n_routed_experts", 0))
         self.speculator_config_class = None
+        self.registry = _Registry()
+
+    @property
+    def architectures(self):
+        return self.model_arch_config.architectures
+
+    def get_model_arch_config(self):
+        """What ModelConfig keeps as model_arch_config (SpeculativeConfig.update_arch_ rebuilds it
+        after rewriting the draft's hf_config): the architectures."""
+        convertor = wheels.methods(ENGINE, "vllm/transformers_utils/model_arch_config_convertor.py",
+                                   "ModelArchConfigConvertorBase", ["is_deepseek_mla"],
+                                   _spec_world().space("vllm/transformers_utils/model_arch_config_convertor.py"))[
+                                       "is_deepseek_mla"]
+        return types.SimpleNamespace(architectures=list(getattr(self.hf_config, "architectures", []) or []),
+                                     is_deepseek_mla=convertor(types.SimpleNamespace(hf_text_config=self.hf_config)))
 
     def using_transformers_backend(self):
         return False
+
+    # ModelConfig's own answers where the draft's attention layout is asked (0.34.0's DSpark
+    # and DFlash speculator configs): the release's methods, run on this stand-in
+    @property
+    def use_mla(self):
+        return _model_config_method("use_mla").fget(self)
+
+    @property
+    def is_deepseek_mla(self):
+        return _model_config_method("is_deepseek_mla").fget(self)
+
+    def get_sliding_window(self):
+        return _model_config_method("get_sliding_window")(self)
 
     def get_vocab_size(self):
         return self.hf_config.vocab_size
 
     def verify_with_parallel_config(self, parallel_config):
         pass
+
+
+def _model_config_method(name: str):
+    """config/model.py ModelConfig.`name` (a function or property), executed in that file's namespace."""
+    return wheels.methods(ENGINE, "vllm/config/model.py", "ModelConfig", [name],
+                          _spec_world().space("vllm/config/model.py"))[name]
+
+
+class _Registry:
+    """model_executor/models/registry.py's ModelRegistry as update_arch_ asks it: an architecture
+    resolves only if the release registers it (its `_VLLM_MODELS` table, evaluated from the
+    wheel); the model class itself is not imported."""
+
+    def inspect_model_cls(self, architectures, model_config=None):
+        table = _spec_world().space("vllm/model_executor/models/registry.py")["_VLLM_MODELS"]
+        for arch in architectures:
+            if arch in table:
+                module, cls = table[arch]
+                return types.SimpleNamespace(module=module, cls=cls), arch
+        raise ValueError(f"Model architectures {list(architectures)} are not supported for now "
+                         "(not in registry.py _VLLM_MODELS)")
 
 
 class _ParallelConfig:

@@ -54,9 +54,13 @@ def parse_releases(specs: Iterable[str]) -> dict[str, str]:
 
 
 def use(specs: Iterable[str]) -> None:
-    """Run the tier against these releases (`--engine-release` values), forgetting wheels read so far."""
+    """Run the tier against these releases (`--engine-release` values), forgetting wheels read so far.
+    The choice is also exported as REQUANT_ENGINE_RELEASES: the tier's modules are imported both
+    as `tests.engines.*` and, relatively, as `engines.*`, two copies of this module that must agree."""
     _chosen.clear()
     _chosen.update(parse_releases(specs))
+    if _chosen:
+        os.environ[ENV] = ",".join(f"{e}=={v}" for e, v in _chosen.items())
     _zip.cache_clear()
     source.cache_clear()
     _tree.cache_clear()

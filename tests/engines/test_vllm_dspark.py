@@ -1,0 +1,147 @@
+"""Conformance tier, vLLM: checkpoints with a DSpark drafter (DeepSeek-V4-Flash-0731, V4-Pro-0813
+and DeepSeek-V4.1-Flash layouts) and requant's NVFP4 outputs of them, through the vLLM release's
+own loading code (vllm_harness.py: the deepseek_v4_fp8 config class vLLM builds on CUDA, the main
+model's and the DSpark draft's load_weights of each family) and its own start-up code for the
+DSpark serve command (vllm_startup.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from requant import engines, synth
+from requant.model import ModelSpec
+from requant.targets import Options
+
+from . import wheels
+
+if not wheels.available("vllm"):
+    pytest.skip(f"vllm=={wheels.version('vllm')} wheel not available in {wheels.CACHE}: vLLM DSpark tier skipped",
+                allow_module_level=True)
+
+from . import vllm_harness as vllm  # noqa: E402
+from .outputs import source_and_outputs, with_ignore  # noqa: E402
+from .vllm_startup import vllm_accepts  # noqa: E402
+
+VERSION = wheels.version("vllm")
+MODELS = {"v4-0731": synth.Dims("deepseek-v4-flash-0731", layers=3, experts=6),
+          "v4-pro-0813": synth.Dims("deepseek-v4-pro-0813", layers=3, experts=6),
+          "v41": synth.Dims("deepseek-v4.1-flash")}
+DRAFT_ARCH = {"deepseek_v4": "DSparkDraftModel", "deepseek_v41": "DSparkV41DraftModel"}
+OUTPUTS = {
+    "vllm-nvfp4": ("nvfp4", Options(engine="vllm")),                      # the default: drafter passed through
+    "vllm-nvfp4-convert": ("nvfp4", Options(engine="vllm", mtp="convert")),
+    "sglang-nvfp4": ("nvfp4", Options(engine="sglang")),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engine_stand_ins():
+    yield
+    vllm.reset()
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def ckpts(request, tmp_path_factory) -> dict[str, str]:
+    return source_and_outputs(tmp_path_factory.mktemp(f"vllm-dspark-{request.param}"), MODELS[request.param], 11,
+                              OUTPUTS)
+
+
+def rules(ckpt: vllm.Checkpoint) -> engines.EngineRules:
+    return ModelSpec(ckpt.spec.recipe, ckpt.config).engine("vllm", VERSION)
+
+
+def test_the_checkpoints_are_dspark_ones(ckpts):
+    ckpt = vllm.Checkpoint(ckpts["mxfp4"])
+    assert ckpt.dspark and ckpt.spec.recipe.name == ("deepseek_v41" if ckpt.v41 else "deepseek_v4_dspark")
+    assert rules(ckpt).drafter["kind"] == "dspark" and rules(ckpt).refusal("w4a16").startswith("not established")
+    stages = [b for b, _ in vllm.expert_blocks(ckpt) if b.startswith("mtp.")]
+    assert stages == [f"mtp.{s}" for s in range(vllm.dspark_stage_count(ckpt))] and len(stages) == 3
+    stored = {n.split(".")[1] for n in ckpt.header if n.startswith("mtp.") and ".experts." in n}
+    assert stored == {"0", "1", "2"}
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "vllm-nvfp4", "vllm-nvfp4-convert", "sglang-nvfp4"])
+def test_vllm_loads_every_tensor(ckpts, name):
+    """Every tensor, the three DSpark stages included (DSparkDeepseekV4ForCausalLM.load_weights),
+    reaches a parameter of the method vLLM dispatches for its layer, with its bits; that method is
+    the one requant's rules name for the stage given the output's `ignore`. (V4.1: through its own
+    model.py and dspark.py loaders; its MXFP8 linears, Engram tables and vision tower are followed
+    by name, their parameters not built: see vllm_load_report.)"""
+    assert vllm.vllm_load_report(ckpts[name]) == []
+
+
+@pytest.mark.parametrize("name,drafter", [("vllm-nvfp4", "mxfp4"), ("vllm-nvfp4-convert", "nvfp4"),
+                                          ("sglang-nvfp4", "mxfp4")])
+def test_drafter_dispatch_follows_ignore_as_the_rules_say(ckpts, name, drafter):
+    ckpt = vllm.Checkpoint(ckpts[name])
+    dispatch, rule = vllm.dispatch(ckpt), rules(ckpt)
+    ignore = ckpt.quant.get("ignore")
+    for block, prefix in vllm.expert_blocks(ckpt):
+        fmt = ckpt.expert_format(block)
+        if block.startswith("mtp."):
+            assert fmt == drafter == rule.mtp_format_for("nvfp4", block, ignore), (block, fmt)
+        for gpu in vllm.GPUS:
+            assert type(dispatch.moe(prefix)).__name__ == rule.kernel(fmt, gpu).method, (block, gpu)
+
+
+def test_default_output_passes_the_drafter_through_byte_for_byte(ckpts):
+    src, out = vllm.Checkpoint(ckpts["mxfp4"]), vllm.Checkpoint(ckpts["vllm-nvfp4"])
+    drafter = [n for n in src.header if n.startswith("mtp.")]
+    assert drafter and set(drafter) <= set(out.header)
+    for name in drafter:
+        assert out.header[name] == src.header[name], name
+        assert out.tensor(name).view(-1).view(torch.uint8).equal(src.tensor(name).view(-1).view(torch.uint8)), name
+
+
+def test_kept_stages_outside_ignore_load_as_garbage(ckpts, tmp_path):
+    """The rule's other half: MXFP4 stages that `ignore` does not list get ModelOptNvFp4FusedMoE,
+    their E8M0 scales copied by value and no global or input scales: no error, garbage drafts."""
+    problems = vllm.vllm_load_report(with_ignore(ckpts["vllm-nvfp4"], tmp_path / "bad", ["*.attn.*"]))
+    assert problems and all("mtp." in p for p in problems), problems
+    for stage in range(3):
+        assert f"mtp.{stage}: w13_weight_scale_2 never written" in "\n".join(problems), stage
+    assert rules(vllm.Checkpoint(ckpts["vllm-nvfp4"])).mtp_format_for("nvfp4", "mtp.0", ["*.attn.*"]) == "nvfp4"
+
+
+# ----------------------------------------------------------------------- the serve command
+@pytest.fixture
+def startup():
+    """vllm_startup resolves `vllm.*` imports itself: the loader tests' stand-in modules leave first."""
+    vllm.reset()
+
+
+def test_card_commands_start_the_dspark_draft(ckpts, startup):
+    """The command requant's rules give per output format and GPU family passes vLLM's parser,
+    serve validation and SpeculativeConfig, which resolves the draft to DSparkDraftModel (the
+    drafter under mtp.*, served by DSparkDeepseekV4ForCausalLM)."""
+    rule = rules(vllm.Checkpoint(ckpts["vllm-nvfp4"]))
+    checked = 0
+    for fmt, name in (("nvfp4", "vllm-nvfp4"), ("mxfp4", "mxfp4")):
+        for gpu in engines.GPU_FAMILIES:
+            how = rule.serving(fmt, gpu, path="{path}", tp=8)
+            assert how.starts and how.speculative, (fmt, gpu, how.note)
+            ok, message = vllm_accepts(shlex.split(how.command), ckpts[name], gpu)
+            arch = DRAFT_ARCH[json.loads(Path(ckpts[name], "config.json").read_text())["model_type"]]
+            assert ok and "method=dspark" in message and f"['{arch}']" in message, (fmt, gpu, message)
+            checked += 1
+    assert checked == 8
+
+
+def test_dspark_without_token_count(ckpts, startup):
+    """`{"method": "dspark"}` alone: 0.33.0 asks for num_speculative_tokens (speculative.py:1252
+    takes the target checkpoint as the draft only when it is given); 0.34.0's DSpark speculator
+    takes dspark_block_size from config.json."""
+    command = """vllm serve {path} --tensor-parallel-size 8 --speculative-config '{"method": "dspark"}'"""
+    ok, message = vllm_accepts(shlex.split(command), ckpts["vllm-nvfp4"], "sm_100")
+    if engines.version_key(VERSION) >= (0, 34):
+        config = json.loads(Path(ckpts["vllm-nvfp4"], "config.json").read_text())
+        block = config.get("text_config", config)["dspark_block_size"]
+        assert ok and f"num_speculative_tokens={block}" in message, message
+    else:
+        assert not ok and "num_speculative_tokens must be provided" in message, message
