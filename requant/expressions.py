@@ -10,6 +10,8 @@ arithmetic, comparisons, conditionals, lists, comprehensions over range() and mi
 from __future__ import annotations
 
 import ast
+import types
+from functools import lru_cache
 
 _NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp, ast.Name, ast.Load,
           ast.Store, ast.Constant, ast.Call, ast.List, ast.ListComp, ast.comprehension, ast.Subscript, ast.operator,
@@ -22,10 +24,17 @@ def evaluate(expr, dims: dict, bound: dict | None = None):
     expressions as strings) and the names `bound` where it is used (index, block...)."""
     if not isinstance(expr, str):
         return expr
-    tree = _parse(expr, dims, ())
+    code = _compiled(expr, tuple(sorted((k, v) for k, v in dims.items() if isinstance(v, str))))
     names = {k: v for k, v in dims.items() if not isinstance(v, str)}
     # Everything as globals: a comprehension's own scope sees globals, not eval's locals.
-    return eval(compile(tree, "<recipe>", "eval"), {"__builtins__": {}, **_FUNCTIONS, **names, **(bound or {})})
+    return eval(code, {"__builtins__": {}, **_FUNCTIONS, **names, **(bound or {})})
+
+
+@lru_cache(maxsize=4096)
+def _compiled(expr: str, expression_dims: tuple) -> types.CodeType:
+    """`expr` with the dimensions that are expressions inlined, compiled: a plan evaluates the same
+    few expressions for every tensor of every layer."""
+    return compile(_parse(expr, dict(expression_dims), ()), "<recipe>", "eval")
 
 
 def _parse(expr: str, dims: dict, stack: tuple) -> ast.Expression:
