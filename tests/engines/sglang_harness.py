@@ -818,19 +818,18 @@ def _load(eng, qc, hf, tensors, experts, nextn, report, dspark=None):
     for name in [n for n, _ in part if n not in consumed and n not in folded and n not in dropped]:
         problems.append(f"{name}: reaches no parameter (SGLang skips it)")
     if dspark is not None:   # its load_weights logs no 'not initialized' warning: check the parameters here
-        unwritten = sorted(n for n, p in params.items() if n not in written)
-        if unwritten:
-            problems.append(f"parameters left at their initial values (no checkpoint tensor loads them): {unwritten}")
+        problems.append(_unloaded_problem([n for n in params if n not in written], experts))
     for w in Ctx.warnings:
-        problems.append(_unloaded_problem(w, experts) if "not initialized" in w else w)
+        problems.append(_unloaded_problem(re.findall(r"'([^']+)'", w), experts) if "not initialized" in w else w)
     problems[:] = [p for p in problems if p]
 
 
-def _unloaded_problem(warning: str, experts) -> str | None:
-    """load_weights' 'Some weights are not initialized' warning, less the g_idx parameters a
-    compressed-tensors WNA16 layer without act-order replaces with empty tensors after loading
+def _unloaded_problem(unloaded, experts) -> str | None:
+    """The parameters no checkpoint tensor loaded (load_weights' 'Some weights are not initialized'
+    warning; DSpark: the harness's own count), less the g_idx parameters a compressed-tensors WNA16
+    layer without act-order replaces with empty tensors after loading
     (schemes/compressed_tensors_wNa16_moe.py process_weights_after_loading)."""
-    names = set(re.findall(r"'([^']+)'", warning))
+    names = set(unloaded)
     benign = {n for n in names if "g_idx" in n and getattr(
         getattr(experts.get(n.rsplit(".", 1)[0]), "scheme", None), "actorder", "group") != "group"}
     rest = sorted(names - benign)

@@ -1,5 +1,6 @@
 """Conformance tier, SGLang: checkpoints with a DSpark drafter (DeepSeek-V4-Flash-0731, V4-Pro-0813
-and DeepSeek-V4.1-Flash layouts) and requant's NVFP4 outputs of them, through SGLang's own code:
+and DeepSeek-V4.1-Flash layouts) and requant's NVFP4 outputs of them, and (V4 DSpark releases) its
+W4A16 ones, through SGLang's own code:
 its quantization config and MoE methods per layer, the DSpark draft's load_weights
 (DeepseekV4ForCausalLMDSpark, models/deepseek_v4_dspark.py) over every mtp.* tensor, and the
 DSpark serve command through its option parser and DeepSeek-V4 / speculative hooks.
@@ -13,6 +14,8 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors import safe_open
 
 from requant import engines, synth
 from requant.model import ModelSpec
@@ -34,6 +37,9 @@ MODELS = {"v4-0731": synth.Dims("deepseek-v4-flash-0731", layers=3, experts=6),
           "v41": synth.Dims("deepseek-v4.1-flash")}
 OUTPUTS = {"nvfp4": ("nvfp4", Options(engine="sglang")),
            "vllm-nvfp4-convert": ("nvfp4", Options(engine="vllm", mtp="convert"))}   # for the negative case
+# made for the models whose rules serve W4A16 (the V4 DSpark releases; V4.1's are refused)
+W4A16_OUTPUTS = {"w4a16": ("w4a16", Options(engine="sglang")),   # the default: the stages' experts converted
+                 "w4a16-drafter-kept": ("w4a16", Options(engine="sglang", mtp="keep", force=True))}   # negative
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,8 +50,10 @@ def _engine_stand_ins():
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def ckpts(request, tmp_path_factory) -> dict[str, str]:
-    return source_and_outputs(tmp_path_factory.mktemp(f"sglang-dspark-{request.param}"), MODELS[request.param], 13,
-                              OUTPUTS)
+    dims = MODELS[request.param]
+    w4a16 = W4A16_OUTPUTS if dims.spec.engine("sglang", VERSION).refusal("w4a16") is None else {}
+    return source_and_outputs(tmp_path_factory.mktemp(f"sglang-dspark-{request.param}"), dims, 13,
+                              {**OUTPUTS, **w4a16})
 
 
 def rules_of(path) -> engines.EngineRules:
@@ -84,9 +92,10 @@ V41_UNMODELLED = ("vision.", "aligner.", "image_", ".engram.", "bias_vl")
 
 
 def test_every_tensor_loads(ckpts):
-    """Every tensor of the source and of the NVFP4 output reaches a parameter of the right kind,
-    main model and drafter; for V4.1, everything but the parts the harness does not model."""
-    for name in ("mxfp4", "nvfp4"):
+    """Every tensor of the source and of the NVFP4 (and, where served, W4A16) output reaches a
+    parameter of the right kind, main model and drafter; for V4.1, everything but the parts the
+    harness does not model."""
+    for name in [n for n in ("mxfp4", "nvfp4", "w4a16") if n in ckpts]:
         problems = sglang_load_report(ckpts[name], "sm_100").problems
         if hf_config(ckpts[name])["model_type"] == "deepseek_v41":
             problems = [p for p in map(modelled_part, problems) if p]
@@ -109,20 +118,91 @@ def test_converted_stages_are_skipped(ckpts):
     assert any("weight_scale_2" in p and "stages." in p for p in problems), problems
 
 
+# ------------------------------------------------------------------------------------- W4A16
+def w4a16_output(ckpts, name: str = "w4a16") -> str:
+    if name not in ckpts:
+        pytest.skip("V4.1 W4A16 is refused by the rules (test_w4a16_is_served_for_v4_dspark_only holds that)")
+    return ckpts[name]
+
+
+def test_w4a16_is_served_for_v4_dspark_only(ckpts):
+    rules = rules_of(ckpts["mxfp4"])
+    if hf_config(ckpts["mxfp4"])["model_type"] == "deepseek_v41":
+        assert rules.refusal("w4a16").startswith("not established") and "w4a16" not in ckpts
+    else:
+        assert rules.refusal("w4a16") is None and rules.mtp_format("w4a16") == "w4a16"
+        assert rules.layout("w4a16", "fp8_linears") == "linear_fp8_config" and "w4a16" in ckpts
+
+
+@pytest.mark.parametrize("gpu", sorted(engines.GPU_FAMILIES))
+def test_w4a16_stages_load_as_int4(ckpts, gpu):
+    """The draft takes the target's compressed-tensors config: every stage's experts
+    (stages.<s>.mlp.experts) match the INT4 group and get the method the rules' w4a16 cells name for
+    the draft; loader.py's stages.* exclusion is the NVFP4 config's only. main_proj and the stages'
+    attention get Fp8LinearMethod from linear_fp8_config, so their E8M0 .scale tensors load as
+    weight_scale_inv; every mtp.* tensor reaches a parameter, with no finding."""
+    path = w4a16_output(ckpts)
+    report, rules = sglang_load_report(path, gpu), rules_of(path)
+    kernel = rules.kernel("w4a16", gpu)
+    stages = {p: m for p, m in report.methods.items() if p.startswith("stages.")}
+    assert sorted(stages) == [f"stages.{s}.mlp.experts" for s in range(len(hf_config(path)["dspark_target_layer_ids"]))]
+    assert set(stages.values()) == {kernel.mtp_path["method"]}, stages
+    assert {m for p, m in report.methods.items() if p.startswith("model.layers.")} == {kernel.method}
+    assert report.problems == [], report.problems
+    assert report.loads["w13_weight_packed <- int32"]
+    assert report.loads["stages.0.main_proj.weight_scale_inv <- float8_e8m0fnu"]
+
+
+def test_w4a16_drafter_bytes_are_the_sources_but_its_experts(ckpts):
+    """linear_fp8_config describes the FP8-block linears as they ship: every drafter tensor but the
+    routed experts keeps the source's name and bytes; the experts are INT4 (the rules' mtp_experts)."""
+    src, out = _tensors(ckpts["mxfp4"], "mtp."), _tensors(w4a16_output(ckpts), "mtp.")
+    spec = ModelSpec.for_config(hf_config(ckpts["mxfp4"]))
+    experts = {n for n in src if spec.expert_tensor(n)}
+    assert experts and not experts & set(out)
+    assert {n: src[n] for n in set(src) - experts} == {n: out[n] for n in set(src) - experts}
+    assert any(n.endswith(".weight_packed") for n in out)
+
+
+def _tensors(path: str, prefix: str) -> dict[str, tuple[str, bytes]]:
+    """name -> (dtype, bytes) of the checkpoint's tensors under `prefix`."""
+    index = json.loads((Path(path) / "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for name, shard in index.items():
+        if name.startswith(prefix):
+            with safe_open(str(Path(path, shard)), "pt") as f:
+                t = f.get_tensor(name)
+            out[name] = (str(t.dtype), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return out
+
+
+def test_w4a16_with_the_drafter_kept_mxfp4_does_not_load(ckpts):
+    """Why the rule converts the stages: they get the INT4 method whatever their bytes, so MXFP4
+    stages (--mtp keep --force) reach none of its parameters: SGLang skips them with a warning and
+    serves the stages' INT4 parameters uninitialised."""
+    report = sglang_load_report(w4a16_output(ckpts, "w4a16-drafter-kept"), "sm_100")
+    assert {m for p, m in report.methods.items() if p.startswith("stages.")} == {"CompressedTensorsWNA16MoE"}
+    problems = "\n".join(drafter_problems(report))
+    assert "mtp.0.ffn.experts.0.w1.weight: reaches no parameter (SGLang skips it)" in problems, problems
+    assert re.search(r"parameters left at their initial values .*'stages\.0\.mlp\.experts\.w13_weight_packed'",
+                     problems), problems
+
+
 # ----------------------------------------------------------------------- the serve command
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "w4a16"])
 def test_card_commands_start_dspark(ckpts, fmt):
     """The command requant's rules give per GPU family goes through SGLang's option parser, its
     DeepSeek-V4 model override and hook (EAGLE or DSPARK only) and _handle_dspark (the draft path
     defaults to the checkpoint, which bundles dspark_* keys); where the drafter's MXFP4 method has
     a kernel for the GPU in the pinned FlashInfer, the command drafts."""
-    rules = rules_of(ckpts[fmt])
+    path = w4a16_output(ckpts) if fmt == "w4a16" else ckpts[fmt]
+    rules = rules_of(path)
     assert rules.data["serve"]["speculative"] == "--speculative-algorithm DSPARK"
     for gpu in engines.GPU_FAMILIES:
         how = rules.serving(fmt, gpu, path="{path}", tp=8)
         if not how.starts:
             continue
-        ok, message = sglang_accepts(shlex.split(how.command), ckpts[fmt], gpu, kernels=K.flashinfer_available())
+        ok, message = sglang_accepts(shlex.split(how.command), path, gpu, kernels=K.flashinfer_available())
         assert ok, (fmt, gpu, how.command, message)
         if how.speculative:
             assert "speculative_algorithm=DSPARK (steps 1, topk 1, draft tokens" in message, message

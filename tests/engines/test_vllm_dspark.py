@@ -1,8 +1,9 @@
 """Conformance tier, vLLM: checkpoints with a DSpark drafter (DeepSeek-V4-Flash-0731, V4-Pro-0813
-and DeepSeek-V4.1-Flash layouts) and requant's NVFP4 outputs of them, through the vLLM release's
-own loading code (vllm_harness.py: the deepseek_v4_fp8 config class vLLM builds on CUDA, the main
-model's and the DSpark draft's load_weights of each family) and its own start-up code for the
-DSpark serve command (vllm_startup.py).
+and DeepSeek-V4.1-Flash layouts) and requant's NVFP4 outputs of them, and (V4 DSpark releases)
+its W4A16 ones, through the vLLM release's own loading code (vllm_harness.py: the deepseek_v4_fp8
+config class vLLM builds on CUDA, or its compressed-tensors config, the main model's and the DSpark
+draft's load_weights of each family) and its own start-up code for the DSpark serve command
+(vllm_startup.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ OUTPUTS = {
     "vllm-nvfp4-convert": ("nvfp4", Options(engine="vllm", mtp="convert")),
     "sglang-nvfp4": ("nvfp4", Options(engine="sglang")),
 }
+# made for the models whose rules serve W4A16 (the V4 DSpark releases; V4.1's are refused)
+W4A16_OUTPUTS = {
+    "vllm-w4a16": ("w4a16", Options(engine="vllm")),   # the default: the stages' experts converted
+    "vllm-w4a16-drafter-kept": ("w4a16", Options(engine="vllm", mtp="keep", force=True)),   # the negative case
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,8 +54,10 @@ def _engine_stand_ins():
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def ckpts(request, tmp_path_factory) -> dict[str, str]:
-    return source_and_outputs(tmp_path_factory.mktemp(f"vllm-dspark-{request.param}"), MODELS[request.param], 11,
-                              OUTPUTS)
+    dims = MODELS[request.param]
+    w4a16 = W4A16_OUTPUTS if dims.spec.engine("vllm", VERSION).refusal("w4a16") is None else {}
+    return source_and_outputs(tmp_path_factory.mktemp(f"vllm-dspark-{request.param}"), dims, 11,
+                              {**OUTPUTS, **w4a16})
 
 
 def rules(ckpt: vllm.Checkpoint) -> engines.EngineRules:
@@ -59,7 +67,13 @@ def rules(ckpt: vllm.Checkpoint) -> engines.EngineRules:
 def test_the_checkpoints_are_dspark_ones(ckpts):
     ckpt = vllm.Checkpoint(ckpts["mxfp4"])
     assert ckpt.dspark and ckpt.spec.recipe.name == ("deepseek_v41" if ckpt.v41 else "deepseek_v4_dspark")
-    assert rules(ckpt).drafter["kind"] == "dspark" and rules(ckpt).refusal("w4a16").startswith("not established")
+    assert rules(ckpt).drafter["kind"] == "dspark"
+    # W4A16: established for the V4 DSpark releases (the drafter converted), refused for V4.1
+    if ckpt.v41:
+        assert rules(ckpt).refusal("w4a16").startswith("not established") and "vllm-w4a16" not in ckpts
+    else:
+        assert rules(ckpt).refusal("w4a16") is None and rules(ckpt).mtp_format("w4a16") == "w4a16"
+        assert rules(ckpt).layout("w4a16", "fp8_linears") == "config_group" and "vllm-w4a16" in ckpts
     stages = [b for b, _ in vllm.expert_blocks(ckpt) if b.startswith("mtp.")]
     assert stages == [f"mtp.{s}" for s in range(vllm.dspark_stage_count(ckpt))] and len(stages) == 3
     stored = {n.split(".")[1] for n in ckpt.header if n.startswith("mtp.") and ".experts." in n}
@@ -109,6 +123,70 @@ def test_kept_stages_outside_ignore_load_as_garbage(ckpts, tmp_path):
     assert rules(vllm.Checkpoint(ckpts["vllm-nvfp4"])).mtp_format_for("nvfp4", "mtp.0", ["*.attn.*"]) == "nvfp4"
 
 
+# ------------------------------------------------------------------------------------- W4A16
+def w4a16_output(ckpts, name: str = "vllm-w4a16") -> str:
+    if name not in ckpts:
+        pytest.skip("V4.1 W4A16 is refused by the rules (test_the_checkpoints_are_dspark_ones holds that)")
+    return ckpts[name]
+
+
+def test_w4a16_loads_every_tensor_with_the_rules_methods(ckpts):
+    """The draft takes the target's compressed-tensors config: every stage's experts, built as
+    model.layers.<num_hidden_layers + s>.ffn.experts, match the INT4 group (the method the rules'
+    w4a16 kernel cells name), and DSparkDeepseekV4ForCausalLM.load_weights puts every mtp.* tensor
+    into a parameter of its layer's method with its bits; main_proj, context_wkv_proj (from the
+    stages' attn.wkv) and the stages' attention get the FP8-block group."""
+    path = w4a16_output(ckpts)
+    assert vllm.vllm_load_report(path) == []
+    ckpt = vllm.Checkpoint(path)
+    dispatch, rule = vllm.dispatch(ckpt), rules(ckpt)
+    stages = [(b, p) for b, p in vllm.expert_blocks(ckpt) if b.startswith("mtp.")]
+    assert len(stages) == vllm.dspark_stage_count(ckpt) == 3
+    for block, prefix in stages:
+        assert ckpt.expert_format(block) == rule.mtp_format("w4a16") == "w4a16", block
+        for gpu in vllm.GPUS:
+            assert type(dispatch.moe(prefix)).__name__ == rule.kernel("w4a16", gpu).method, (block, gpu)
+    for prefix in ("model.main_proj", "model.context_wkv_proj", f"model.layers.{ckpt.layers}.attn.fused_wqa_wkv"):
+        method = vllm.build_linear_method(dispatch.linear(prefix))
+        assert getattr(method, "weight_block_size", None) == [128, 128], (prefix, dispatch.linear(prefix))
+
+
+def test_w4a16_drafter_bytes_are_the_sources_but_its_experts(ckpts):
+    """Every drafter tensor but the routed experts keeps the source's bytes; the FP8-block scales
+    take the compressed-tensors name, their E8M0 powers of two re-typed exactly as F32 (the rules'
+    fp8_linears: config_group); the experts are INT4 (the rules' mtp_experts)."""
+    src, out = vllm.Checkpoint(ckpts["mxfp4"]), vllm.Checkpoint(w4a16_output(ckpts))
+    drafter = [n for n in src.header if n.startswith("mtp.")]
+    experts = [n for n in drafter if src.spec.expert_tensor(n)]
+    assert experts and not set(experts) & set(out.header)
+    for name in sorted(set(drafter) - set(experts)):
+        if src.header[name][0] == "F8_E8M0":
+            renamed = name.removesuffix("scale") + "weight_scale"
+            assert out.header[renamed] == ("F32", src.header[name][1]), name
+            assert out.tensor(renamed).equal(src.tensor(name).to(torch.float32)), name   # torch's E8M0 is exact
+            continue
+        assert out.header[name] == src.header[name], name
+        assert out.tensor(name).view(-1).view(torch.uint8).equal(src.tensor(name).view(-1).view(torch.uint8)), name
+    assert out.header["mtp.0.main_proj.weight_scale"][0] == "F32"
+
+
+def test_w4a16_with_the_drafter_kept_mxfp4_does_not_load(ckpts, tmp_path):
+    """Why the rule converts the stages: their experts get the INT4 method whatever their bytes,
+    so MXFP4 stages (--mtp keep --force) fail its parameters' shapes; naming them in ignore gives
+    them the unquantized BF16 method, not an MXFP4 one."""
+    path = w4a16_output(ckpts, "vllm-w4a16-drafter-kept")
+    problems = vllm.vllm_load_report(path)
+    assert problems and all("mtp." in p for p in problems), problems
+    # the MXFP4 .scale, renamed .weight_scale (dspark.py), meets the INT4 group scales' shape
+    assert any("DSparkDeepseekV4ForCausalLM.load_weights raises" in p and "mtp." in p for p in problems), problems
+    ckpt = vllm.Checkpoint(path)
+    stages = [p for b, p in vllm.expert_blocks(ckpt) if b.startswith("mtp.")]
+    layers = "|".join(p.split(".")[2] for p in stages)   # model.layers.<num_hidden_layers + s>.ffn.experts
+    ignore = ckpt.quant["ignore"] + [rf"re:.*\.layers\.({layers})\.ffn\.experts\..*"]
+    ignored = vllm.dispatch(vllm.Checkpoint(with_ignore(path, tmp_path / "stages-ignored", ignore)))
+    assert {type(ignored.moe(p)).__name__ for p in stages} == {"UnquantizedFusedMoEMethod"}
+
+
 # ----------------------------------------------------------------------- the serve command
 @pytest.fixture
 def startup():
@@ -121,8 +199,9 @@ def test_card_commands_start_the_dspark_draft(ckpts, startup):
     serve validation and SpeculativeConfig, which resolves the draft to DSparkDraftModel (the
     drafter under mtp.*, served by DSparkDeepseekV4ForCausalLM)."""
     rule = rules(vllm.Checkpoint(ckpts["vllm-nvfp4"]))
+    served = [("nvfp4", "vllm-nvfp4"), ("mxfp4", "mxfp4")] + [("w4a16", "vllm-w4a16")] * ("vllm-w4a16" in ckpts)
     checked = 0
-    for fmt, name in (("nvfp4", "vllm-nvfp4"), ("mxfp4", "mxfp4")):
+    for fmt, name in served:
         for gpu in engines.GPU_FAMILIES:
             how = rule.serving(fmt, gpu, path="{path}", tp=8)
             assert how.starts and how.speculative, (fmt, gpu, how.note)
@@ -130,7 +209,7 @@ def test_card_commands_start_the_dspark_draft(ckpts, startup):
             arch = DRAFT_ARCH[json.loads(Path(ckpts[name], "config.json").read_text())["model_type"]]
             assert ok and "method=dspark" in message and f"['{arch}']" in message, (fmt, gpu, message)
             checked += 1
-    assert checked == 8
+    assert checked == 4 * len(served)
 
 
 def test_dspark_without_token_count(ckpts, startup):
