@@ -17,7 +17,7 @@ from requant.engines import FROM_CODE, GPU_FAMILIES, SPEED_CLASSES, EngineRules
 from requant.errors import UnsupportedCheckpoint
 from requant.io.checkpoint import Checkpoint
 from requant.model import ModelSpec
-from requant.experts import ExpertIndex
+from requant.experts import Block, ExpertIndex
 from requant.targets import TARGETS
 
 @dataclass(frozen=True)
@@ -59,9 +59,11 @@ def candidates(model: ModelSpec, source_fmt: str, engine: EngineRules) -> list[C
     return found
 
 
-def judge_path(candidate: Candidate, model: ModelSpec, engine: EngineRules, gpu: str, has_mtp: bool,
+def judge_path(candidate: Candidate, model: ModelSpec, engine: EngineRules, gpu: str, blocks: list[Block],
                mtp_fmt: str | None, tp: int, ep: int) -> PathVerdict:
-    """What `engine` does with `candidate` on `gpu`, from its rules."""
+    """What `engine` does with `candidate` on `gpu`, from its rules; `blocks`: the checkpoint's
+    blocks of routed experts."""
+    has_mtp = any(not b.main for b in blocks)
     problems = []
     refusal = engine.refusal(candidate.fmt)
     if refusal:
@@ -76,21 +78,28 @@ def judge_path(candidate: Candidate, model: ModelSpec, engine: EngineRules, gpu:
         mtp = chosen.mtp_path
         if mtp_fmt and mtp_fmt != candidate.fmt and not chosen.mtp:
             mtp["note"] = f"its experts stay {mtp_fmt.upper()}"
-    problems += tp_problems(model, engine, candidate, gpu, tp, ep)
+    problems += tp_problems(model, engine, candidate, gpu, tp, ep, blocks)
     starts = serving.starts and not problems
     return PathVerdict(candidate, asdict(serving.auto) | {"chosen": asdict(chosen)}, mtp, starts, serving.flags,
                        chosen.speed if starts else "none", problems)
 
 
-def tp_problems(model: ModelSpec, engine: EngineRules, candidate: Candidate, gpu: str, tp: int, ep: int) -> list[str]:
-    """Why the experts cannot be split over `tp` ranks (EP keeps experts whole): a scale block split
+def tp_problems(model: ModelSpec, engine: EngineRules, candidate: Candidate, gpu: str, tp: int, ep: int,
+                blocks: list[Block]) -> list[str]:
+    """Why the experts of `blocks` cannot be split over `ep` ranks (each kind of block its own expert
+    count: V4.1's drafter has fewer) or over `tp` ranks (EP keeps experts whole): a scale block split
     between ranks (vLLM's create_weights refuses it; SGLang's loader silently drops the w2 scales,
     compressed_tensors_wNa16_moe.py), then the release's own TP rules (`tp` in its data)."""
     problems = []
     if ep > 1:
-        experts = model.value("num_experts")
-        if experts % ep:
-            problems.append(f"{experts} routed experts do not divide over --ep {ep}")
+        counted: dict[str, Block] = {}   # config.json key of an expert count -> a block it counts, main first
+        for block in sorted(blocks, key=lambda b: not b.main):
+            counted.setdefault(model.config_key("num_experts", block.name), block)
+        for key, block in counted.items():
+            experts = model.value("num_experts", block.name)
+            if experts % ep:
+                whose = "" if block.main else f" of the {block.kind} blocks ({key})"
+                problems.append(f"{experts} routed experts{whose} do not divide over --ep {ep}")
         return problems
     inter = model.value("intermediate_size")
     block = candidate.group_size or formats.get(candidate.fmt).fixed_group or 1
@@ -182,7 +191,7 @@ def advise(ck: Checkpoint, engine_specs: list[str], gpu: str, tp: int = 1, ep: i
         paths = []
         for cand in candidates(model, source.name, rules):
             mtp_as = (mtp_fmt.name if mtp_fmt else None) if not cand.convert else rules.mtp_format(cand.fmt)
-            paths.append(judge_path(cand, model, rules, gpu, bool(mtp_blocks), mtp_as, tp, ep))
+            paths.append(judge_path(cand, model, rules, gpu, list(index.blocks.values()), mtp_as, tp, ep))
         answers.append({"engine": rules.name, "release": rules.version, "checked": rules.checked,
                         "caveat": rules.caveat, "gpu": gpu, "gpu_family": GPU_FAMILIES[gpu], "tp": tp, "ep": ep,
                         "paths": [_path_json(p, errors or {}) for p in paths],

@@ -11,6 +11,7 @@ from requant.card import recorded_engine
 from requant.io.checkpoint import Checkpoint
 from requant.experts import ExpertIndex
 from requant.model import ModelSpec
+from requant.targets.nvfp4 import expert_dtype
 
 
 def inspect_checkpoint(path: str) -> dict:
@@ -53,7 +54,7 @@ def inspect_checkpoint(path: str) -> dict:
             } | ({"quantized_layers": len(qc["quantized_layers"])} if "quantized_layers" in qc else {})
               | ({"ignore": qc["ignore"]} if "ignore" in qc else {})
               | ({"sqnr_db_vs_source": qc["requant_accuracy"].get("sqnr_db")} if "requant_accuracy" in qc else {}),
-            "expert_dtype": ck.config.get("expert_dtype"),
+            "expert_dtype": expert_dtype(model, ck.config)[1] if model else ck.config.get("expert_dtype"),
             "made_for": _made_for(path),
         }
 

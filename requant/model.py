@@ -99,16 +99,16 @@ def expand_template(value, evaluate):
     return value
 
 
-_ABSENT = object()
+ABSENT = object()   # config_value of a key config.json lacks (None is a value a key may hold)
 
 
 def config_value(config: dict, key: str):
     """config.json's value at `key`, a dotted path where the model nests it (`text_config.hidden_size`);
-    _ABSENT where there is none."""
+    ABSENT where there is none."""
     value = config
     for part in key.split("."):
         if not isinstance(value, dict) or part not in value:
-            return _ABSENT
+            return ABSENT
         value = value[part]
     return value
 
@@ -124,8 +124,8 @@ def mismatches(recipe: Recipe, config: dict, names=None) -> list[str]:
     if architectures is not None and not (isinstance(architectures, list)
                                           and set(map(str, architectures)) & set(d.architectures)):
         found.append(f"architectures {architectures!r}, not {' or '.join(d.architectures)}")
-    found += [f"config.json lacks {k}" for k in d.config_requires if config_value(config, k) is _ABSENT]
-    found += [f"config.json has {k}" for k in d.config_forbids if config_value(config, k) is not _ABSENT]
+    found += [f"config.json lacks {k}" for k in d.config_requires if config_value(config, k) is ABSENT]
+    found += [f"config.json has {k}" for k in d.config_forbids if config_value(config, k) is not ABSENT]
     if names is not None:
         for pattern in d.tensors_require:
             if not any(re.search(pattern, n) for n in names):
@@ -221,7 +221,7 @@ class ModelSpec:
         block's kind where the recipe has one of its own (a drafter's expert count)."""
         config_key = self.config_key(key, block)
         value = config_value(self.config, config_key)
-        if value is _ABSENT:
+        if value is ABSENT:
             raise UnsupportedCheckpoint(f"config.json lacks {config_key!r}, which a {self.name} model must have")
         return value
 
@@ -418,7 +418,7 @@ class ModelSpec:
         real = set(self.recipe.real_config_roles)
         for role, config_key in self.recipe.config_keys.items():
             value = config_value(self.config, config_key)
-            if value is _ABSENT:
+            if value is ABSENT:
                 continue
             if role in real:
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")

@@ -104,6 +104,7 @@ class Output:
     refused: Union[str, None] = None               # why requant will not write this output for the family
     ignore_mtp_converted: Union[list[str], None] = None   # ... when the MTP block's experts are converted
     quant_methods: list[str] = field(default_factory=list)   # quant_method values kept from the source's config
+    expert_dtype_key: str = "expert_dtype"   # where config.json says the experts' dtype (vLLM's V4 configs read it)
     quantization_config: Union[QuantizationConfig, None] = None
     stacked: Union[StackedOutput, None] = None
     evidence: str = doc()

@@ -153,22 +153,26 @@ def test_small_converts_to_nvfp4_verifies_and_keeps_the_drafter(small, engine, t
 
 
 def test_small_w4a16_is_refused_in_one_line(small, tmp_path):
-    """W4A16 loading of these models is not established (the research doc): the engine rules refuse
-    it; for V4.1 the recipe cannot describe its FP8 linears in a W4A16 config either, so not even
-    --force writes one."""
+    """W4A16 loading of V4.1 is not established (the research doc): the engine rules refuse it, and
+    the recipe cannot describe its FP8 linears in a W4A16 config either, so not even --force writes
+    one. The V4 DSpark releases convert, their drafter's experts too, and verify (the engines'
+    loading of them: tests/engines/test_vllm_dspark.py, test_sglang_dspark.py)."""
     model, src = small
     result = run_cli("convert", src, str(tmp_path / "w4a16"), "--out", "w4a16")
+    if model != "deepseek-v4.1-flash":
+        assert result.returncode == 0, result.stderr
+        assert verify(str(tmp_path / "w4a16"), progress=False)["ok"]
+        return
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert "cannot serve --out w4a16" in lines[0] or "--out w4a16 is refused" in lines[0]
     assert not os.path.exists(tmp_path / "w4a16")
-    if model == "deepseek-v4.1-flash":
-        result = run_cli("convert", src, str(tmp_path / "w4a16"), "--out", "w4a16", "--force")
-        assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-            "requant: error: --out w4a16 is refused for deepseek_v41 checkpoints: no engine's W4A16 (compressed-tensors) "
-            "description of V4.1's 32x32 FP8 linears and Engram projections was found; vLLM reads them only through "
-            "its FP8 config (docs/models/deepseek-v4-family.md, section 3.3)"]
-        assert not os.path.exists(tmp_path / "w4a16")
+    result = run_cli("convert", src, str(tmp_path / "w4a16"), "--out", "w4a16", "--force")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "requant: error: --out w4a16 is refused for deepseek_v41 checkpoints: no engine's W4A16 (compressed-tensors) "
+        "description of V4.1's 32x32 FP8 linears and Engram projections was found; vLLM reads them only through "
+        "its FP8 config (docs/models/deepseek-v4-family.md, section 3.3)"]
+    assert not os.path.exists(tmp_path / "w4a16")
 
 
 def test_drafter_stages_take_their_own_expert_count():
@@ -288,3 +292,176 @@ def test_a_large_engram_table_is_written_in_pieces(tmp_path, monkeypatch):
         assert bool((scale.view(torch.uint8) > 100).all())   # ~0.02-sized values: E8M0 exponents near 2^-9
         values = fp8_block.decode(weight, scale)
         assert 0.015 < float(values.std()) < 0.025
+
+
+# every command on the new models: per-block expert counts and top-k, expert_dtype's place -------
+
+V41, DSPARK = "deepseek-v4.1-flash", "deepseek-v4-pro-0813"
+# V4.1 with a drafter of more experts than the main layers: a count or top-k taken from the main
+# layers for the drafter either drops its experts or reads ones it lacks
+V41_WIDE_DRAFTER = {"experts": 4, "top_k": 2, "dspark_experts": 8, "dspark_top_k": 3}
+
+
+def _pair(checkpoints, model: str, engine: str = "vllm", **dims) -> tuple[str, str]:
+    src = checkpoints.source(synth.Dims(model, **dims), seed=5)
+    return src, checkpoints.converted(src, "nvfp4", Options(engine=engine))
+
+
+def _text_config(path: str) -> dict:
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    return config.get("text_config", config)
+
+
+def _edit_config(path: str, edit) -> None:
+    file = os.path.join(path, "config.json")
+    with open(file, encoding="utf-8") as f:
+        config = json.load(f)
+    edit(config)
+    with open(file, "w", encoding="utf-8") as f:
+        json.dump(config, f)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_v41_expert_dtype_is_read_inside_quantization_config(checkpoints, engine, tmp_path):
+    """V4.1 keeps expert_dtype in quantization_config (vLLM's DeepseekV41Config copies it from there):
+    verify finds it there (no note that it is missing) and refuses a wrong one; inspect shows it. A
+    DSpark (V4) config keeps it at the top level, where verify still looks."""
+    _, dst = _pair(checkpoints, V41, engine)
+    result = verify(dst, engine=engine, progress=False)
+    assert result["ok"] and result["findings"] == [], result["findings"]
+    assert inspect_checkpoint(dst)["expert_dtype"] == "fp4"
+    fp8 = checkpoints.copy(dst, tmp_path / "fp8")
+    _edit_config(fp8, lambda c: c["quantization_config"].update(expert_dtype="fp8"))
+    result = verify(fp8, engine=engine, progress=False)
+    wrong = [f for f in result["findings"] if f["code"] == "expert-dtype"]
+    assert not result["ok"] and len(wrong) == 1, result["findings"]
+    assert wrong[0]["severity"] == "error" and wrong[0]["message"].startswith("quantization_config.expert_dtype must be")
+    assert inspect_checkpoint(fp8)["expert_dtype"] == "fp8"
+
+    _, dspark = _pair(checkpoints, DSPARK, engine)
+    moved = checkpoints.copy(dspark, tmp_path / "dspark")
+    _edit_config(moved, lambda c: (c["quantization_config"].update(expert_dtype="fp8"), c.pop("expert_dtype")))
+    result = verify(moved, engine=engine, progress=False)
+    assert [(f["code"], f["message"]) for f in result["findings"]] == [
+        ("expert-dtype-missing", "config.json has no expert_dtype; vLLM defaults it to 'fp4'")]
+
+
+@pytest.mark.parametrize("dims", [{}, V41_WIDE_DRAFTER], ids=["drafter-narrower", "drafter-wider"])
+def test_v41_validate_runs_each_block_with_its_own_experts_and_top_k(checkpoints, monkeypatch, dims):
+    """validate routes every block by its own expert count and top-k (config.json's dspark_* for the
+    drafter's), in the torch reference (a CPU) and through the kernel alike."""
+    import requant.validate.layer as layer_module
+    from requant.validate import validate
+
+    src, dst = _pair(checkpoints, V41, **dims)
+    text = _text_config(src)
+    expected = {(text["n_routed_experts"], text["num_experts_per_tok"]),
+                (text["dspark_n_routed_experts"], text["dspark_num_experts_per_tok"])}
+    routed = set()
+    route = layer_module.route
+
+    def recorded(x, layer, cfg, token_ids=None):
+        ids, weights = route(x, layer, cfg, token_ids)
+        routed.add((layer.gate_weight.shape[0], ids.shape[1]))
+        return ids, weights
+    monkeypatch.setattr(layer_module, "route", recorded)
+    last = f"{text['num_hidden_layers'] - 1}"
+    result = validate(src, dst, layers=f"{last},mtp.0,mtp.2", tokens=8, device="cpu", progress=False)
+    assert [r.layer for r in result.layers] == [f"layers.{last}", "mtp.0", "mtp.2"]
+    assert all(r.passed and r.rel_err == 0 and r.routing_agreement == 1 for r in result.layers), result.layers
+    assert routed == expected
+    pytest.importorskip("triton", reason="requant's kernel needs triton")
+    (stage,) = validate(src, dst, layers="mtp.1", tokens=4, device="cpu", progress=False, kernel=True).layers
+    assert stage.passed and stage.kernel_rel_err is not None and stage.kernel_rel_err < 1e-2, stage
+
+
+def test_v41_report_maps_the_drafter_s_own_experts(checkpoints, tmp_path):
+    """report's exact-block map holds each block's own experts (a drafter with more than the main
+    layers keeps all of its columns); its forward and serving-path sections route the drafter by
+    its own top-k."""
+    from requant.report import PATHS_TOKENS, make_report
+
+    src, dst = _pair(checkpoints, V41, **V41_WIDE_DRAFTER)
+    text = _text_config(src)
+    report = make_report(src, dst, str(tmp_path / "report"), layers="1,mtp.0", workers=1, progress=False)
+    grid = report["exact_block_map"]
+    assert grid["blocks"] == ["layers.1", "mtp.0"] and grid["experts"] == text["dspark_n_routed_experts"] == 8
+    assert grid["fraction"] == [[1.0] * 4 + [None] * 4, [1.0] * 8]
+    assert report["selection"]["experts_compared"] == 4 + 8 and report["overall"]["sqnr_db"] is None
+    assert report["forward"]["status"] == "run" and report["forward"]["passed"], report["forward"]
+    report = make_report(src, dst, str(tmp_path / "drafter"), layers="mtp.0", workers=1, progress=False)
+    assert report["forward"]["passed"] and report["paths"]["status"] == "run", report["paths"]
+    (layer,) = report["paths"]["layers"]
+    assert layer["block"] == "mtp.0" and layer["pairs"] + layer["pairs_dropped"] == PATHS_TOKENS * 3
+
+
+@pytest.mark.parametrize("model, ep, refused", [
+    (V41, 4, "6 routed experts of the mtp blocks (text_config.dspark_n_routed_experts) do not divide over --ep 4"),
+    (V41, 3, "8 routed experts do not divide over --ep 3"),
+    (V41, 2, None),
+    (DSPARK, 4, None),
+    (DSPARK, 3, "8 routed experts do not divide over --ep 3")])
+def test_advise_splits_every_block_s_experts_over_ep(checkpoints, model, ep, refused):
+    """EP keeps experts whole: the drafter's own count must divide too (V4.1's small one: 6)."""
+    from requant.advise import advise
+
+    src = checkpoints.source(synth.Dims(model), seed=5)
+    with Checkpoint.open(src) as ck:
+        answer = advise(ck, ["vllm", "sglang"], "sm_100", ep=ep)
+    for engine in answer["answers"]:
+        as_is = engine["paths"][0]
+        assert as_is["problems"] == ([refused] if refused else []), as_is["problems"]
+        assert as_is["starts"] is (refused is None)
+
+
+@pytest.mark.parametrize("model", [V41, DSPARK])
+def test_resumed_in_place_and_hub_conversions_are_the_uninterrupted_one(checkpoints, model, tmp_path, monkeypatch):
+    """A conversion stopped part-way then resumed, one in place, and one from a Hub repository (the
+    local stand-in of tests/test_hub.py) hold the bytes of the uninterrupted one; advise reads the
+    Hub repository's headers only."""
+    import threading
+
+    from click.testing import CliRunner
+
+    from requant.cli import cli
+    from requant.errors import RequantError
+    from requant.io import fsutil, journal
+    from tests.helpers.files import output_tree
+    from tests.test_hub import REPO, FakeHub
+
+    options = Options(engine="sglang")
+    src, clean = _pair(checkpoints, model, "sglang")
+    clean = output_tree(clean)
+    resumed = str(tmp_path / "resumed")
+    monkeypatch.setattr(fsutil, "_fault_steps", 0)
+    monkeypatch.setenv("REQUANT_TEST_FAULT", "enospc@12")   # a few shards in
+    with pytest.raises(RequantError, match="No space left"):
+        convert(src, resumed, "nvfp4", options, progress=False)
+    monkeypatch.delenv("REQUANT_TEST_FAULT")
+    shards = journal.load(resumed)[0]["shards"]
+    assert 0 < sum(s["done"] for s in shards) < len(shards), "the fault should fall between shards"
+    assert not os.path.exists(os.path.join(resumed, "config.json"))
+    convert(src, resumed, "nvfp4", options, progress=False, resume=True)
+    assert output_tree(resumed) == clean
+
+    in_place = checkpoints.copy(src, tmp_path / "in-place")
+    convert(in_place, None, "nvfp4", options, progress=False)
+    assert output_tree(in_place) == clean
+
+    server = FakeHub(src)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+        result = CliRunner().invoke(cli, ["advise", REPO, "--gpu", "sm_100", "--json"])
+        assert result.exit_code == 0, result.stderr
+        assert json.loads(result.stdout)["mtp_format"] == "mxfp4"
+        assert not [n for n in server.gets if n.endswith(".safetensors")], "advise downloaded a shard"
+        hub = str(tmp_path / "hub")
+        result = CliRunner().invoke(cli, ["convert", REPO, hub, "--out", "nvfp4", "--engine", "sglang", "--quiet"])
+        assert result.exit_code == 0, result.stderr
+        assert output_tree(hub) == clean
+    finally:
+        server.shutdown()

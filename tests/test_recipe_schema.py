@@ -160,5 +160,5 @@ def test_loading_refuses_a_broken_recipe_file_in_one_line(tmp_path, monkeypatch)
     with pytest.raises(RecipeError) as e:
         model_lib.load_recipes()
     assert str(e.value) == ("recipe deepseek_v4.json: outputs.nvfp4.ignore_mtp_convertd: not a key of the recipe "
-                            "schema here (known: evidence, ignore, ignore_mtp_converted, quant_methods, "
+                            "schema here (known: evidence, expert_dtype_key, ignore, ignore_mtp_converted, quant_methods, "
                             "quantization_config, refused, stacked)")

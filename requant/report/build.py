@@ -166,7 +166,7 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
                 bar.update(1)
         codec_names = {b: {side: codec.name if (codec := index.blocks[b].codec) else None
                            for side, index in (("source", src_index), ("candidate", dst_index))} for b in blocks}
-        n_experts = model.value("num_experts")
+        n_experts = {b: int(model.value("num_experts", b)) for b in blocks}   # a drafter's may differ (V4.1)
         dst_config = dst.config
     report = _assemble(src_path, dst_path, model, blocks, per, codec_names, unmatched, n_experts,
                        layers, time.monotonic() - started, nbytes)
@@ -180,9 +180,10 @@ def _assemble(src_path, dst_path, model, blocks, per, codec_names, unmatched, n_
     overall, by_proj = ErrorSums(), {p: ErrorSums() for p in projections}
     by_layer = []
     exact_map = []
+    columns = max(n_experts.values())   # a block with fewer experts leaves its last cells null
     for block in blocks:
         layer, layer_proj = ErrorSums(), {p: ErrorSums() for p in projections}
-        row = [None] * n_experts
+        row = [None] * columns
         for (b, e), stats in per.items():
             if b != block:
                 continue
@@ -191,7 +192,7 @@ def _assemble(src_path, dst_path, model, blocks, per, codec_names, unmatched, n_
                 layer_proj[proj].add(s)
                 expert_total.add(s)
             layer.add(expert_total)
-            if e < n_experts:
+            if e < n_experts[block]:
                 row[e] = expert_total.exact_blocks / expert_total.blocks if expert_total.blocks else None
         for proj in projections:
             by_proj[proj].add(layer_proj[proj])
@@ -212,7 +213,7 @@ def _assemble(src_path, dst_path, model, blocks, per, codec_names, unmatched, n_
         "overall": overall.metrics(),
         "by_projection": {p: s.metrics() for p, s in by_proj.items()},
         "by_layer": by_layer,
-        "exact_block_map": {"blocks": blocks, "experts": n_experts, "fraction": exact_map},
+        "exact_block_map": {"blocks": blocks, "experts": columns, "fraction": exact_map},
         "error_histogram": {
             "log10_abs_error_edges": hist_edges_log10(),
             "by_projection": {p: s.hist for p, s in by_proj.items()},

@@ -11,7 +11,7 @@ import torch
 from requant.errors import CheckpointError, FormatError
 from requant.formats import mxfp4, nvfp4
 from requant.io.checkpoint import CONFIG_NAME
-from requant.model import Expert
+from requant.model import ABSENT, Expert, config_value
 from requant.targets import PRODUCER, Stats, Target, register
 
 # What config.json and hf_quant_config.json say of NVFP4 experts (docs/formats.md, NVFP4 config.json),
@@ -126,12 +126,12 @@ class NVFP4Target(Target):
             out.add("error", "quant-method", f"quant_method must stay {kept}: "
                     "vLLM and SGLang dispatch DeepSeek-V4 NVFP4 experts through the FP8 config (block-FP8 attention + "
                     "moe_quant_algo)", CONFIG_NAME, repr(method))
-        dtype = config.get("expert_dtype")
+        key, dtype = expert_dtype(model, config)
         if dtype is None:
             out.add("info", "expert-dtype-missing",
-                    f"config.json has no expert_dtype; vLLM defaults it to {EXPERT_DTYPE!r}", CONFIG_NAME)
+                    f"config.json has no {key}; vLLM defaults it to {EXPERT_DTYPE!r}", CONFIG_NAME)
         elif dtype != EXPERT_DTYPE:
-            out.add("error", "expert-dtype", f"expert_dtype must be {EXPERT_DTYPE!r} for FP4 experts (vLLM builds FP8 "
+            out.add("error", "expert-dtype", f"{key} must be {EXPERT_DTYPE!r} for FP4 experts (vLLM builds FP8 "
                     "experts for 'fp8' and rejects other values)", CONFIG_NAME, repr(dtype))
         algo = qc.get("moe_quant_algo")
         if algo is None:
@@ -252,6 +252,15 @@ class NVFP4Target(Target):
     def accuracy(self, stats: Stats) -> dict:
         return {"blocks": stats.blocks, "exact_blocks": stats.exact_blocks,
                 "requantized_blocks": stats.requantized_blocks}
+
+
+def expert_dtype(model, config: dict) -> tuple[str, object]:
+    """(where the family's config.json says its experts' dtype, the value there; None where absent):
+    the top level for DeepSeek-V4, inside quantization_config for V4.1 (the recipe's
+    `outputs.nvfp4.expert_dtype_key`)."""
+    key = model.output("nvfp4").expert_dtype_key
+    value = config_value(config, key)
+    return key, None if value is ABSENT else value
 
 
 def _config_groups() -> dict:
