@@ -184,12 +184,13 @@ def test_nvfp4_value_problems_name_the_part_and_count_the_blocks():
     assert nvfp4.CODEC.value_problems(_reader(tensors), (8, 64)) == []
     scale = tensors["weight_scale"]
     scale[0, 0], scale[1, 1], scale[2, 2] = 0x7F, 0xB8, 0x00    # NaN, -1.0, zero (over live codes)
-    tensors["weight"][2].fill_(0x11)
+    scale[4, 0], scale[5, 1], scale[3, 3] = 0xFF, 0xFE, 0x80    # -NaN, -448, -0.0 (a zero, not negative)
+    tensors["weight"][2:4].fill_(0x11)
     tensors["input_scale"] = torch.tensor(float("nan"))
     found = {(p.code, p.part, p.detail) for p in nvfp4.CODEC.value_problems(_reader(tensors), (8, 64))}
-    assert found == {("nan-block-scale", "weight_scale", "1 blocks"),
-                     ("negative-block-scale", "weight_scale", "1 blocks"),
-                     ("zero-block-scale", "weight_scale", "1 blocks"), ("bad-input-scale", "input_scale", "NaN")}
+    assert found == {("nan-block-scale", "weight_scale", "2 blocks"),
+                     ("negative-block-scale", "weight_scale", "2 blocks"),
+                     ("zero-block-scale", "weight_scale", "2 blocks"), ("bad-input-scale", "input_scale", "NaN")}
 
 
 def test_mxfp4_and_int4_value_problems():

@@ -258,7 +258,7 @@ def expert_dtype(model, config: dict) -> tuple[str, object]:
     """(where the family's config.json says its experts' dtype, the value there; None where absent):
     the top level for DeepSeek-V4, inside quantization_config for V4.1 (the recipe's
     `outputs.nvfp4.expert_dtype_key`)."""
-    key = model.output("nvfp4").expert_dtype_key
+    key = model.output(nvfp4.CODEC.name).expert_dtype_key
     value = config_value(config, key)
     return key, None if value is ABSENT else value
 
