@@ -179,6 +179,20 @@ def test_nvfp4_decode_is_each_code_times_its_e4m3_scale_times_the_global_scale(g
     assert same(nvfp4.decode(weight, scale, global_scale, buffer), expected) and same(buffer, expected)
 
 
+@pytest.mark.parametrize("global_scale, scale_bytes, nonfinite", [
+    (1.0, (0x00, 0x7E), 0),              # every finite scale byte, nothing overflows: no decode
+    (2.0**120, (0x00, 0x7E), None),      # large scale bytes times the global scale overflow
+    (1.0, (0x7F, 0x80), None),           # the NaN byte 0x7F among them
+])
+def test_nvfp4_nonfinite_count_is_the_decoded_one(global_scale, scale_bytes, nonfinite):
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randint(0, 256, (64, 32), dtype=torch.uint8, generator=g)
+    scale = torch.randint(*scale_bytes, (64, 4), dtype=torch.uint8, generator=g)
+    decoded = int((~torch.isfinite(nvfp4.decode(weight, scale, global_scale))).sum())
+    assert nvfp4.count_nonfinite(weight, scale, global_scale) == decoded
+    assert decoded == nonfinite if nonfinite is not None else decoded > 0
+
+
 @pytest.mark.parametrize("chunk", [1 << 18, 4 * K])   # one piece; row chunks that divide the rows
 def test_decoded_row_chunks_refuse_projections_of_different_shapes(chunk, monkeypatch):
     """report and verify --deep compare row chunks: a candidate with more rows or a shorter K than

@@ -114,6 +114,9 @@ class Codec:
     # (parts by suffix, out=None) -> float32 [out, K], written into `out` when given (a reused buffer
     # of that shape: a fresh one per call costs the page faults of a pass)
     decode: Callable[..., torch.Tensor]
+    # parts -> how many decoded values are not finite, where the format can tell without decoding
+    # it all (None: verify --deep decodes and counts)
+    count_nonfinite: Callable[[dict[str, torch.Tensor]], int] | None = None
     fixed_group: int | None = None                  # the block size, when the format fixes it
     group_sizes: tuple[int, ...] = ()               # the block sizes it allows (one: the fixed one)
     kernel_code: int | None = None                  # the fused-MoE kernel's format constant; None: not read

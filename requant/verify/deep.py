@@ -96,6 +96,8 @@ class DeepCompare:
     def _nonfinite(self, codec: formats.Codec, tensors: dict, scale_name: str) -> int:
         """Non-finite values of one expert's projection, decoded."""
         with self.ctx.ck.naming(scale_name):
+            if codec.count_nonfinite is not None:
+                return codec.count_nonfinite(tensors)
             return int((~torch.isfinite(codec.decode(self._on_device(tensors)))).sum())
 
     def _exactness(self, src_codec: formats.Codec, src_tensors: dict, src_parts: dict[str, str],
