@@ -29,9 +29,12 @@ def inspect_checkpoint(path: str) -> dict:
         except RequantError:
             model = None
         index = ExpertIndex(model, ck) if model else None
-        blocks = defaultdict(set)
+        blocks, drafter_blocks = defaultdict(set), defaultdict(set)
         for block in index.blocks.values() if index else ():
-            blocks[block.codec.name if block.codec else "unknown"].add(block.name)
+            fmt = block.codec.name if block.codec else "unknown"
+            blocks[fmt].add(block.name)
+            if not block.main:
+                drafter_blocks[fmt].add(block.name)
         main = index.main_codec if index else None
         qc = ck.config.get("quantization_config") or {}
         return {
@@ -41,6 +44,7 @@ def inspect_checkpoint(path: str) -> dict:
             "model": model.model_name if model else None,
             "expert_format": main.name if main else None,
             "expert_blocks_by_format": {fmt: len(b) for fmt, b in sorted(blocks.items())},
+            "drafter_blocks_by_format": {fmt: len(b) for fmt, b in sorted(drafter_blocks.items())},   # MTP / DSpark
             "routed_experts": sum(b.count for b in index.blocks.values()) if index else 0,
             "shards": len(ck.shard_names),
             "tensors": len(ck.locations),
@@ -64,12 +68,20 @@ def _made_for(path: str) -> str | None:
     return f"{engine['name']} {engine.get('version')}" if engine else None
 
 
+def _blocks_text(blocks: int, drafter: int) -> str:
+    """"43 layers", "3 drafter blocks", "40 layers + 1 drafter block"."""
+    parts = [f"{blocks - drafter} layers"] if blocks > drafter else []
+    parts += [f"{drafter} drafter block{'s' if drafter > 1 else ''}"] if drafter else []
+    return " + ".join(parts)
+
+
 def format_report(info: dict) -> str:
     lines = [
         f"checkpoint     {info['path']}",
         f"model          {info['model'] or info['model_type']} (recipe: {info['recipe'] or 'none'})",
         f"experts        {info['routed_experts']:,} routed experts, format {info['expert_format'] or 'unknown'}"
-        + "".join(f"; {n} layers {fmt}" for fmt, n in info["expert_blocks_by_format"].items()),
+        + "".join(f"; {_blocks_text(n, info['drafter_blocks_by_format'].get(fmt, 0))} {fmt}"
+                  for fmt, n in info["expert_blocks_by_format"].items()),
         f"shards         {info['shards']}  tensors {info['tensors']:,}",
         f"bytes          tensor data {info['tensor_bytes']:,}; shard file sizes {info['file_bytes']:,}",
     ]

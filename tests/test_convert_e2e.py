@@ -176,8 +176,10 @@ def test_inspect_source_and_output(small_source, converted):
     info = json.loads(run_cli("inspect", dst, "--json").stdout)
     assert info["model_type"] == "deepseek_v4" and info["expert_format"] == "nvfp4"
     assert info["expert_blocks_by_format"] == {"mxfp4": 1, "nvfp4": 5}
+    assert info["drafter_blocks_by_format"] == {"mxfp4": 1}   # the MTP block, kept for SGLang
     assert info["quantization_config"]["moe_quant_algo"] == "NVFP4"
     assert info["tensor_bytes"] == info["index_total_size"]
+    assert "1 drafter block mxfp4; 5 layers nvfp4" in run_cli("inspect", dst).stdout
     text = run_cli("inspect", small_source).stdout
     assert "format mxfp4" in text and "deepseek_v4" in text and "F8_E8M0" in text
 

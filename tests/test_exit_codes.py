@@ -278,7 +278,7 @@ def test_validate_never_estimates_zero_seconds():
 
     class Cfg:
         n_routed_experts, hidden_size, intermediate_size, router = 4, 32, 32, Router()
-    line = cpu_notice(Cfg(), 1, 1)
+    line = cpu_notice([Cfg()], 1)
     assert "about 0 s" not in line and "about 1 s or less" in line
 
 

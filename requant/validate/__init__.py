@@ -79,7 +79,7 @@ def validate(src: str, dst: str, layers: str | None = None, tokens: int = 64, de
         if differing is not None:
             raise RequantError(f"the two checkpoints' config.json disagree on the MoE shape of {differing}")
         if fm is None and notice is not None:
-            notice(cpu_notice(cfg, len(blocks), tokens if acts is None else None))
+            notice(cpu_notice([a.moe_config(blk) for blk in blocks], tokens if acts is None else None))
         run = Comparison(fm, a, b, cfg, tokens, device, torch.Generator().manual_seed(seed), acts, serve_modes,
                          capability)
         results = []
@@ -96,12 +96,15 @@ def validate(src: str, dst: str, layers: str | None = None, tokens: int = 64, de
 _CPU_SECONDS_PER_WEIGHT = 5e-9
 
 
-def cpu_notice(cfg: MoEConfig, layers: int, tokens: int | None) -> str:
-    """One line: the CPU reference is running, about how long it takes, how to make it shorter."""
-    pairs = (tokens or 64) * cfg.router.top_k
-    used = cfg.n_routed_experts * (1 - (1 - 1 / cfg.n_routed_experts) ** pairs)   # expected distinct experts
-    weights = 2 * layers * used * 3 * cfg.hidden_size * cfg.intermediate_size
+def cpu_notice(cfgs: list[MoEConfig], tokens: int | None) -> str:
+    """One line: the CPU reference is running over blocks that run `cfgs` (each its own expert
+    count and top-k), about how long it takes, how to make it shorter."""
+    weights = 0
+    for cfg in cfgs:
+        pairs = (tokens or 64) * cfg.router.top_k
+        used = cfg.n_routed_experts * (1 - (1 - 1 / cfg.n_routed_experts) ** pairs)   # expected distinct experts
+        weights += 2 * used * 3 * cfg.hidden_size * cfg.intermediate_size
     seconds = weights * _CPU_SECONDS_PER_WEIGHT * 2 / max(1, min(default_workers(), 16))
     estimate = f"about {math.ceil(seconds)} s" if seconds >= 1 else "about 1 s or less"   # never "about 0 s"
-    return (f"validate: no GPU in use; running the torch reference on the CPU, {estimate} for {layers} "
+    return (f"validate: no GPU in use; running the torch reference on the CPU, {estimate} for {len(cfgs)} "
             f"layer(s) x {tokens if tokens else 'the given'} tokens (--layers and --tokens choose fewer)")
