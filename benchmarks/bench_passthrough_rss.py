@@ -39,6 +39,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -99,12 +100,13 @@ def convert_child(*args: str) -> tuple[float, int]:
     """(seconds, peak RSS in bytes) of `python -m requant convert ARGS` in a child process."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     start = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-m", "requant", "convert", *args, "--out", "nvfp4", "-q"], env=env,
-                             stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(child.pid, 0)
-    seconds = time.perf_counter() - start
-    err = child.stderr.read()
-    child.stderr.close()
+    with tempfile.TemporaryFile("w+") as stderr:   # a file, not a pipe: a long error cannot block the child
+        child = subprocess.Popen([sys.executable, "-m", "requant", "convert", *args, "--out", "nvfp4", "-q"], env=env,
+                                 stderr=stderr, text=True)
+        _, status, usage = os.wait4(child.pid, 0)
+        seconds = time.perf_counter() - start
+        stderr.seek(0)
+        err = stderr.read()
     child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode:
         raise SystemExit(f"convert {' '.join(args)} failed ({child.returncode}): {err.strip()}")
