@@ -24,6 +24,22 @@ def source_and_outputs(root: Path, dims: synth.Dims, seed: int, outputs: dict[st
     return paths
 
 
+# small checkpoints of each model with a DSpark drafter (the DSpark files of the tier)
+DSPARK_MODELS = {"v4-0731": synth.Dims("deepseek-v4-flash-0731", layers=3, experts=6),
+                 "v4-pro-0813": synth.Dims("deepseek-v4-pro-0813", layers=3, experts=6),
+                 "v41": synth.Dims("deepseek-v4.1-flash")}
+
+
+def dspark_source_and_outputs(root: Path, model: str, engine: str, version: str, seed: int,
+                              outputs: dict[str, tuple[str, Options]],
+                              w4a16_outputs: dict[str, tuple[str, Options]]) -> dict[str, str]:
+    """source_and_outputs of DSPARK_MODELS[model], with `w4a16_outputs` only where `engine` `version`'s
+    rules serve W4A16 for it (V4.1's refuse it)."""
+    dims = DSPARK_MODELS[model]
+    served = dims.spec.engine(engine, version).refusal("w4a16") is None
+    return source_and_outputs(root, dims, seed, {**outputs, **(w4a16_outputs if served else {})})
+
+
 def per_format(engine: str) -> dict[str, tuple[str, Options]]:
     """One output of each format requant writes, laid out for `engine` with default options."""
     return {fmt: (fmt, Options(engine=engine)) for fmt in ("nvfp4", "w4a16")}

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from requant import engines, synth
+from requant import engines
 from requant.model import ModelSpec
 from requant.targets import Options
 from tests.engines import wheels
@@ -27,14 +27,11 @@ if not wheels.available("sglang"):
                 allow_module_level=True)
 
 from tests.engines import sglang_kernels as K  # noqa: E402
-from tests.engines.outputs import source_and_outputs  # noqa: E402
+from tests.engines.outputs import DSPARK_MODELS, dspark_source_and_outputs  # noqa: E402
 from tests.engines.sglang_harness import hf_config, reset, sglang_load_report  # noqa: E402
 from tests.engines.sglang_startup import sglang_accepts  # noqa: E402
 
 VERSION = wheels.version("sglang")
-MODELS = {"v4-0731": synth.Dims("deepseek-v4-flash-0731", layers=3, experts=6),
-          "v4-pro-0813": synth.Dims("deepseek-v4-pro-0813", layers=3, experts=6),
-          "v41": synth.Dims("deepseek-v4.1-flash")}
 OUTPUTS = {"nvfp4": ("nvfp4", Options(engine="sglang")),
            "vllm-nvfp4-convert": ("nvfp4", Options(engine="vllm", mtp="convert"))}   # for the negative case
 # made for the models whose rules serve W4A16 (the V4 DSpark releases; V4.1's are refused)
@@ -48,12 +45,10 @@ def _engine_stand_ins():
     reset()
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(scope="module", params=sorted(DSPARK_MODELS))
 def ckpts(request, tmp_path_factory) -> dict[str, str]:
-    dims = MODELS[request.param]
-    w4a16 = W4A16_OUTPUTS if dims.spec.engine("sglang", VERSION).refusal("w4a16") is None else {}
-    return source_and_outputs(tmp_path_factory.mktemp(f"sglang-dspark-{request.param}"), dims, 13,
-                              {**OUTPUTS, **w4a16})
+    return dspark_source_and_outputs(tmp_path_factory.mktemp(f"sglang-dspark-{request.param}"), request.param,
+                                     "sglang", VERSION, 13, OUTPUTS, W4A16_OUTPUTS)
 
 
 def rules_of(path) -> engines.EngineRules:

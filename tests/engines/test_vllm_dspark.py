@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from requant import engines, synth
+from requant import engines
 from requant.model import ModelSpec
 from requant.targets import Options
 
@@ -26,13 +26,10 @@ if not wheels.available("vllm"):
                 allow_module_level=True)
 
 from . import vllm_harness as vllm  # noqa: E402
-from .outputs import source_and_outputs, with_ignore  # noqa: E402
+from .outputs import DSPARK_MODELS, dspark_source_and_outputs, with_ignore  # noqa: E402
 from .vllm_startup import vllm_accepts  # noqa: E402
 
 VERSION = wheels.version("vllm")
-MODELS = {"v4-0731": synth.Dims("deepseek-v4-flash-0731", layers=3, experts=6),
-          "v4-pro-0813": synth.Dims("deepseek-v4-pro-0813", layers=3, experts=6),
-          "v41": synth.Dims("deepseek-v4.1-flash")}
 DRAFT_ARCH = {"deepseek_v4": "DSparkDraftModel", "deepseek_v41": "DSparkV41DraftModel"}
 OUTPUTS = {
     "vllm-nvfp4": ("nvfp4", Options(engine="vllm")),                      # the default: drafter passed through
@@ -52,12 +49,10 @@ def _engine_stand_ins():
     vllm.reset()
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(scope="module", params=sorted(DSPARK_MODELS))
 def ckpts(request, tmp_path_factory) -> dict[str, str]:
-    dims = MODELS[request.param]
-    w4a16 = W4A16_OUTPUTS if dims.spec.engine("vllm", VERSION).refusal("w4a16") is None else {}
-    return source_and_outputs(tmp_path_factory.mktemp(f"vllm-dspark-{request.param}"), dims, 11,
-                              {**OUTPUTS, **w4a16})
+    return dspark_source_and_outputs(tmp_path_factory.mktemp(f"vllm-dspark-{request.param}"), request.param,
+                                     "vllm", VERSION, 11, OUTPUTS, W4A16_OUTPUTS)
 
 
 def rules(ckpt: vllm.Checkpoint) -> engines.EngineRules:
