@@ -161,6 +161,7 @@ class ModelSpec:
     def __init__(self, recipe: Recipe, config: dict):
         self.recipe = recipe
         self.config = config
+        self._named: str | None = None   # the named model --model chose (model_name)
         self._expert_re = re.compile(recipe.routed_expert)
         self._block_re = {kind: re.compile("^" + re.escape(template).replace(re.escape("{index}"), r"(\d+)") + "$")
                           for kind, template in recipe.blocks.items()}
@@ -205,7 +206,7 @@ class ModelSpec:
     def model_name(self) -> str | None:
         """The named model (e.g. deepseek-v4-pro) whose config.json this is, going by the values of
         every config role (or as --model named it); None for other dimensions."""
-        if getattr(self, "_named", None):
+        if self._named:
             return self._named
         for name, entry in self.recipe.models.items():
             config_template = self.synth_template.files["config.json"]

@@ -83,13 +83,14 @@ class MoEConfig:
     activation: Activation
 
     @classmethod
-    def from_model(cls, model) -> "MoEConfig":
-        """From a model.ModelSpec: its recipe's router and activation, its config's dimensions."""
-        router = model.router()
+    def from_model(cls, model, block: str | None = None) -> "MoEConfig":
+        """From a model.ModelSpec: its recipe's router and activation, its config's dimensions; those
+        of `block`'s kind where given (a drafter may have its own expert count and top-k: V4.1's)."""
+        router = model.router(block)
         if router["kind"] not in _ROUTERS:
             raise UnsupportedError(f"router {router['kind']!r} has no torch reference (known: {', '.join(_ROUTERS)})")
         return cls(int(model.value("hidden_size")), int(model.value("intermediate_size")),
-                   int(model.value("num_experts")), Router(**router), activation(model.activation()))
+                   int(model.value("num_experts", block)), Router(**router), activation(model.activation()))
 
 
 @dataclass

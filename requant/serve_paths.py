@@ -41,7 +41,7 @@ from requant.compute import default_workers, torch_threads
 from requant.errors import RequantError, UnsupportedError
 from requant.formats import engine_numerics as en, int4, int4_search, mxfp4, nvfp4
 from requant.io.checkpoint import Checkpoint
-from requant.moe import expert_forward, route
+from requant.moe import MoEConfig, expert_forward, route
 from requant.serve import calibrated_input_scale
 
 MX, NV, W4 = mxfp4.CODEC.name, nvfp4.CODEC.name, int4.CODEC.name   # the weights each path stores
@@ -98,7 +98,7 @@ def compare_paths(checkpoint: str, layers: str | list[str] | None = None, tokens
             fmt = kernel_format(side, block)
             if fmt != MX:
                 raise UnsupportedError(f"{block}: compare_paths starts from MXFP4 experts, not {fmt}")
-            cfg = side.moe_config(block)
+            cfg = MoEConfig.from_model(side.model, block)
             x, token_ids = _inputs(ck, side, block, cfg, tokens, gen, acts, hidden_states)
             block_router = router(side, block, "cpu")
             if block_router.tid2eid is not None and token_ids is None:

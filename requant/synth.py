@@ -156,7 +156,7 @@ class _Values:
     def tensor(self, spec: TensorSpec, siblings: dict) -> torch.Tensor:
         name, shape = spec.name, spec.shape
         if spec.dtype == "F8_E4M3":
-            scale = name[: -len(".weight")] + ".scale"
+            scale = _scale_name(name)
             block = fp8_block.block_of(shape, siblings["__shapes"][scale])
             w, s = fp8_block.encode(torch.from_numpy(self.normal(shape, 0.02)), block)
             siblings[scale] = s
@@ -310,6 +310,11 @@ def write_checkpoint(dest: str, dims: Dims | None = None, seed: int = 0, hard: H
     return names
 
 
+def _scale_name(weight_name: str) -> str:
+    """The scale tensor of a DeepSeek-layout quantized `<module>.weight` (`<module>.scale`)."""
+    return weight_name[: -len(".weight")] + ".scale"
+
+
 def _fill(writer: ShardWriter, specs, values: _Values, dims: Dims, pooled: bool) -> None:
     siblings = {"__experts": dims.experts, "__shapes": {s.name: s.shape for s in specs}}
     reader = sources.reader(dims.spec)
@@ -319,7 +324,7 @@ def _fill(writer: ShardWriter, specs, values: _Values, dims: Dims, pooled: bool)
             rows, half_k = spec.shape
             w, s = values.expert(rows, half_k * 2, pooled)
             writer.write(spec.name, w)
-            siblings[spec.name[: -len(".weight")] + ".scale"] = s
+            siblings[_scale_name(spec.name)] = s
         elif ref and ref.expert is None and ref.part == dims.spec.stacked_parts["weight"]:
             # every expert of a block in one MXFP4 tensor; the scales tensor comes later
             rows, words = reader.matrix_shape(spec.shape)
@@ -339,7 +344,7 @@ _PIECE_BYTES = 64 << 20
 
 
 def _fill_fp8_in_pieces(writer: ShardWriter, spec: TensorSpec, siblings: dict, values: _Values) -> None:
-    scale_name = spec.name[: -len(".weight")] + ".scale"
+    scale_name = _scale_name(spec.name)
     rows, cols = spec.shape
     block_rows, block_cols = fp8_block.block_of(spec.shape, siblings["__shapes"][scale_name])
     scale_cols = -(-cols // block_cols)

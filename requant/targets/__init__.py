@@ -14,11 +14,11 @@ import torch
 
 from requant import __version__, formats, sources
 from requant.errors import FormatError, RequantError, UnsupportedError
-from requant.experts import MAIN_KIND, ExpertIndex
+from requant.experts import ExpertIndex
 from requant.io.checkpoint import Checkpoint
 from requant.io.safetensors import TensorSpec
 from requant.serve import calibrated_input_scale
-from requant.model import Expert, ModelSpec
+from requant.model import MAIN_KIND, Expert, ModelSpec
 
 PRODUCER = {"name": "requant", "version": __version__}
 TARGETS: dict[str, type["Target"]] = {}

@@ -75,11 +75,12 @@ def validate(src: str, dst: str, layers: str | None = None, tokens: int = 64, de
                 notice(f"validate: {why}")
         both = set(b.moe_blocks())
         blocks = a.model.select_blocks(layers, [blk for blk in a.moe_blocks() if blk in both])
-        differing = next((blk for blk in blocks if a.moe_config(blk) != b.moe_config(blk)), None)
+        configs = {blk: MoEConfig.from_model(a.model, blk) for blk in blocks}   # each kind of block its own
+        differing = next((blk for blk in blocks if MoEConfig.from_model(b.model, blk) != configs[blk]), None)
         if differing is not None:
             raise RequantError(f"the two checkpoints' config.json disagree on the MoE shape of {differing}")
         if fm is None and notice is not None:
-            notice(cpu_notice([a.moe_config(blk) for blk in blocks], tokens if acts is None else None))
+            notice(cpu_notice(list(configs.values()), tokens if acts is None else None))
         run = Comparison(fm, a, b, cfg, tokens, device, torch.Generator().manual_seed(seed), acts, serve_modes,
                          capability)
         results = []

@@ -24,7 +24,7 @@ class Comparison:
     fm: object                      # the kernel module; None: the torch reference alone
     a: Side                         # the source
     b: Side                         # the candidate
-    cfg: MoEConfig                  # the main layers' (each block runs its own: Side.moe_config)
+    cfg: MoEConfig                  # the main layers' (each block runs its own: MoEConfig.from_model(model, block))
     tokens: int                     # random hidden states per layer, without `acts`
     device: str
     gen: torch.Generator
@@ -46,7 +46,7 @@ def _inputs(run: Comparison, block: str) -> tuple[torch.Tensor, torch.Tensor | N
 
 def validate_block(run: Comparison, block: str) -> LayerResult:
     fm, a, b = run.fm, run.a, run.b
-    cfg = a.moe_config(block)
+    cfg = MoEConfig.from_model(a.model, block)
     x, token_ids = _inputs(run, block)
     x = x.to(run.device)
     ra, rb = router(a, block, run.device), router(b, block, run.device)

@@ -3,7 +3,7 @@ kernel and the torch reference take them, its router and shared expert, and the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -14,7 +14,7 @@ from requant.experts import ExpertIndex
 from requant.formats import fp8_block
 from requant.io.checkpoint import Checkpoint
 from requant.model import ModelSpec
-from requant.moe import MoEConfig, MoELayer, Router
+from requant.moe import MoELayer
 
 ROLES = ("gate", "up", "down")
 _BYTE_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e8m0fnu)
@@ -32,12 +32,6 @@ class Side:
         """Blocks with a router and routed experts, in layer order (the MTP blocks last)."""
         names = set(self.ck.names)
         return [b for b in self.index.in_order() if self.model.router_tensor(b, "weight") in names]
-
-    def moe_config(self, block: str) -> MoEConfig:
-        """The MoE `block` runs: the model's, with the expert count and top-k of the block's kind
-        (a drafter may have its own: V4.1's DSpark stages)."""
-        return replace(MoEConfig.from_model(self.model), n_routed_experts=int(self.model.value("num_experts", block)),
-                       router=Router(**self.model.router(block)))
 
 
 def kernel_format(side: Side, block: str) -> str:
