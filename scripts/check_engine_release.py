@@ -5,7 +5,8 @@
 Fetches the release's wheel (`pip download --no-deps`, into the tier's wheel cache), runs
 tests/engines against it with requant's rules for the nearest release it has checked (the one the
 release would get from `requant verify --engine vllm==0.35.0`), and lists the tests that held and
-those that failed: each failure is a rule to re-read in the new release's code. Adding the release
+those that failed or skipped (either makes it exit 1: a skipped check holds nothing): each failure
+is a rule to re-read in the new release's code. Adding the release
 is then a data file, requant/engines/releases/<engine>-<version>.json (docs/engines.md).
 """
 
@@ -55,11 +56,14 @@ def main(argv=None) -> int:
         for test in results.get(status, []):
             print(f"  {status:<8}{test}")
     held, broken = len(results.get("PASSED", [])), len(results.get("FAILED", [])) + len(results.get("ERROR", []))
-    print(f"{held} held, {broken} failed or errored, {len(results.get('SKIPPED', []))} skipped")
+    skipped = len(results.get("SKIPPED", []))
+    print(f"{held} held, {broken} failed or errored, {skipped} skipped")
     if not results:
         print(done.stdout[-3000:] + done.stderr[-2000:], file=sys.stderr)
         return 2
-    return 1 if broken else 0
+    if skipped and not broken:   # a skipped check held nothing: the release is not held until it runs
+        print(f"{name} {version} is not held: {skipped} check(s) skipped (listed above)", file=sys.stderr)
+    return 1 if broken or skipped else 0
 
 
 if __name__ == "__main__":

@@ -184,7 +184,7 @@ def family(name: str):
 def test_every_family_resolves_in_every_release():
     """A family naming a `base` family repeats its rules where it says nothing (the V4 kernel cells)."""
     for engine in engines.engine_names():
-        for version in engines.releases(engine):
+        for version in engines.releases(engine, scope="loader"):
             data = engines.release_data(engine, version)
             assert not any("base" in rules for rules in data["models"].values()), (engine, version)
             for name in DSPARK_FAMILIES:
@@ -201,7 +201,7 @@ def test_dspark_drafter_rules(name):
     the INT4 group), and V4.1 W4A16 is refused as not established; the serve flags are DSpark's."""
     recipe = family(name)
     for engine in engines.engine_names():
-        for version in engines.releases(engine):
+        for version in engines.releases(engine, scope="loader"):
             rules = engines.rules_for(recipe, engine, version)
             assert rules.drafter["kind"] == "dspark" and rules.drafter["evidence"]
             assert rules.mtp_format("nvfp4") == "mxfp4" and rules.mtp_evidence("nvfp4")

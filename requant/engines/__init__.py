@@ -71,11 +71,15 @@ class Kernel:
     mtp: dict | None = None   # the MTP/NextN block's experts where they differ: method, backend, runs, ...
     evidence: tuple[str, ...] = ()   # "<file>:<lines>" of the release (and its kernel library) checked
     engine_answer: dict | None = None   # what the release's own code answered, as the tier records it
+    # The MoE backends a user can ask for instead (flags/env, packages, what each runs): Kernel
+    # fields plus "flags", "env", "packages" [{name, spec, in_requirements}] (docs/engines.md).
+    opt_in: tuple[dict, ...] = ()
 
     @classmethod
     def from_data(cls, entry: dict) -> "Kernel":
-        """A kernel entry of a release file (its evidence list as a tuple)."""
-        return cls(**{**entry, "evidence": tuple(entry.get("evidence", ()))})
+        """A kernel entry of a release file (its evidence and opt_in lists as tuples)."""
+        return cls(**{**entry, "evidence": tuple(entry.get("evidence", ())),
+                      "opt_in": tuple(dict(o) for o in entry.get("opt_in", ()))})
 
     @property
     def mtp_path(self) -> dict:
@@ -286,9 +290,23 @@ def engine_names() -> list[str]:
     return sorted(_release_files())
 
 
-def releases(engine: str) -> list[str]:
-    """The releases of `engine` requant has checked rules for, oldest first."""
-    return sorted(_release_files().get(engine, {}), key=version_key)
+SCOPES = ("loader", "selection")   # what the tier ran for a release: its loader code, or its selection code only
+
+
+def releases(engine: str, scope: str | None = None) -> list[str]:
+    """The releases of `engine` requant has rules for, oldest first; with `scope`, only those whose
+    file has that scope ("loader": the tier runs the release's loader code, the default of a file
+    without "scope"; "selection": kernel selection and drafter rules read from its files)."""
+    if scope is not None and scope not in SCOPES:
+        raise ValueError(f"unknown release scope {scope!r} (known: {', '.join(SCOPES)})")
+    found = sorted(_release_files().get(engine, {}), key=version_key)
+    return [v for v in found if scope is None or release_scope(engine, v) == scope]
+
+
+@lru_cache(maxsize=None)
+def release_scope(engine: str, version: str) -> str:
+    """A release file's own "scope" (never its base's): what the tier checked for that release."""
+    return json.loads(_release_files()[engine][version].read_text()).get("scope", "loader")
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -302,6 +320,9 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+_OWN_KEYS = ("scope", "checked", "changes", "version")   # keys a release file never takes from its base
+
+
 @lru_cache(maxsize=None)
 def release_data(engine: str, version: str) -> dict:
     """The data of one checked release, its `base` release's merged under it. A model family may
@@ -310,7 +331,9 @@ def release_data(engine: str, version: str) -> dict:
     path = _release_files()[engine][version]
     data = json.loads(path.read_text())
     base = data.pop("base", None)
-    data = _merge(release_data(engine, base), data) if base else data
+    if base:   # what was checked, and how, is the release's own: never its base's
+        data = _merge({k: v for k, v in release_data(engine, base).items() if k not in _OWN_KEYS}, data)
+    data.setdefault("scope", "loader")
     models = data["models"] = dict(data["models"])   # never the cached base release's own dict
     for family in list(models):
         models[family] = _family(models, family, ())

@@ -31,7 +31,7 @@ from requant import engines as _rules
 
 # The tier runs, unless told otherwise, the newest release of each engine requant has rules for
 # (requant/engines/releases/); a new release is run with --engine-release before its data exists.
-NEWEST = {name: _rules.releases(name)[-1] for name in _rules.engine_names()}
+NEWEST = {name: _rules.releases(name, scope="loader")[-1] for name in _rules.engine_names()}
 ENV = "REQUANT_ENGINE_RELEASES"
 
 # CI and later runs keep this folder; REQUANT_ENGINE_WHEELS points elsewhere.
