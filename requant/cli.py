@@ -91,8 +91,9 @@ Exit status: 0 done; {EXIT_INPUT} bad input or I/O (a checkpoint or file requant
 failed read or write; verify and validate: checks failed); {EXIT_USAGE} bad usage (an option
 value or combination refused, a missing pip extra); {EXIT_SHORT_OF_SPACE} convert --dry-run: too
 little free disk; {EXIT_BUG} a bug in requant (REQUANT_DEBUG=1 prints the traceback);
-{EXIT_INTERRUPTED} interrupted before the command finished. An error is one line on stderr; with
---json it is also printed on stdout as {{"error": {{"code": N, "message": "..."}}}}.
+{EXIT_INTERRUPTED} interrupted (Ctrl-C, SIGTERM or SIGHUP) before the command finished. An error
+is one line on stderr; with --json it is also printed on stdout as {{"error": {{"code": N,
+"message": "..."}}}}.
 -q/--quiet: no progress bars, library warnings off; -v/--verbose: log INFO (-vv DEBUG).
 Progress bars are drawn only when stderr is a terminal."""
 
@@ -110,10 +111,20 @@ def _fail(message: str, code: int, as_json: bool = False) -> None:
     sys.exit(code)
 
 
+# Ctrl-C, `kill PID` and a closed terminal all ask the command to stop: each is answered alike
+# (a conversion keeps its work and says how to resume; exit 130).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _stop_requested(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def _finished_quietly() -> None:
-    """The command's work is done: a Ctrl-C from now on must not turn it into a failure."""
+    """The command's work is done: a stop request from now on must not turn it into a failure."""
     if _OWN_PROCESS:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def _set_verbosity(quiet: bool, verbose: int) -> None:
@@ -560,4 +571,6 @@ def validate(src, dst, layers, tokens, device, activations, serve, as_json, quie
 def main():
     global _OWN_PROCESS
     _OWN_PROCESS = True
+    for signum in STOP_SIGNALS[1:]:   # SIGINT already raises KeyboardInterrupt
+        signal.signal(signum, _stop_requested)
     cli(prog_name="requant")

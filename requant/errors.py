@@ -7,7 +7,7 @@ Exit statuses (README "Exit status", every command's --help):
   2  bad usage: an option value or combination requant refuses, or a missing pip extra
   3  convert --dry-run: the plan is fine, the target's disk lacks the free space it needs
   70 a bug in requant (REQUANT_DEBUG=1 prints the traceback)
-  130 interrupted before the command finished
+  130 interrupted (Ctrl-C, SIGTERM, SIGHUP) before the command finished
 """
 
 from __future__ import annotations

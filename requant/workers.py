@@ -170,7 +170,8 @@ def _init_gpu_thread(device: str) -> None:
 def _init_process(parent: int | None = None) -> None:
     if parent is not None:   # a forked worker (None: a stand-alone probe, benchmarks/bench_throughput.py)
         die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle, once
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # a stop is the parent's to handle, once
+        signal.signal(signum, signal.SIG_IGN)
     worker_settings()
 
 

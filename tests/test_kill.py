@@ -5,14 +5,14 @@ outlive it either, and `--resume` must end byte-identical to an uninterrupted co
 one's lock is taken over with one line on stderr.
 
 The kill points are durable steps (the REQUANT_TEST_FAULT hook: the process sends itself SIGKILL
-there), drawn with a fixed seed from the middle of each conversion, where the workers are busy;
-REQUANT_KILL_POINTS=N draws N points per case from the whole conversion instead.
+there; tests/helpers/kills.py), drawn with a fixed seed from the middle of each conversion, where the workers are busy;
+REQUANT_KILL_POINTS=N draws N points per case from the whole conversion instead. SIGTERM (`kill
+PID`) and SIGHUP at such a step stop the conversion as Ctrl-C does: exit 130 and the resume line.
 """
 
 from __future__ import annotations
 
 import os
-import random
 import select
 import shutil
 import signal
@@ -26,25 +26,17 @@ from click.testing import CliRunner
 
 from requant import synth, workers
 from requant.cli import cli
-from requant.errors import RequantError
+from requant.errors import EXIT_INTERRUPTED, RequantError
 from requant.io import fsutil, journal
 from requant.io.fsutil import DirLock
 from tests.helpers.files import output_tree
+from tests.helpers.kills import (REPO, convert_args, kill_points, printed_commands, run_printed, run_stopped,
+                                 steps_and_output)
 
 DIMS = synth.Dims(layers=3, experts=6)
-SEED = 20261204
 POINTS = int(os.environ.get("REQUANT_KILL_POINTS", "0"))
 GONE_WITHIN_S = 15   # a liveness deadline: the kernel kills the workers at once; this is slack for a busy host
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = [("w4a16", False), ("w4a16", True), ("nvfp4", False), ("nvfp4", True)]
-
-
-def options(out: str) -> list[str]:
-    return ["--out", out, "--workers", "2", "--quiet"] + (["--device", "cpu"] if out == "w4a16" else [])
-
-
-def convert_args(src: str, dst: str | None, out: str) -> list[str]:
-    return ["convert", src, *([dst] if dst else ["--in-place"]), *options(out)]
 
 
 def proc_stat(pid: int) -> tuple[str, int, int] | None:
@@ -103,25 +95,10 @@ def clean(source, tmp_path_factory):
             target = str(base / f"{out}-{'ip' if in_place else 'oop'}")
             if in_place:
                 shutil.copytree(source, target)
-            mp = pytest.MonkeyPatch()
-            mp.setattr(fsutil, "_fault_steps", 0)
-            try:
-                result = CliRunner().invoke(cli, convert_args(target if in_place else source,
-                                                              None if in_place else target, out),
-                                            env={"REQUANT_TEST_FAULT": f"kill@{10**9}"})   # counts the steps
-                assert result.exit_code == 0, result.output + result.stderr
-                made[out, in_place] = fsutil._fault_steps, output_tree(target)
-            finally:
-                mp.undo()
+            made[out, in_place] = steps_and_output(convert_args(target if in_place else source,
+                                                                None if in_place else target, out), target)
         return made[out, in_place]
     return get
-
-
-def kill_points(case: int, steps: int) -> list[int]:
-    rng = random.Random(SEED + case)
-    if POINTS:
-        return sorted(rng.sample(range(1, steps + 1), min(POINTS, steps)))
-    return [rng.randrange(steps // 4, 3 * steps // 4)]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)),
@@ -129,18 +106,13 @@ def kill_points(case: int, steps: int) -> list[int]:
 def test_sigkill_leaves_no_process_and_resumes(source, clean, tmp_path, case):
     out, in_place = CASES[case]
     steps, expected = clean(out, in_place)
-    for step in kill_points(case, steps):
+    for step in kill_points(case, steps, POINTS):
         target = str(tmp_path / f"{out}-{step}")
         if in_place:
             shutil.copytree(source, target)
         args = convert_args(target if in_place else source, None if in_place else target, out)
-        env = {**os.environ, "REQUANT_TEST_FAULT": f"kill@{step}", "PYTHONPATH": REPO}
-        with open(tmp_path / "stderr", "w+") as err:   # a file, not a pipe: a surviving worker would keep a pipe open
-            proc = subprocess.Popen([sys.executable, "-m", "requant", *args], env=env, start_new_session=True,
-                                    stdout=subprocess.DEVNULL, stderr=err)
-            proc.wait(timeout=300)
-            err.seek(0)
-            assert proc.returncode == -signal.SIGKILL, f"step {step}: ended with {proc.returncode}: {err.read()}"
+        proc, err = run_stopped(args, f"kill@{step}", str(tmp_path / "stderr"))
+        assert proc.returncode == -signal.SIGKILL, f"step {step}: ended with {proc.returncode}: {err}"
         left = wait_gone(proc.pid, target)
         assert not left, f"step {step}: requant processes {left} outlived their killed parent {proc.pid}"
 
@@ -151,6 +123,34 @@ def test_sigkill_leaves_no_process_and_resumes(source, clean, tmp_path, case):
         verified = CliRunner().invoke(cli, ["verify", target, "--quiet"])
         assert verified.exit_code == 0, verified.output
         shutil.rmtree(target)
+
+
+STOPS = [("term", "w4a16", False), ("hup", "nvfp4", True), ("term", "nvfp4", True)]
+
+
+@pytest.mark.parametrize("case", range(len(STOPS)), ids=[f"{k}-{o}-{'in-place' if p else 'copy'}" for k, o, p in STOPS])
+def test_sigterm_and_sighup_stop_as_ctrl_c(source, clean, tmp_path, case):
+    """`kill PID` (SIGTERM) and a closed terminal (SIGHUP) mid-conversion: exit 130 as for Ctrl-C,
+    one line ending in the command that resumes, no process left; that command, run as printed,
+    ends byte-identical to an uninterrupted conversion."""
+    kind, out, in_place = STOPS[case]
+    steps, expected = clean(out, in_place)
+    step = kill_points(100 + case, steps)[0]
+    target = str(tmp_path / "target")
+    if in_place:
+        shutil.copytree(source, target)
+    args = convert_args(target if in_place else source, None if in_place else target, out)
+    proc, err = run_stopped(args, f"{kind}@{step}", str(tmp_path / "stderr"))
+    assert proc.returncode == EXIT_INTERRUPTED, f"{kind}@{step}: ended with {proc.returncode}: {err}"
+    assert not wait_gone(proc.pid, target), f"{kind}@{step}: requant processes outlived the stop"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("requant: error: interrupted;"), err
+    commands = printed_commands(lines[0])
+    assert len(commands) == 1 and commands[0].endswith(" --resume"), lines[0]
+    resumed = run_printed(commands[0])
+    assert resumed.exit_code == 0, resumed.stderr
+    assert output_tree(target) == expected, f"{kind}@{step}: resumed output differs from an uninterrupted run"
+    assert CliRunner().invoke(cli, ["verify", target, "--quiet"]).exit_code == 0
 
 
 # -- the workers' own guarantees ------------------------------------------------------------------

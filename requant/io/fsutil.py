@@ -239,9 +239,13 @@ def _refusal(path: str, what: str, holder: dict | None) -> str:
 _fault_steps = 0
 
 
+_FAULT_SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "hup": signal.SIGHUP}
+
+
 def fault_point() -> None:
-    """Test hook for the crash tests: REQUANT_TEST_FAULT=kill@N (SIGKILL) or enospc@N (a
-    disk-full OSError) at this process's Nth durable step. Unset, it is one dict lookup."""
+    """Test hook for the crash tests: REQUANT_TEST_FAULT=kill@N (SIGKILL), term@N (SIGTERM),
+    hup@N (SIGHUP) or enospc@N (a disk-full OSError) at this process's Nth durable step. Unset, it
+    is one dict lookup."""
     spec = os.environ.get("REQUANT_TEST_FAULT")
     if not spec:
         return
@@ -249,6 +253,7 @@ def fault_point() -> None:
     _fault_steps += 1
     kind, _, at = spec.partition("@")
     if _fault_steps == int(at):
-        if kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+        if kind in _FAULT_SIGNALS:
+            os.kill(os.getpid(), _FAULT_SIGNALS[kind])   # a handled signal acts once this returns
+            return
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
