@@ -14,6 +14,7 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
+from requant import serve
 from requant.cli import cli
 from requant.compute import kernel_device
 from requant.convert import convert
@@ -159,9 +160,16 @@ def test_forward_comparison_says_what_ran_where(pair, tmp_path):
     assert "MoE forward on cpu" in (out / "report.md").read_text() or on_gpu
     # drawn only when some layer's output differs: a log axis has no place for identical outputs
     assert (out / "forward_error_per_layer.png").exists() == any(r["rel_error"] > 0 for r in forward["by_layer"])
-    # Served numerics: without a GPU the serving GPU is unknown, so both NVFP4 modes are reported.
-    # The MXFP4 source as SGLang serves it on Blackwell (MXFP8 activations) rides along, side "source".
+    # Served numerics: what the GPU that ran it serves each side's format with (serve.default_modes:
+    # Hopper and Ampere Marlin's W4A16 alone, since bf16 on the MXFP4 source is the reference itself;
+    # Blackwell NVFP4's W4A4 under both input_scale policies and the MXFP4 source as SGLang serves it,
+    # MXFP8 activations, side "source"). Without a GPU the serving GPU is unknown: all of them.
     served = [(s["mode"], s["policy"], s["side"]) for s in forward["by_layer"][0]["serving"]]
+    capability = torch.cuda.get_device_capability() if on_gpu else None
+    expected = [(m, p, "candidate") for m in serve.default_modes("nvfp4", capability)
+                for p in (("written", "1.0") if m == "nvfp4-w4a4" else (None,))]
+    expected += [(m, None, "source") for m in serve.source_modes(None, "mxfp4", capability)]
+    assert served == expected, (capability, served)
     if not on_gpu:
         assert served == [("nvfp4-w4a4", "written", "candidate"), ("nvfp4-w4a4", "1.0", "candidate"),
                           ("marlin-w4a16", None, "candidate"), ("mxfp4-w4a8", None, "source")]
@@ -176,8 +184,8 @@ def test_forward_comparison_says_what_ran_where(pair, tmp_path):
     if not on_gpu:
         assert res["nvfp4:bf16"]["rel_err"] == pytest.approx(forward["by_layer"][0]["rel_error"], rel=1e-6)
     assert res["nvfp4:bf16"]["rel_err"] < 1e-3 < res["w4a16-g32-sym:bf16"]["rel_err"] < res["w4a16-g128-sym:bf16"]["rel_err"]
-    w4a8 = next(s for s in forward["by_layer"][0]["serving"] if s["mode"] == "mxfp4-w4a8")
-    assert w4a8["rel_err"] == pytest.approx(res["mxfp4:mxfp4-w4a8"]["rel_err"], rel=1e-6) or on_gpu
+    for w4a8 in (s for s in forward["by_layer"][0]["serving"] if s["mode"] == "mxfp4-w4a8"):   # where it ran
+        assert w4a8["rel_err"] == pytest.approx(res["mxfp4:mxfp4-w4a8"]["rel_err"], rel=1e-6) or on_gpu
     closest = paths["layers"][0]["closest_inexact"]["path"]
     assert f"closest inexact: {closest}" in md and "| w4a16-g128-sym:bf16 |" in md
     assert "Serving paths" in (out / "report.html").read_text()

@@ -13,6 +13,30 @@ except ImportError:
 
 from requant.kernels._details._decode import (FOLDED_WEIGHT_FACTOR, NVFP4, W_TILE_ROWS, dequant, load_scales,
                                               mma_rows, mma_tile, row_scales)
+from requant.kernels._details.device import interpreting
+
+
+def _interpreter_takes_1_element_bounds() -> None:
+    """Under Triton's interpreter a runtime scalar is a 1-element array, and `range(0, n, ...)`
+    turns it into a Python int through the tensor's __index__. Triton 3.6's does int() of the
+    array, which numpy 2.5 refuses ("only 0-dimensional arrays can be converted to Python
+    scalars"); later releases squeeze it first. Give the older ones the same __index__."""
+    from triton.runtime import interpreter
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "takes_1_element", False):
+        return
+
+    def patch_with_item_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patch_with_item_index.takes_1_element = True
+    interpreter._patch_lang_tensor = patch_with_item_index
+
+
+if interpreting():
+    _interpreter_takes_1_element_bounds()
 
 HAS_GDC = gdc_wait is not None  # whether this Triton can chain launches (`launch.chains`)
 SWIGLU_CLAMP = tl.constexpr(0)  # `configs.ACTIVATION_CODES`
