@@ -117,6 +117,33 @@ def test_full_scale_dry_run_plans_the_layout(model, tmp_path):
     assert full.total_size - full.source.tensor_bytes == sum(per_block.values()) * 3 * (hidden * inter // 32 + 8)
 
 
+@pytest.mark.parametrize("layers", [1, 2, 3, 21])
+def test_v41_full_scale_takes_any_layer_count(layers):
+    """Fewer layers than the release keep the release's layer lists below that count: the config
+    names only layers the checkpoint has, and each Engram table comes with its layer."""
+    d = synth.Dims("deepseek-v4.1-flash", full_scale=True, layers=layers)
+    synth.check_request(d, synth.HardCases())
+    text = synth.make_config(d)["text_config"]
+    ids = [*text["kv_source_layer_ids"], *text["index_source_layer_ids"], *text["engram_layer_ids"],
+           text["candidate_source_layer_id"]]
+    assert max(ids) < layers and text["num_hidden_layers"] == layers
+    assert set(text["kv_source_layer_ids"]) == {i for i in (2, 8, 14, 20) if i < layers}
+    assert text["engram_num_embeddings"] == [rows for i, rows in ((1, 384_006_168), (14, 384_016_682)) if i < layers]
+    assert text["candidate_source_layer_id"] in (text["kv_source_layer_ids"] or [0])
+    names = {s.name for specs in synth.layout(d) for s in specs}
+    assert {n.split(".")[1] for n in names if n.endswith(".engram.embed.weight")} == \
+        {str(i) for i in text["engram_layer_ids"]}
+
+
+def test_v41_full_scale_few_layers_synthesizes_and_plans(tmp_path):
+    src = str(tmp_path / "full")
+    result = run_cli("synth", src, "--model", "deepseek-v4.1-flash", "--full-scale", "--sparse", "--layers", "3")
+    assert result.returncode == 0, result.stderr
+    plan = plan_conversion(src, "nvfp4", Options())
+    assert plan.blocks[:3] == ["layers.0", "layers.1", "layers.2"]
+    assert plan.source.info("layers.1.engram.embed.weight").spec.shape == (384_006_168, 256)
+
+
 def test_v41_small_mode_keeps_engram_tables_small():
     shards = synth.layout(synth.Dims("deepseek-v4.1-flash"))
     tables = [s for specs in shards for s in specs if ".engram.embed." in s.name]
