@@ -10,6 +10,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 
 import click
 
@@ -127,10 +128,29 @@ def _finished_quietly() -> None:
             signal.signal(signum, signal.SIG_IGN)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Log records to whatever sys.stderr is when they are emitted (a test's CliRunner swaps it)."""
+
+    def emit(self, record):
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+_LOG_HANDLER = _StderrHandler()
+_LOG_HANDLER.setFormatter(logging.Formatter("requant: %(levelname)s: %(name)s: %(message)s"))
+log = logging.getLogger("requant.cli")
+
+
 def _set_verbosity(quiet: bool, verbose: int) -> None:
-    level = logging.ERROR if quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
-    logging.basicConfig(level=level, format="requant: %(levelname)s: %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger().setLevel(level)
+    """-v/-vv: requant's own steps (the 'requant' loggers) at INFO/DEBUG. Other libraries stay at
+    WARNING (ERROR with -q) whatever -v says: matplotlib's font search and urllib3's requests are
+    not requant's steps."""
+    others = logging.ERROR if quiet else logging.WARNING
+    root = logging.getLogger()
+    if _LOG_HANDLER not in root.handlers:
+        root.addHandler(_LOG_HANDLER)
+    root.setLevel(others)
+    logging.getLogger("requant").setLevel(others if quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)])
 
 
 def progress_shown(quiet: bool) -> bool:
@@ -145,6 +165,7 @@ def reports_errors(fn):
     def wrapper(*args, **kwargs):
         as_json = bool(kwargs.get("as_json"))
         _set_verbosity(kwargs.get("quiet", False), kwargs.pop("verbose", 0))
+        started = time.monotonic()
         try:
             result = fn(*args, **kwargs)
         except RequantError as e:
@@ -162,6 +183,7 @@ def reports_errors(fn):
             _fail(f"internal error ({type(e).__name__}: {first}); please report it, with the traceback that "
                   "REQUANT_DEBUG=1 prints", EXIT_BUG, as_json)
         _finished_quietly()
+        log.info("%s finished in %.2f s", fn.__name__, time.monotonic() - started)
         return result
     return wrapper
 
@@ -433,13 +455,13 @@ def verify(path, deep, source, device, engine, gpu, as_json, quiet):
     """Lint FP4 MoE checkpoint PATH (NVFP4, W4A16, MXFP4): completeness, scales, config dispatch, and
     whether vLLM / SGLang (pinned releases) load every tensor into the right kind of parameter.
     Exits 1 when it finds errors."""
-    from requant.verify import format_findings, verify as verify_lib
+    from requant.verify import failure_line, format_findings, verify as verify_lib
 
     result = verify_lib(path, deep=deep or source is not None, source=source, progress=progress_shown(quiet), engine=engine,
                         gpu=gpu, device=device)
     click.echo(json.dumps(result, indent=2) if as_json else format_findings(result))
-    if not result["ok"]:
-        sys.exit(1)
+    if failed:
+        _fail(failed, EXIT_INPUT)
 
 
 @cli.command(epilog=EXIT_STATUS_HELP)
@@ -453,6 +475,9 @@ def verify(path, deep, source, device, engine, gpu, as_json, quiet):
 @click.option("--tp", type=click.IntRange(1, 64), default=1, show_default=True, help="Tensor-parallel size.")
 @click.option("--ep", type=click.IntRange(1, 512), default=1, show_default=True,
               help="Expert-parallel size (experts kept whole, split across GPUs).")
+    failed = None if result["ok"] else failure_line(result)
+    if failed and as_json:   # one JSON document: the findings, with the error
+        result["error"] = {"code": EXIT_INPUT, "message": failed}
 @click.option("--revision", help="CHECKPOINT as a Hub repository: branch, tag or commit.")
 @click.option("--token", help="CHECKPOINT as a Hub repository: access token (default: HF_TOKEN, else the saved login).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="CHECKPOINT as a Hub repository: the Hugging Face cache.")
@@ -564,8 +589,13 @@ def validate(src, dst, layers, tokens, device, activations, serve, as_json, quie
 
     result = run_validation(src, dst, layers, tokens, device, activations, progress=progress_shown(quiet),
                             notice=lambda line: click.echo(line, err=True), serve_modes=parse_modes(serve))
-    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_table(result))
-    sys.exit(0 if result.passed else 1)
+    failed = result.failure()
+    summary = result.to_dict()
+    if failed and as_json:   # one JSON document: the results, with the error
+        summary["error"] = {"code": EXIT_INPUT, "message": failed}
+    click.echo(json.dumps(summary, indent=2) if as_json else format_table(result))
+    if failed:
+        _fail(failed, EXIT_INPUT)
 
 
 def main():

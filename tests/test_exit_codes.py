@@ -31,16 +31,22 @@ JSON_COMMANDS = {"convert", "inspect", "verify", "validate", "report", "advise"}
 
 @pytest.fixture(scope="module")
 def ck(tmp_path_factory):
-    """Paths: a small DeepSeek source, a gpt-oss one, a copy with a truncated shard, one whose
-    config.json lacks model_type, a missing path, and a scratch directory."""
+    """Paths: a small DeepSeek source, a gpt-oss one, a copy with a truncated shard, one whose first
+    shard's header is garbage, one whose config.json lacks model_type, a missing path, and a scratch
+    directory."""
     base = tmp_path_factory.mktemp("exit")
-    p = {k: str(base / k) for k in ("src", "gptoss", "trunc", "nomt", "scratch")}
+    p = {k: str(base / k) for k in ("src", "gptoss", "trunc", "garbled", "nomt", "scratch")}
     synth.write_checkpoint(p["src"], DIMS, seed=2)
     synth.write_checkpoint(p["gptoss"], GPT_OSS, seed=2)
     shutil.copytree(p["src"], p["trunc"])
     shard = os.path.join(p["trunc"], sorted(f for f in os.listdir(p["trunc"]) if f.endswith(".safetensors"))[1])
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) - 100)
+    shutil.copytree(p["src"], p["garbled"])
+    shard = os.path.join(p["garbled"], sorted(f for f in os.listdir(p["garbled"]) if f.endswith(".safetensors"))[0])
+    with open(shard, "r+b") as f:
+        f.seek(8)
+        f.write(b"{not json" + b"\xff" * 16)
     shutil.copytree(p["src"], p["nomt"])
     config = os.path.join(p["nomt"], "config.json")
     with open(config) as f:
@@ -111,14 +117,15 @@ def _args(ck, command, args):
 @pytest.mark.parametrize("command,case,args,code", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_input_and_usage_errors(ck, command, case, args, code):
     result = invoke(*_args(ck, command, args))
-    if command == "verify" and code == EXIT_INPUT:   # verify reports bad input as a finding, its output
-        assert result.exit_code == code and "FAILED" in result.stdout and not result.stderr.strip()
-        return
     assert_one_line_error(result.exit_code, result.stderr, code)
     if command in JSON_COMMANDS:
         result = invoke(*_args(ck, command, args), "--json")
         line = assert_one_line_error(result.exit_code, result.stderr, code)
-        assert json.loads(result.stdout) == {"error": {"code": code, "message": line.removeprefix("requant: error: ")}}
+        error = {"code": code, "message": line.removeprefix("requant: error: ")}
+        document = json.loads(result.stdout)
+        # verify's findings stay its output: they carry the error, as one document
+        assert (document["error"] if command == "verify" and code == EXIT_INPUT else document) == \
+            (error if command == "verify" and code == EXIT_INPUT else {"error": error})
     if command == "synth":   # nothing left behind that would block the rerun
         assert not any(n.startswith((".s", "s")) for n in os.listdir(ck["scratch"]))
 
@@ -130,9 +137,53 @@ def test_every_command_covered():
 
 
 def test_verify_failing_checks_exit_1_with_the_findings(ck):
-    """verify's findings are its output (stdout), not an error line: exit 1, no traceback."""
+    """verify's findings are its output (stdout); the error line on stderr names the first ones."""
     result = invoke("verify", ck["trunc"], "-q")
-    assert result.exit_code == EXIT_INPUT and "FAILED" in result.stdout and "Traceback" not in result.stderr
+    line = assert_one_line_error(result.exit_code, result.stderr, EXIT_INPUT)
+    assert "FAILED" in result.stdout and "verify found 2 errors: shard-unreadable" in line
+
+
+# --- --json: every command that takes it x each kind of failure --------------------------------------
+
+JSON_FAILURES = {
+    # command: {failure: (args, expected code)}; "damaged": a shard whose header is garbage
+    "convert": {"missing": (["{missing}", "{scratch}/j1", "--out", "nvfp4"], EXIT_INPUT),
+                "damaged": (["{garbled}", "{scratch}/j2", "--out", "nvfp4", "-q"], EXIT_INPUT),
+                "bad-option": (["{src}", "{scratch}/j3", "--out", "nvfp4", "--group-size", "7"], EXIT_USAGE)},
+    "inspect": {"missing": (["{missing}"], EXIT_INPUT),
+                "damaged": (["{garbled}"], EXIT_INPUT),
+                "bad-option": (["{src}", "--bogus", "1"], EXIT_USAGE)},
+    "verify": {"missing": (["{missing}"], EXIT_INPUT),
+               "damaged": (["{garbled}", "-q"], EXIT_INPUT),
+               "bad-option": (["{src}", "--gpu", "sm_1"], EXIT_USAGE)},
+    "validate": {"missing": (["{missing}", "{src}", "-q"], EXIT_INPUT),
+                 "damaged": (["{garbled}", "{src}", "-q"], EXIT_INPUT),
+                 "bad-option": (["{src}", "{src}", "--tokens", "0"], EXIT_USAGE)},
+    "report": {"missing": (["{missing}", "{src}", "--out-dir", "{scratch}/j4", "-q"], EXIT_INPUT),
+               "damaged": (["{src}", "{garbled}", "--out-dir", "{scratch}/j5", "-q"], EXIT_INPUT),
+               "bad-option": (["{src}", "{src}", "--out-dir", "{scratch}/j6", "--workers", "0"], EXIT_USAGE)},
+    "advise": {"missing": (["{missing}", "--gpu", "sm_90"], EXIT_INPUT),
+               "damaged": (["{garbled}", "--gpu", "sm_90"], EXIT_INPUT),
+               "bad-option": (["{src}", "--gpu", "sm_90", "--tp", "0"], EXIT_USAGE)},
+}
+JSON_GRID = [(command, failure, *case) for command, cases in JSON_FAILURES.items() for failure, case in cases.items()]
+
+
+def test_json_grid_covers_every_json_command():
+    assert set(JSON_FAILURES) == JSON_COMMANDS == {c.name for c in cli.commands.values()
+                                                    if any("--json" in p.opts for p in c.params)}
+
+
+@pytest.mark.parametrize("command,failure,args,code", JSON_GRID, ids=[f"{c[0]}-{c[1]}" for c in JSON_GRID])
+def test_json_errors(ck, command, failure, args, code):
+    """Exactly one JSON document on stdout whose error has the exit status as its code and the
+    stderr line as its message; one line on stderr."""
+    result = invoke(*_args(ck, command, args), "--json")
+    line = assert_one_line_error(result.exit_code, result.stderr, code)
+    document = json.loads(result.stdout)   # one document: a second would not parse
+    assert document["error"] == {"code": code, "message": line.removeprefix("requant: error: ")}
+    if command != "verify":   # verify's findings come with it
+        assert list(document) == ["error"]
 
 
 @pytest.mark.parametrize("args,code", [

@@ -66,6 +66,16 @@ class ValidationResult:
     def passed(self) -> bool:
         return all(r.passed for r in self.layers)
 
+    def failure(self) -> str | None:
+        """None when every layer passed; else one line naming the layers past their limits."""
+        failed = [r for r in self.layers if not r.passed]
+        if not failed:
+            return None
+        first = failed[0]
+        return (f"validate: {len(failed)} of {len(self.layers)} layers past their limits, first {first.layer}: "
+                f"rel err {first.rel_err:.3g} (limit {first.max_rel_err:g}), cosine {first.cosine:.6f} "
+                f"(limit {first.min_cosine:g})")
+
     def to_dict(self) -> dict:
         return {"src": self.src, "dst": self.dst, "device": self.device, "passed": self.passed,
                 "thresholds": {"lossless": LOSSLESS, "lossy": LOSSY, "kernel_vs_reference": KERNEL_VS_REFERENCE},

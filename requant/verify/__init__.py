@@ -98,6 +98,13 @@ def _errors_line(result: dict, limit: int = 2) -> str:
     return "; ".join(parts) + (f"; and {more:,} more errors" if more else "")
 
 
+def failure_line(result: dict) -> str:
+    """A failed result as the one error line the CLI prints: why the path is no checkpoint, else
+    how many errors and the first few."""
+    return result.get("diagnosis") or (f"{result['path']}: verify found {result['summary']['error']:,} errors: "
+                                       f"{_errors_line(result)}")
+
+
 class OutputRejected(RequantError):
     """What a conversion would write, or has written, fails verify's own checks (exit 1)."""
 
