@@ -459,6 +459,9 @@ def verify(path, deep, source, device, engine, gpu, as_json, quiet):
 
     result = verify_lib(path, deep=deep or source is not None, source=source, progress=progress_shown(quiet), engine=engine,
                         gpu=gpu, device=device)
+    failed = None if result["ok"] else failure_line(result)
+    if failed and as_json:   # one JSON document: the findings, with the error
+        result["error"] = {"code": EXIT_INPUT, "message": failed}
     click.echo(json.dumps(result, indent=2) if as_json else format_findings(result))
     if failed:
         _fail(failed, EXIT_INPUT)
@@ -475,9 +478,6 @@ def verify(path, deep, source, device, engine, gpu, as_json, quiet):
 @click.option("--tp", type=click.IntRange(1, 64), default=1, show_default=True, help="Tensor-parallel size.")
 @click.option("--ep", type=click.IntRange(1, 512), default=1, show_default=True,
               help="Expert-parallel size (experts kept whole, split across GPUs).")
-    failed = None if result["ok"] else failure_line(result)
-    if failed and as_json:   # one JSON document: the findings, with the error
-        result["error"] = {"code": EXIT_INPUT, "message": failed}
 @click.option("--revision", help="CHECKPOINT as a Hub repository: branch, tag or commit.")
 @click.option("--token", help="CHECKPOINT as a Hub repository: access token (default: HF_TOKEN, else the saved login).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="CHECKPOINT as a Hub repository: the Hugging Face cache.")
