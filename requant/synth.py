@@ -9,6 +9,7 @@ whose block exponents spread as a trained model's do; flags inject the hard case
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
@@ -23,6 +24,8 @@ from requant.formats import fp8_block, mxfp4
 from requant.io.fsutil import atomic_write_json, free_bytes
 from requant.io.safetensors import DTYPES, ShardWriter, TensorSpec, write_tensors
 from requant.recipe import TensorEntry, Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class Dims:
@@ -297,6 +300,8 @@ def write_checkpoint(dest: str, dims: Dims | None = None, seed: int = 0, hard: H
             writer.abort()
             raise
         writer.close()
+        log.info("wrote %s: %d tensors, %d bytes%s", name, len(specs), sum(s.nbytes for s in specs),
+                 " (holes)" if sparse or (data_shards is not None and i not in data_shards) else "")
         weight_map.update({s.name: name for s in specs})
         if progress:
             progress(i + 1, len(shards))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import logging
 import os
 import shutil
 import time
@@ -26,6 +27,8 @@ from requant.workers import Encoders
 
 from requant.convert import outputs, resume as resuming
 from requant.convert.outputs import PARTIAL_SUFFIX, SourceDamaged
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -68,7 +71,16 @@ def plan_conversion(src: str, out_format: str, options: Options, in_format: str 
     if in_place:
         refuse_in_place_on_cache(src, hub_lib.hub_repo(src))
     with hub_lib.open_headers(src, revision, token, cache_dir) as source:
-        return make_plan(source, out_format, options, in_format)
+        return _logged(make_plan(source, out_format, options, in_format))
+
+
+def _logged(plan: Plan) -> Plan:
+    """The plan, logged: what is converted, what passes through, and the bytes either side."""
+    log.info("plan: %s experts of %d blocks -> %s; %s; %d shards, %d bytes in, %d bytes out",
+             plan.source_format, len(plan.blocks), plan.target.name,
+             ", ".join(f"{n} {what}" for what, n in sorted(plan.counts.items())), len(plan.shards),
+             plan.input_bytes, plan.output_bytes)
+    return plan
 
 
 def convert(src: str, dst: str | None, out_format: str, options: Options, in_format: str | None = None,
@@ -119,7 +131,7 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
         resume = resume and journal.exists(target)   # nothing journaled yet: --resume starts afresh
         source, snapshot = resuming.open_source(src, target, in_place, resume, request, hub)
         journaled = resume
-        plan = make_plan(source, out_format, options, in_format)
+        plan = _logged(make_plan(source, out_format, options, in_format))
         plan.label = request.get("source") or src
         plan.run = {"source": given_src, "destination": dst, "in_place": in_place}
         entries = {e["name"]: e for e in snapshot["shards"]}
@@ -231,6 +243,7 @@ def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, a
                 if state["stats"]:
                     stats.add(Stats(**state["stats"]))
                 bar.update(shard.file_size)
+                log.info("kept %s: converted by the run this one resumes", shard.name)
                 continue
             if hub:
                 _fetch(plan, shard, hub, entries[shard.name])
@@ -241,8 +254,11 @@ def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, a
                 state["stats"] = dataclasses.asdict(shard_stats)
                 journal.save(target, record)
 
+            shard_started = time.monotonic()
             shard_stats = outputs.write_shard(plan, shard, target, encoders, bar, entries[shard.name], in_place,
                                               remember)
+            log.info("wrote %s: %d tensors, %d bytes in %.2f s", shard.name, len(shard.specs), shard.file_size,
+                     time.monotonic() - shard_started)
             if hub:   # the disk never holds more than one source shard
                 os.remove(plan.source.reads[shard.name].path)
                 plan.source.relocate(shard.name, None)
@@ -259,6 +275,8 @@ def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, a
     outputs.finish_metadata(target, files)   # after the shards: a target may summarise them
     journal.remove(target)
     converted = [shard for shard in plan.shards if shard.name not in kept]
+    log.info("converted %d shards (%d kept from before) into %s in %.2f s", len(converted), len(kept), target,
+             time.monotonic() - started)
     return Result(plan, stats, plan.input_bytes, outputs.dir_tensor_bytes(target, plan), time.monotonic() - started,
                   shards_kept=len(kept) if resumed else 0, shards_converted=len(converted),
                   bytes_converted=sum(shard.file_size for shard in converted))

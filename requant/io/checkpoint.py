@@ -9,9 +9,11 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +21,8 @@ import torch
 from requant.errors import CheckpointError, FormatError
 from requant.diagnosis import path_problem
 from requant.io.safetensors import Header, TensorInfo, open_direct, parse_header, read_header, read_tensor
+
+log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
@@ -99,12 +103,17 @@ class Checkpoint:
         else:
             raise CheckpointError(f"neither {INDEX_NAME} nor {SINGLE_FILE_NAME} found", file=path)
         headers = {}
+        started = time.monotonic()
         for shard in shard_names_of(path, index):
             shard_path = resolve_inside(path, shard, "shard")
             if not os.path.isfile(shard_path):
                 raise CheckpointError("shard named by the index is missing", file=shard_path)
             headers[shard] = read_header(shard_path)
-        return cls.from_parts(path, config, index, headers)
+            log.debug("read the header of %s: %d tensors", shard_path, len(headers[shard].tensors))
+        ck = cls.from_parts(path, config, index, headers)
+        log.info("opened %s: model_type %s, %d shards, %d tensors (headers read in %.2f s)", path,
+                 config.get("model_type"), len(headers), len(ck.locations), time.monotonic() - started)
+        return ck
 
     @classmethod
     def from_parts(cls, path: str, config: dict, index: dict | None, headers: dict[str, Header]) -> "Checkpoint":

@@ -8,11 +8,15 @@ report.html and the PNG plots into one directory. Schema: docs/report-schema.md.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from dataclasses import asdict
 
 from requant.errors import RequantError
 from requant.report import build, html, render
+
+log = logging.getLogger(__name__)
 
 
 def forward_section(src: str, dst: str, blocks: list[str], tokens: int = 64,
@@ -79,15 +83,24 @@ def make_report(src: str, dst: str, out_dir: str, layers: str | None = None, wor
                 progress: bool = True, forward: bool = True, serve_modes: list[str] | None = None,
                 device: str | None = None, paths: bool = True) -> dict:
     """`paths`: also run paths_section (with the forward comparison only)."""
+    started = time.monotonic()
     report = build.build(src, dst, layers, workers, progress, device)
+    log.info("compared the weights of %d experts in %d blocks in %.2f s (%s)", report["selection"]["experts_compared"],
+             len(report["selection"]["blocks"]), time.monotonic() - started, report["timing"].get("comparison"))
+    step = time.monotonic()
     report["forward"] = (forward_section(src, dst, report["selection"]["blocks"], serve_modes=serve_modes) if forward
                          else {"status": "not run", "reason": "not requested (--no-forward)"})
+    log.info("MoE forward comparison: %s in %.2f s", report["forward"].get("device") or report["forward"].get("reason"),
+             time.monotonic() - step)
+    step = time.monotonic()
     report["paths"] = (paths_section(src, report["selection"]["blocks"]) if forward and paths
                        else {"status": "not run", "reason": "not requested" + (" (--no-forward)" if not forward else "")})
+    log.info("serving paths: %s in %.2f s", report["paths"]["status"], time.monotonic() - step)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
     images = html.write(report, out_dir)
     with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as f:
         f.write(render.markdown(report, images, html.plots_missing()))
+    log.info("wrote report.json, report.md, report.html and %d plots into %s", len(images), out_dir)
     return report

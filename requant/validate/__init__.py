@@ -25,7 +25,9 @@ layer; serving.py recomputes it per serving mode; results.py holds the result ty
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import time
 from typing import Callable
 
 import torch
@@ -42,6 +44,8 @@ from requant.validate.serving import kernel_module
 from requant.validate.side import (ROLES, LayerExperts, Side, fused_roles, hidden_states, is_block_name,
                                    kernel_format, layer_scales, load_activations, load_layer, reference_experts,
                                    reference_layer, router)
+
+log = logging.getLogger(__name__)
 
 __all__ = ["KERNEL_VS_REFERENCE", "LOSSLESS", "LOSSY", "ROLES", "LayerExperts", "LayerResult", "ServingResult",
            "Side", "ValidationResult", "cpu_notice", "format_table", "fused_roles", "hidden_states",
@@ -87,7 +91,12 @@ def validate(src: str, dst: str, layers: str | None = None, tokens: int = 64, de
         # the CPU reference spreads experts over threads: torch's own on top oversubscribe the cores
         with torch_threads(1) if fm is None else contextlib.nullcontext():
             for block in tqdm(blocks, desc="validate", unit="layer", disable=not progress):
+                started = time.monotonic()
                 results.append(validate_block(run, block))
+                r = results[-1]
+                log.info("%s: %s -> %s, rel err %.3g, cosine %.6f, %s, %d serving modes, %.2f s on %s", block,
+                         r.src_format, r.dst_format, r.rel_err, r.cosine, "passed" if r.passed else "FAILED",
+                         len(r.serving), time.monotonic() - started, device)
     return ValidationResult(src, dst, device, results)
 
 

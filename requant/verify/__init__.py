@@ -32,6 +32,8 @@ from requant.verify.opener import open_leniently
 from requant.verify.scales import check_scales, observe_shapes
 from requant.verify.structure import check_structure
 
+log = logging.getLogger(__name__)
+
 
 def verify(path: str, deep: bool = False, source: str | None = None, progress: bool = True,
            engine: str | None = None, gpu: str | None = None, device: str | None = None) -> dict:
@@ -61,6 +63,7 @@ def _check(path: str, deep: bool = False, source: str | None = None, progress: b
     """verify's checks on `path` (a journal there is not looked at). `files` overlays metadata a
     conversion is about to write; `data` False reads headers only (no scale is read);
     `engines` False judges no engine."""
+    started = time.monotonic()
     out = Findings()
     result = {"path": os.path.abspath(path), "format": None, "experts_checked": 0, "deep": None, "engines": {}}
     ck = open_leniently(path, out, files)
@@ -75,7 +78,11 @@ def _check(path: str, deep: bool = False, source: str | None = None, progress: b
                                 data=data, engines=engines)
         finally:
             ck.close()
-    return _finish(result, out)
+    result = _finish(result, out)
+    log.info("checked %s: %d experts (%s), engines judged: %s; %d errors, %d warnings, in %.2f s", path,
+             result["experts_checked"], result["format"], ", ".join(result["engines"]) or "none",
+             result["summary"]["error"], result["summary"]["warning"], time.monotonic() - started)
+    return result
 
 
 def _finish(result: dict, out: Findings) -> dict:
