@@ -12,7 +12,9 @@ time; only scales are read unless --deep (deep).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import time
 from dataclasses import asdict
 
 from tqdm import tqdm

@@ -61,8 +61,21 @@ def flashinfer_available() -> bool:
     return _fi_zip(flashinfer_pin()) is not None
 
 
-def fi_source(relpath: str) -> str:
-    return _fi_zip(flashinfer_pin()).read(relpath).decode()
+def fi_source(relpath: str, pin: str | None = None) -> str:
+    return _fi_zip(pin or flashinfer_pin()).read(relpath).decode()
+
+
+# FlashInfer wheels before 0.6.18 fetch the TRT-LLM-gen cubins and their manifest at build time
+# (jit/fused_moe.py get_artifact), so they do not say which GPUs the kernels cover; for those pins
+# the first wheel that carries the manifest is read instead, and the evidence names it.
+TRTLLM_MANIFEST = "flashinfer/jit/trtllm_gen_metainfo.py"
+TRTLLM_MANIFEST_FIRST = "0.6.18"
+
+
+def trtllm_manifest_pin() -> str:
+    """The FlashInfer release whose TRT-LLM-gen manifest is read for the pin in use."""
+    pin = flashinfer_pin()
+    return pin if TRTLLM_MANIFEST in _fi_zip(pin).namelist() else TRTLLM_MANIFEST_FIRST
 
 
 def _span(src: str, qualname: str) -> tuple[int, int]:
@@ -89,19 +102,19 @@ def sg_ev(relpath: str, span: tuple[int, int]) -> str:
     return f"sglang {release()}: {SRT}{relpath}:{span[0]}-{span[1]}"
 
 
-def fi_ev(relpath: str, span: tuple[int, int]) -> str:
-    return f"flashinfer {flashinfer_pin()}: flashinfer/{relpath}:{span[0]}-{span[1]}"
+def fi_ev(relpath: str, span: tuple[int, int], pin: str | None = None) -> str:
+    return f"flashinfer {pin or flashinfer_pin()}: flashinfer/{relpath}:{span[0]}-{span[1]}"
 
 
 @lru_cache(maxsize=None)
 def trtllm_gen_sms(pin: str) -> frozenset[int]:
     """SM versions the TRT-LLM-gen MoE module can dispatch to: the cubin archs its manifest is
     filtered to (BLACKWELL_CUBIN_ARCHS), mapped through isArchCompatible's switch."""
-    meta = fi_source("flashinfer/jit/trtllm_gen_metainfo.py")
+    meta = fi_source(TRTLLM_MANIFEST, pin)
     archs = next(ast.literal_eval(n.value) for n in ast.parse(meta).body
                  if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "BLACKWELL_CUBIN_ARCHS" for t in n.targets)
                  or isinstance(n, ast.AnnAssign) and getattr(n.target, "id", None) == "BLACKWELL_CUBIN_ARCHS")
-    cu = fi_source("flashinfer/data/csrc/trtllm_batched_gemm_runner.cu")
+    cu = fi_source("flashinfer/data/csrc/trtllm_batched_gemm_runner.cu", pin)
     switch = cu[cu.index("bool isArchCompatible"):]
     switch = switch[:switch.index("\n}\n")]
     sms = set()
@@ -142,7 +155,7 @@ def _sm(gpu: str) -> int:
 def kernel_built(library: str | None, gpu: str, needs: tuple[str, ...] = ()) -> bool | None:
     pin = flashinfer_pin()
     if library == "trtllm_gen":
-        return _sm(gpu) in trtllm_gen_sms(pin)
+        return _sm(gpu) in trtllm_gen_sms(trtllm_manifest_pin())
     if library == "cutlass":
         gen = cutlass_moe_modules(pin).get(str(_sm(gpu)))
         return gen is not None and all(f"-D{flag}" in cutlass_module_flags(gen) for flag in needs)
@@ -151,11 +164,12 @@ def kernel_built(library: str | None, gpu: str, needs: tuple[str, ...] = ()) -> 
 
 def kernel_evidence(library: str | None, gpu: str) -> list[str]:
     if library == "trtllm_gen":
-        meta, cu = fi_source("flashinfer/jit/trtllm_gen_metainfo.py"), fi_source("flashinfer/data/csrc/trtllm_batched_gemm_runner.cu")
-        return [fi_ev("jit/trtllm_gen_metainfo.py", _lines_of(meta, "BLACKWELL_CUBIN_ARCHS: ")),
-                fi_ev("data/csrc/trtllm_batched_gemm_runner.cu", _lines_of(cu, "bool isArchCompatible", "default:")),
+        pin = trtllm_manifest_pin()
+        meta, cu = fi_source(TRTLLM_MANIFEST, pin), fi_source("flashinfer/data/csrc/trtllm_batched_gemm_runner.cu", pin)
+        return [fi_ev("jit/trtllm_gen_metainfo.py", _lines_of(meta, "BLACKWELL_CUBIN_ARCHS: "), pin),
+                fi_ev("data/csrc/trtllm_batched_gemm_runner.cu", _lines_of(cu, "bool isArchCompatible", "default:"), pin),
                 fi_ev("data/csrc/trtllm_batched_gemm_runner.cu", _lines_of(cu, "contains no kernels runnable on sm",
-                                                                           "FLASHINFER_CHECK(anyArchCompatible"))]
+                                                                           "FLASHINFER_CHECK(anyArchCompatible"), pin)]
     if library == "cutlass":
         core = fi_source("flashinfer/fused_moe/core.py")
         ev = [fi_ev("fused_moe/core.py", _lines_of(core, "def get_cutlass_fused_moe_module", 'raise ValueError(f"Invalid backend'))]
@@ -176,13 +190,19 @@ def arithmetic(method: str, backend: str, gpu: str) -> tuple[str, str | None, tu
     src = lambda rel: wheels.source("sglang", SRT + rel)  # noqa: E731
     if method == "Mxfp4FlashinferTrtllmMoEMethod":
         s = src(q + "mxfp4_flashinfer_trtllm_moe.py")
+        default = s[s.index('elif precision == "default":'):]   # quantizes the input to MXFP8 (0.5.22 on: in a helper)
+        quantize = min(("quantize_routed_input(", "mxfp8_quantize("), key=lambda c: default.find(c) % len(default))
         return ("MXFP4 x MXFP8 (W4A8), FlashInfer TRT-LLM-gen", "trtllm_gen", (),
-                [sg_ev(q + "mxfp4_flashinfer_trtllm_moe.py", _lines_of(s, 'elif precision == "default":', "quantize_routed_input("))])
+                [sg_ev(q + "mxfp4_flashinfer_trtllm_moe.py", _lines_of(s, 'elif precision == "default":', quantize))])
     if method == "Mxfp4FlashinferCutlassMoEMethod":
+        # MXFP8 activations where the release turns them on for sm_120 (0.5.16 on); before, only
+        # the sm90 mixed-input (weight-only) GEMM, whatever the GPU
         s = src(q + "mxfp4_flashinfer_cutlass_moe.py")
-        ev = [sg_ev(q + "mxfp4_flashinfer_cutlass_moe.py", _lines_of(s, "self._use_mxfp8_act_scaling = get_platform().is_sm120",
-                                                                       "self._use_sm90_humming ="))]
-        if gpu == "sm_120":
+        mxfp8 = "self._use_mxfp8_act_scaling =" in s
+        ev = [sg_ev(q + "mxfp4_flashinfer_cutlass_moe.py",
+                    _lines_of(s, "self._use_mxfp8_act_scaling =", "self._use_sm90_humming =" if "self._use_sm90_humming =" in s else None)
+                    if mxfp8 else _lines_of(s, "# SM90 mixed-input GEMM"))]
+        if gpu == "sm_120" and mxfp8:
             return "MXFP4 x MXFP8 (W4A8), FlashInfer CUTLASS sm120", "cutlass", ("ENABLE_FP4", "ENABLE_FP8"), ev
         return "MXFP4 weight-only (W4A16), FlashInfer CUTLASS sm90 mixed GEMM", "cutlass", ("ENABLE_FP4",), ev
     if method == "Mxfp4MarlinMoEMethod":
@@ -193,7 +213,7 @@ def arithmetic(method: str, backend: str, gpu: str) -> tuple[str, str | None, tu
                 "(its 'Hidden size mismatch' assert fails at the first forward; from code, not run)", "none", (),
                 [sg_ev(q + "fp8.py", _lines_of(f8, "if moe_runner_backend.is_auto():", "moe_runner_backend = MoeRunnerBackend.TRITON",
                                                after="def create_moe_runner")),
-                 sg_ev(q + "fp8.py", _lines_of(f8, "def get_triton_quant_info", "use_fp8_w8a8=not use_rocm_mxfp8")),
+                 sg_ev(q + "fp8.py", _lines_of(f8, "def get_triton_quant_info", "use_fp8_w8a8=")),
                  sg_ev("layers/moe/moe_runner/triton_utils/fused_moe.py",
                        _lines_of(tu, "if use_int4_w4a16:", "w1.shape[2] - padded_size", after="padded_size = padding_size"))])
     if method == "ModelOptNvFp4FusedMoEMethod":
@@ -278,23 +298,29 @@ def table(ckpts: dict[str, str]) -> dict:
         for gpu in GPUS:
             cell = entry(ckpts[fmt], fmt, gpu, "auto")
             explicit = {b: entry(ckpts[fmt], fmt, gpu, b) for b in EXPLICIT[fmt]}
-            fix = ""
-            if not _runs(cell) or cell["nextn_kernel_built_for_gpu"] is False:
-                ok = [b for b, e in explicit.items() if _runs(e)]
-                best = ([b for b in ok if explicit[b]["kernel_built_for_gpu"] and explicit[b]["nextn_kernel_built_for_gpu"]]
-                        or [b for b in ok if explicit[b]["kernel_built_for_gpu"]] or ok)
-                if best and (not _runs(cell) or explicit[best[0]]["nextn_kernel_built_for_gpu"] is not False):
-                    fix = f"--moe-runner-backend {best[0]}"
-                    if explicit[best[0]]["nextn_kernel_built_for_gpu"] is False:
-                        fix += (f" and no --speculative-algorithm: the NextN experts' {explicit[best[0]]['nextn_method']} "
-                                f"has no kernel built for {gpu}")
-                elif _runs(cell):
-                    fix = (f"no --speculative-algorithm: the NextN experts' {cell['nextn_method']} has no kernel "
-                           f"built for {gpu}")
-            cell["fix"] = fix
+            cell["fix"] = fix(cell, explicit, gpu)
             cell["explicit"] = explicit
             out.setdefault(fmt, {})[gpu] = cell
     return out
+
+
+def fix(cell: dict, explicit: dict, gpu: str) -> str:
+    """The explicit backend that makes the main layers run where auto does not (with what it
+    leaves for the NextN draft), or what the draft needs where only it lacks a kernel; "" if none."""
+    if _runs(cell) and cell["nextn_kernel_built_for_gpu"] is not False:
+        return ""
+    ok = [b for b, e in explicit.items() if _runs(e)]
+    best = ([b for b in ok if explicit[b]["kernel_built_for_gpu"] and explicit[b]["nextn_kernel_built_for_gpu"]]
+            or [b for b in ok if explicit[b]["kernel_built_for_gpu"]] or ok)
+    if best and (not _runs(cell) or explicit[best[0]]["nextn_kernel_built_for_gpu"] is not False):
+        flags = f"--moe-runner-backend {best[0]}"
+        if explicit[best[0]]["nextn_kernel_built_for_gpu"] is False:
+            flags += (f" and no --speculative-algorithm: the NextN experts' {explicit[best[0]]['nextn_method']} "
+                      f"has no kernel built for {gpu}")
+        return flags
+    if _runs(cell):
+        return f"no --speculative-algorithm: the NextN experts' {cell['nextn_method']} has no kernel built for {gpu}"
+    return ""
 
 
 def without_lines(t: dict) -> dict:

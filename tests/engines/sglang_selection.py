@@ -1,0 +1,167 @@
+"""SGLang's MoE selection for the unconverted MXFP4 source, executed from any DeepSeek-V4 release.
+
+The loader harness (sglang_harness.py) follows one release's whole start-up and loader; older
+releases are laid out differently (0.5.12-0.5.14 set DeepSeek-V4's defaults in
+arg_groups/deepseek_v4_hook.py, 0.5.15-0.5.18 in arg_groups/overrides.py, 0.5.19 on in
+arg_groups/model_overrides/deepseek_v4.py). What decides the MXFP4 source's kernel is the same
+two pieces in every release, and those are executed here from the release's own files:
+
+- the DeepSeek-V4 default for `--moe-runner-backend auto`: the `if ... moe_runner_backend == "auto"`
+  statements of the release's DeepSeek-V4 override (or hook), run on a stand-in server config;
+- Fp8Config.get_quant_method's routed-experts branch (layers/quantization/fp8.py), from
+  `fp8_method = Fp8MoEMethod(self)` to its end, run for FP4 experts with the resolved backend and
+  the GPU's capability answers (is_sm90_supported()... or get_platform().is_sm90..., as the
+  release asks them).
+
+What the selected method computes and whether FlashInfer builds its kernel for the GPU are
+sglang_kernels.arithmetic / kernel_built, on the FlashInfer the release pins.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import copy
+import os
+import types
+
+from tests.engines import sglang_kernels as K
+from tests.engines import wheels
+from tests.engines.sglang_harness import GPU_CAPABILITY, _Backend, _Platform
+
+SRT = K.SRT
+FP8 = "layers/quantization/fp8.py"
+# where each layout of the releases keeps DeepSeek-V4's start-up defaults: (file, function)
+OVERRIDES = (("arg_groups/model_overrides/deepseek_v4.py", "_deepseek_v4_overrides"),
+             ("arg_groups/overrides.py", "_deepseek_v4_overrides"),
+             ("arg_groups/deepseek_v4_hook.py", "apply_deepseek_v4_defaults"))
+# the MoE method modules get_quant_method imports in its body
+METHOD_MODULES = {"mxfp4_marlin_moe": "Mxfp4MarlinMoEMethod", "mxfp4_humming_moe": "Mxfp4HummingMoEMethod",
+                  "mxfp4_flashinfer_cutlass_moe": "Mxfp4FlashinferCutlassMoEMethod",
+                  "mxfp4_flashinfer_trtllm_moe": "Mxfp4FlashinferTrtllmMoEMethod"}
+
+
+@contextlib.contextmanager
+def on_release(version: str):
+    """Read sglang==`version` (and the FlashInfer it pins) inside the block; the tier's choice after."""
+    before = dict(wheels._chosen), os.environ.get(wheels.ENV)
+    wheels.use([f"sglang=={version}"])
+    try:
+        yield
+    finally:
+        wheels._chosen.clear()
+        if before[1] is None:
+            os.environ.pop(wheels.ENV, None)
+        else:
+            os.environ[wheels.ENV] = before[1]
+        wheels.use([f"{e}=={v}" for e, v in before[0].items()])
+
+
+def _file(relpath: str) -> ast.Module:
+    return ast.parse(wheels.source("sglang", SRT + relpath))
+
+
+def _function(tree: ast.Module, name: str) -> ast.FunctionDef | None:
+    return next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+
+
+def override_site() -> tuple[str, ast.FunctionDef]:
+    """The release's DeepSeek-V4 defaults function and its file."""
+    names = set(wheels._zip("sglang").namelist())
+    for relpath, name in OVERRIDES:
+        if SRT + relpath in names and (fn := _function(_file(relpath), name)) is not None:
+            return relpath, fn
+    raise KeyError(f"sglang {K.release()}: no DeepSeek-V4 defaults function among {OVERRIDES}")
+
+
+def _is_auto_test(node: ast.If) -> bool:
+    return any(isinstance(c, ast.Compare) and isinstance(c.left, ast.Attribute) and c.left.attr == "moe_runner_backend"
+               and any(isinstance(v, ast.Constant) and v.value == "auto" for v in c.comparators)
+               for c in ast.walk(node.test))
+
+
+def _auto_statements() -> tuple[str, list[ast.If]]:
+    relpath, fn = override_site()
+    return relpath, [copy.deepcopy(n) for n in fn.body if isinstance(n, ast.If) and _is_auto_test(n)]
+
+
+class _Config(types.SimpleNamespace):
+    """The server config the defaults read (`server_args` or `cfg`), with its model config."""
+
+    def get_model_config(self):
+        return self.model_config
+
+
+def auto_backend(gpu: str, fp4_experts: bool = True, nvfp4_meta: bool = False) -> tuple[str, list[str]]:
+    """What `--moe-runner-backend auto` becomes for DeepSeek-V4 on `gpu`, and the lines that say so."""
+    relpath, statements = _auto_statements()
+    if not statements:
+        _, fn = override_site()
+        return "auto", [K.sg_ev(relpath, (fn.lineno, fn.end_lineno))]
+    model_config = types.SimpleNamespace(is_fp4_experts=fp4_experts, nvfp4_moe_meta={} if nvfp4_meta else None)
+    config = _Config(moe_runner_backend="auto", device="cuda", moe_a2a_backend="none", model_config=model_config)
+    platform = _Platform(gpu)
+    major = GPU_CAPABILITY[gpu][0]
+    ns = {"server_args": config, "cfg": config, "overrides": {}, "model_arch": "DeepseekV4ForCausalLM",
+          "model_config_of": lambda _: model_config, "get_platform": lambda: platform,
+          "envs": types.SimpleNamespace(SGLANG_DSV4_FP4_DEQUANT=types.SimpleNamespace(get=lambda: False)),
+          "logger": types.SimpleNamespace(info=lambda *a, **k: None, warning=lambda *a, **k: None),
+          "is_sm90_supported": lambda: major == 9, "is_sm100_supported": lambda: major == 10,
+          "is_sm120_supported": lambda: major == 12, "is_hip": lambda: False}
+    body = ast.fix_missing_locations(ast.Module(body=statements, type_ignores=[]))
+    exec(compile(body, f"sglang/{SRT}{relpath}", "exec"), ns)
+    backend = ns["overrides"].get("moe_runner_backend", config.moe_runner_backend)
+    return backend, [K.sg_ev(relpath, (n.lineno, n.end_lineno)) for n in statements]
+
+
+def _experts_branch() -> list[ast.stmt]:
+    """Fp8Config.get_quant_method's statements for a routed-experts layer, from fp8_method on."""
+    cls = next(n for n in _file(FP8).body if isinstance(n, ast.ClassDef) and n.name == "Fp8Config")
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "get_quant_method")
+    branch = next(n for n in ast.walk(fn) if isinstance(n, ast.If) and "FusedMoE" in ast.unparse(n.test))
+    start = next(i for i, s in enumerate(branch.body) if "fp8_method = Fp8MoEMethod(self)" in ast.unparse(s))
+    return [copy.deepcopy(s) for s in branch.body[start:]]
+
+
+def quant_method(gpu: str, backend: str) -> tuple[str, list[str]]:
+    """The MoE method class Fp8Config gives DeepSeek-V4's FP4 routed experts (main layers and the
+    NextN block alike: both are built with the checkpoint's Fp8Config) on `gpu` under `backend`."""
+    statements = _experts_branch()
+    major = GPU_CAPABILITY[gpu][0]
+    for module, cls in METHOD_MODULES.items():
+        wheels.fake_module(f"sglang.srt.layers.quantization.{module}", **{cls: type(cls, (), {"__init__": lambda *a, **k: None})})
+    fn = ast.FunctionDef(name="_select", args=ast.arguments(posonlyargs=[], args=[ast.arg("self"), ast.arg("prefix")],
+                                                          kwonlyargs=[], kw_defaults=[], defaults=[]),
+                         body=statements, decorator_list=[], returns=None, type_params=[])
+    ns = {"Fp8MoEMethod": type("Fp8MoEMethod", (), {"__init__": lambda *a, **k: None}),
+          "get_moe_runner_backend": lambda: _Backend(backend), "get_platform": lambda: _Platform(gpu),
+          "is_sm90_supported": lambda: major == 9, "is_sm100_supported": lambda: major == 10,
+          "is_sm120_supported": lambda: major == 12, "is_npu_arch35": lambda: False, "_is_npu": False}
+    exec(compile(ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[])), f"sglang/{SRT}{FP8}", "exec"), ns)
+    me = types.SimpleNamespace(is_fp4_experts=True, dequant_fp4_to_fp8=False, is_dsv4_fp4_experts=True)
+    chosen = type(ns["_select"](me, "model.layers.0.mlp.experts")).__name__
+    return chosen, [K.sg_ev(FP8, (statements[0].lineno, statements[-1].end_lineno))]
+
+
+def answer(gpu: str, backend_flag: str) -> dict:
+    """One cell of the MXFP4 source, as sglang_kernels.entry records it for the loader releases."""
+    backend, ev = auto_backend(gpu) if backend_flag == "auto" else (backend_flag, [])
+    method, ev_method = quant_method(gpu, backend)
+    arithmetic, lib, needs, ev_ar = K.arithmetic(method, backend, gpu)
+    built = False if lib == "none" else K.kernel_built(lib, gpu, needs)
+    evidence = ev + ev_method + ev_ar + (K.kernel_evidence(lib, gpu) if lib not in (None, "none") else [])
+    return {"method": method, "nextn_method": method, "backend": backend, "arithmetic": arithmetic, "starts": True,
+            "kernel_built_for_gpu": built, "nextn_kernel_built_for_gpu": built, "refusal": "",
+            "evidence": list(dict.fromkeys(evidence))}
+
+
+def mxfp4_table() -> dict:
+    """GPU -> the auto cell with `fix` and `explicit` (sglang_kernels.table's shape, MXFP4 only)."""
+    out = {}
+    for gpu in K.GPUS:
+        cell = answer(gpu, "auto")
+        explicit = {b: answer(gpu, b) for b in K.EXPLICIT["mxfp4"]}
+        cell["fix"] = K.fix(cell, explicit, gpu)
+        cell["explicit"] = explicit
+        out[gpu] = cell
+    return out
