@@ -20,7 +20,7 @@ import torch
 
 from requant import formats, sources
 from requant.errors import FormatError
-from requant.model import MAIN_KIND, Expert, ModelSpec
+from requant.model import ABSENT, MAIN_KIND, Expert, ModelSpec, config_value
 
 T = TypeVar("T")
 
@@ -186,3 +186,33 @@ class ExpertIndex:
         if not self._stacked:
             name = f"{name}.{unit.expert}"
         return f"{name}.{proj}" if proj else name
+
+
+def model_difference(a: ExpertIndex, b: ExpertIndex) -> str | None:
+    """None when the checkpoints of `a` and `b` are the same model, in any expert format: the same
+    model_type and architectures, the same values of every config key its recipe reads (dims,
+    expert counts, layers) and the vocabulary, and the same modules outside the routed experts (a
+    conversion may rename a module's parts, e.g. an FP8 scale, never the modules). Otherwise one
+    phrase saying what differs, the first few names at most."""
+    keys = ["model_type", "architectures", "vocab_size", *a.model.recipe.config_keys.values(),
+            *(k for own in a.model.recipe.block_config_keys.values() for k in own.values())]
+    for key in dict.fromkeys(keys):
+        va, vb = config_value(a.model.config, key), config_value(b.model.config, key)
+        if va != vb:
+            return f"config.json's {key} differs: {_shown(va)} vs {_shown(vb)}"
+    ma, mb = _other_modules(a), _other_modules(b)
+    if ma != mb:
+        sides = [(n, sorted(m)) for n, m in (("first only", ma - mb), ("second only", mb - ma)) if m]
+        return "the modules outside the routed experts differ: " + "; ".join(
+            f"{n}: {', '.join(ms[:3])}" + (f" and {len(ms) - 3} more" if len(ms) > 3 else "") for n, ms in sides)
+    return None
+
+
+def _shown(value) -> str:
+    return "absent" if value is ABSENT else repr(value)
+
+
+def _other_modules(index: ExpertIndex) -> set[str]:
+    """The modules (a tensor name less its last part) of every tensor that is no routed expert's."""
+    experts = {n for u in index.units for parts in u.parts.values() for n in parts.values()}
+    return {n.rsplit(".", 1)[0] for n in index.ck.names if n not in experts}

@@ -217,3 +217,49 @@ def test_w4a8_mode_is_refused_nowhere_and_listed(checkpoints):
     assert run.exit_code == 0, run.output
     served = json.loads(run.stdout)["layers"][0]["serving"]
     assert [(s["mode"], s["side"]) for s in served if s["mode"] == "mxfp4-w4a8"] == [("mxfp4-w4a8", "source")]
+
+
+def _rename_tensor(path: str, old: str, new: str) -> None:
+    """Rename tensor `old` of checkpoint `path` to `new` (the same length): its shard's header, the index."""
+    assert len(old) == len(new)
+    with Checkpoint.open(path) as ck:
+        shard = os.path.join(path, ck.locations[old])
+    with open(shard, "r+b") as f:
+        data = f.read()
+        assert data.count(old.encode()) == 1
+        f.seek(0)
+        f.write(data.replace(old.encode(), new.encode()))
+    index = os.path.join(path, "model.safetensors.index.json")
+    with open(index) as f:
+        text = f.read()
+    with open(index, "w") as f:
+        f.write(text.replace(f'"{old}"', f'"{new}"'))
+
+
+def test_two_different_models_are_refused(checkpoints, tmp_path):
+    """validate (and report) compare two checkpoints of one model: config.json's model_type,
+    architectures and the recipe's dims, and the modules outside the routed experts, must agree;
+    a refusal names what differs, one line, exit 1. A conversion's renamed parts (W4A16's FP8
+    attention scales, `.scale` -> `.weight_scale`) are the same modules."""
+    src, dst = checkpoints
+    runner = CliRunner()
+    other = str(tmp_path / "five-layers")
+    assert runner.invoke(cli, ["synth", other, "--layers", "5", "--experts", "8", "--hidden", "128",
+                               "--intermediate", "128", "--seed", "3", "-q"]).exit_code == 0
+    for command in (["validate", src, other, "--device", "cpu"], ["report", src, other, "--out-dir", str(tmp_path / "r")]):
+        run = runner.invoke(cli, [*command, "-q"])
+        assert run.exit_code == 1, run.output
+        assert run.stderr.strip() == (f"requant: error: {src} and {other} are not the same model: config.json's "
+                                      "num_hidden_layers differs: 4 vs 5")
+    renamed = str(tmp_path / "renamed")
+    shutil.copytree(dst, renamed)
+    _rename_tensor(renamed, "layers.2.attn.wkv.weight", "layers.2.attn.wkX.weight")   # its scale stays wkv's
+    run = runner.invoke(cli, ["validate", src, renamed, "--device", "cpu", "-q", "--layers", "0"])
+    assert run.exit_code == 1 and run.stderr.strip().endswith(
+        "the modules outside the routed experts differ: second only: layers.2.attn.wkX"), run.stderr
+    w4a16 = str(tmp_path / "w4a16")
+    assert runner.invoke(cli, ["convert", src, w4a16, "--out", "w4a16", "-q"]).exit_code == 0
+    with Checkpoint.open(src) as a, Checkpoint.open(w4a16) as b:
+        assert "layers.0.attn.wkv.scale" in a.names and "layers.0.attn.wkv.weight_scale" in b.names
+    run = runner.invoke(cli, ["validate", src, w4a16, "--device", "cpu", "-q", "--layers", "0", "--tokens", "4"])
+    assert run.exit_code == 0, run.output

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from requant import __version__, formats, workers as worker_pools
 from requant.compute import compute_device, default_workers, torch_threads
 from requant.errors import UnsupportedCheckpoint
-from requant.experts import ExpertIndex
+from requant.experts import ExpertIndex, model_difference
 from requant.io.checkpoint import Checkpoint
 from requant.model import Expert, ModelSpec
 from requant.report import c_compare, weights
@@ -127,6 +127,9 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
     with Checkpoint.open(src_path) as src, Checkpoint.open(dst_path) as dst:
         model = ModelSpec.for_checkpoint(src)
         src_index, dst_index = ExpertIndex(model, src), ExpertIndex(model, dst)
+        differs = model_difference(src_index, ExpertIndex(ModelSpec.for_checkpoint(dst), dst))
+        if differs:
+            raise UnsupportedCheckpoint(f"{src_path} and {dst_path} are not the same model: {differs}")
         common = [src_index.key(u) for u in src_index.units if dst_index.unit(*src_index.key(u))]
         unmatched = sorted({src_index.where(u) for u in src_index.units if not dst_index.unit(*src_index.key(u))}
                            | {dst_index.where(u) for u in dst_index.units if not src_index.unit(*dst_index.key(u))})

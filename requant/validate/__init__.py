@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from requant.compute import default_workers, kernel_device, torch_threads
 from requant.errors import RequantError, UnsupportedError
+from requant.experts import model_difference
 from requant.io.checkpoint import Checkpoint
 from requant.moe import MoEConfig
 from requant.validate.layer import Comparison, validate_block
@@ -68,6 +69,9 @@ def validate(src: str, dst: str, layers: str | None = None, tokens: int = 64, de
     acts = load_activations(activations) if activations else None
     with Checkpoint.open(src) as ck_a, Checkpoint.open(dst) as ck_b:
         a, b = Side(ck_a, src), Side(ck_b, dst)
+        differs = model_difference(a.index, b.index)
+        if differs:
+            raise RequantError(f"{src} and {dst} are not the same model: {differs}")
         cfg = MoEConfig.from_model(a.model)
         if fm is not None and not fm.fits(cfg.hidden_size, cfg.intermediate_size):
             why = (f"requant's kernel takes K in multiples of {fm.K_STEP} (whole int32 words), not hidden "
