@@ -324,6 +324,11 @@ def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_sc
               "needs free space for one output shard plus the format's growth, not a second copy.")
 @click.option("--resume", is_flag=True, help="Continue the unfinished conversion journaled in DST (or SRC with "
               "--in-place), or start one if there is none; the options must be the ones it started with.")
+@click.option("--abort", is_flag=True, help="Give up the unfinished conversion journaled in DST (or SRC with "
+              "--in-place) instead of resuming it: out of place, what it wrote into DST is removed; in place, "
+              "while no shard is converted yet, the source comes back as it was (config.json and the index from "
+              "the journal); once a shard is converted nothing is changed and it says which, since only "
+              "--resume then leads to a checkpoint that loads.")
 @click.option("--revision", help="SRC as a Hub repository (owner/name): branch, tag or commit to convert.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="SRC as a Hub repository: the Hugging Face cache to "
               "download into and read from (default: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub).")
@@ -336,7 +341,8 @@ def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_sc
 @verbosity_options
 @reports_errors
 def convert(src, dst, in_format, out_format, engine, model_name, mtp, force, input_scale, scale_headroom, group_size,
-            scheme, workers, device, in_place, resume, revision, cache_dir, token, stream_source, dry_run, as_json, quiet):
+            scheme, workers, device, in_place, resume, abort, revision, cache_dir, token, stream_source, dry_run, as_json,
+            quiet):
     """Convert checkpoint SRC (a directory or a Hub repository id) into a new directory DST, or in
     place with --in-place.
 
@@ -363,6 +369,11 @@ def convert(src, dst, in_format, out_format, engine, model_name, mtp, force, inp
     target_options = TARGETS[out_format].options_from({k: v for k, v in given.items() if v})
     if in_place == (dst is not None):
         raise UsageError("give DST, or --in-place to convert SRC inside its own directory (not both)")
+    if abort:
+        if resume or dry_run:
+            raise UsageError("--abort ends an unfinished conversion: not with --resume or --dry-run")
+        click.echo(convert_lib.abort(src, dst))
+        return
     # Only the heavy encoders (the W4A16 search) are worth a GPU.
     options = Options(mtp=mtp, input_scale=input_scale, target=target_options, engine=engine, model=model_name,
                       force=force, device=compute_device(device) if TARGETS[out_format].cpu_heavy else "cpu")
@@ -383,6 +394,10 @@ def convert(src, dst, in_format, out_format, engine, model_name, mtp, force, inp
         result = convert_lib.convert(src, dst, out_format, options, in_format, workers, progress=progress_shown(quiet),
                                      resume=resume, resume_hint=_resume_command(click.get_current_context()),
                                      revision=revision, stream=stream_source, token=token, cache_dir=cache_dir)
+    except convert_lib.AlreadyFinished as e:   # --resume after the end: nothing to do
+        _finished_quietly()
+        click.echo(json.dumps({"finished": True, "message": str(e)}, indent=2) if as_json else f"requant: {e}")
+        return
     except (KeyboardInterrupt, RequantError) as e:
         # Ctrl-C after the last step (the journal removed, config.json and the index written): the
         # output is finished and valid, so the command succeeded.
@@ -414,7 +429,8 @@ def _resume_command(ctx: click.Context) -> str:
     args = ["requant", "convert", ctx.params["src"]] + ([ctx.params["dst"]] if ctx.params["dst"] else [])
     for param in ctx.command.params:
         value = ctx.params.get(param.name)
-        if (not isinstance(param, click.Option) or param.name in ("resume", "dry_run", "as_json", "quiet", "verbose", "token")
+        if (not isinstance(param, click.Option)
+                or param.name in ("resume", "abort", "dry_run", "as_json", "quiet", "verbose", "token")
                 or value in (None, False) or value == param.default):
             continue
         args += [param.opts[0]] if param.is_flag else [param.opts[0], str(value)]

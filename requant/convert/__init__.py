@@ -7,16 +7,20 @@ shard); config files and the index come last, and the journal goes only after th
 journal exists the directory has no config.json/index of either format, so nothing loads it.
 
 The parts: pipeline.py runs a conversion (plan, journal, shards, metadata, stops), resume.py
-checks that a resume is the same conversion and what is already done, outputs.py writes (shards,
+checks that a resume is the same conversion and what is already done, abort.py ends one for good
+(--abort: in place, the source back while no shard is converted), outputs.py writes (shards,
 other files, metadata, free space), describe.py turns plans and results into data and lines.
 """
 
 from requant.convert.describe import describe_plan, describe_result, format_plan, format_result
 from requant.convert.outputs import (PARTIAL_SUFFIX, SourceDamaged, ancillary_files, copy_ancillary, final_metadata,
                                      finish_metadata, space_needed, write_shard)
-from requant.convert.pipeline import Result, Stopped, convert, plan_conversion, refuse_in_place_on_cache
+from requant.convert.abort import abort
+from requant.convert.pipeline import (AlreadyFinished, Result, Stopped, convert, plan_conversion,
+                                      refuse_in_place_on_cache)
 from requant.targets import Options
 
-__all__ = ["PARTIAL_SUFFIX", "Options", "Result", "SourceDamaged", "Stopped", "ancillary_files", "convert",
-           "copy_ancillary", "describe_plan", "describe_result", "final_metadata", "finish_metadata", "format_plan",
-           "format_result", "plan_conversion", "refuse_in_place_on_cache", "space_needed", "write_shard"]
+__all__ = ["PARTIAL_SUFFIX", "AlreadyFinished", "Options", "Result", "SourceDamaged", "Stopped", "abort",
+           "ancillary_files", "convert", "copy_ancillary", "describe_plan", "describe_result", "final_metadata",
+           "finish_metadata", "format_plan", "format_result", "plan_conversion", "refuse_in_place_on_cache",
+           "space_needed", "write_shard"]

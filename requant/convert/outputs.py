@@ -142,7 +142,8 @@ def check_unchanged(path: str, entry: dict) -> None:
     st = os.stat(path)
     if st.st_size != entry["size"] or entry["mtime_ns"] not in (None, st.st_mtime_ns):
         raise CheckpointError("source shard was modified since the conversion began (its size or modification time "
-                              "differs from the journal's record); restore it, or start over", file=path)
+                              "differs from the journal's record); put the original file back before resuming",
+                              file=path)
 
 
 def verify_written(path: str, shard: ShardPlan) -> None:

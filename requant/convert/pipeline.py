@@ -25,8 +25,8 @@ from requant.targets import Options, Stats
 from requant.verify import OutputRejected, check_written
 from requant.workers import Encoders
 
-from requant.convert import outputs, resume as resuming
-from requant.convert.outputs import PARTIAL_SUFFIX, SourceDamaged
+from requant.convert import abort as aborting, outputs, resume as resuming
+from requant.convert.outputs import SourceDamaged
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,12 @@ class Result:
     shards_kept: int = 0            # finished by an earlier run (--resume) and kept
     shards_converted: int = 0       # written by this run
     bytes_converted: int | None = None   # output bytes this run wrote (None: bytes_out)
+
+
+class AlreadyFinished(RequantError):
+    """--resume where the conversion has finished: nothing to do, and that is success."""
+
+    exit_code = 0
 
 
 class Stopped(RequantError):
@@ -128,6 +134,10 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
                                     record=journal.path_of(target, journal.LOCK)))
         if not in_place and hub is None:   # an in-place conversion would pull the source from under us
             locks.append(fsutil.DirLock(src, exclusive=False, what="an in-place conversion of it"))
+        if resume and not journal.exists(target):
+            finished = resuming.finished_conversion(target, request.get("source") or src, out_format)
+            if finished:
+                raise AlreadyFinished(finished)
         resume = resume and journal.exists(target)   # nothing journaled yet: --resume starts afresh
         source, snapshot = resuming.open_source(src, target, in_place, resume, request, hub)
         journaled = resume
@@ -135,7 +145,7 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
         plan.label = request.get("source") or src
         plan.run = {"source": given_src, "destination": dst, "in_place": in_place}
         entries = {e["name"]: e for e in snapshot["shards"]}
-        _drop_leftovers(plan, target)
+        aborting.remove_temporaries(target, snapshot, outputs.final_metadata(plan))
         done = [resuming.shard_done(shard, target, in_place, entries[shard.name]) for shard in plan.shards]
         ancillary = [] if in_place else outputs.ancillary_files(source.path, set(plan.source.shard_names))
         outputs.final_metadata(plan)   # fails now, not after the shards, on a config the target cannot extend
@@ -160,7 +170,9 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
             raise
         raise _stop_damaged(e, target, in_place, created) from None
     except OutputRejected as e:   # resuming would write the same bytes and be rejected again
-        raise Stopped(f"{e}; delete {target} to start over", 1) from None
+        kept = (f"the converted shards are kept, and the source's config.json and index in {journal.path_of(target)}"
+                if in_place else aborting.start_over_advice(target).removeprefix("or "))
+        raise Stopped(f"{e}; {kept}", 1) from None
     except (RequantError, OSError) as e:
         if not journaled or isinstance(e, Stopped):
             raise
@@ -208,7 +220,8 @@ def _stop_damaged(e: SourceDamaged, target: str, in_place: bool, created: bool) 
                 "source's (nothing is lost: resuming goes on from there)")
     else:
         kept = (f"no shard was converted yet: the shards are still the source's, and its config.json and index are "
-                f"kept in {journal.path_of(target)} until the conversion finishes")
+                f"kept in {journal.path_of(target)} until the conversion finishes "
+                f"({aborting.start_over_advice(target)})")
     return SourceDamaged(f"the source is damaged: {what}; {kept}; "
                          f"{journal.damage_advice(record).split('; ', 1)[1]}", e.damage)
 
@@ -217,16 +230,6 @@ def _check_overlap(src: str, dst: str) -> None:
     src_real, real = os.path.realpath(src), os.path.realpath(dst)
     if real == src_real or real.startswith(src_real + os.sep) or src_real.startswith(real + os.sep):
         raise RequantError(f"destination {dst} overlaps the source {src} (use --in-place to convert in place)")
-
-
-def _drop_leftovers(plan: Plan, target: str) -> None:
-    """Temporaries of a run that was killed: half-written shards and metadata files. The lock
-    says no other process is writing them."""
-    names = [s.name + PARTIAL_SUFFIX for s in plan.shards]
-    prefixes = tuple(f"{n}.tmp-" for n in outputs.final_metadata(plan))
-    for entry in os.listdir(target):
-        if entry in names or entry.startswith(prefixes):
-            fsutil.remove_quietly(os.path.join(target, entry))
 
 
 def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, ancillary: list[str],
@@ -284,7 +287,7 @@ def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, a
 
 def _fetch(plan: Plan, shard: ShardPlan, hub: hub_lib.HubSource, entry: dict) -> None:
     path = hub.fetch(shard.name, plan.source.path)
-    if not resuming.matches(path, entry["size"], base64.b64decode(entry["header"])):
+    if not journal.matches(path, entry["size"], base64.b64decode(entry["header"])):
         raise CheckpointError("downloaded shard does not match the header read when the conversion began "
                               "(the repository changed?)", file=path)
     plan.source.relocate(shard.name, read_header(path))

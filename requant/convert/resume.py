@@ -8,14 +8,16 @@ import dataclasses
 import json
 import os
 
+from requant import card
 from requant.errors import CheckpointError, RequantError
 from requant.io import hub as hub_lib
 from requant.io import journal
-from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
+from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, read_json
 from requant.io.safetensors import encode_header
 from requant.plan import ShardPlan
 from requant.targets import TARGETS, Options
 
+from requant.convert.abort import start_over_advice
 from requant.convert.outputs import SourceDamaged, untouched
 
 # Options fields that never change the output, so a resume may differ in them.
@@ -49,9 +51,9 @@ def open_source(src: str, target: str, in_place: bool, resume: bool, request: di
     streamed, converted shards' sources are gone), after checking it is the same conversion."""
     staging = journal.path_of(target, "source")   # a streamed source's small files and current shard
     if not resume:
-        if journal.exists(target):
+        if journal.exists(target):   # refused: only --resume or --abort decides what becomes of it
             raise RequantError(f"{target} holds an unfinished conversion ({journal.progress_message(target)}); "
-                               f"or delete {journal.path_of(target)} and its shards to start over")
+                               f"{start_over_advice(target)}")
         if not in_place and set(os.listdir(target)) - {journal.JOURNAL_DIR}:
             raise RequantError(f"destination {target} exists and is not an empty directory")
         source = hub.open_streamed(staging) if hub else Checkpoint.open(src)
@@ -69,8 +71,7 @@ def open_source(src: str, target: str, in_place: bool, resume: bool, request: di
                    for d in differences_between(record.get(key), request.get(key), named=key == "options")]
     if differences:
         raise RequantError(f"cannot resume: the conversion in {target} was started differently ({'; '.join(differences)}); "
-                           f"rerun with the original settings ({record.get('resume') or 'see the journal'}), or delete "
-                           f"{journal.path_of(target)} and its shards to start over")
+                           f"rerun with the original settings: `{record.get('resume')}`; {start_over_advice(target)}")
     if record.get("damaged"):
         accept_replaced(target, record, snapshot)
     if hub:
@@ -84,6 +85,24 @@ def open_source(src: str, target: str, in_place: bool, resume: bool, request: di
             raise CheckpointError(f"cannot resume: the source changed since the conversion began ({'; '.join(changes)})",
                                   file=src)
     return Checkpoint.from_snapshot(src, snapshot), snapshot
+
+
+def finished_conversion(target: str, source: str, out_format: str) -> str | None:
+    """What --resume says where `target` holds no journal but a finished conversion of `source`
+    (a path, or repo@commit) to `out_format`: config.json, the index, and requant.json naming
+    both; None otherwise."""
+    try:
+        record = read_json(os.path.join(target, card.PROVENANCE_NAME))
+    except CheckpointError:
+        return None
+    recorded = record.get("source") if isinstance(record, dict) else None
+    same_source = isinstance(recorded, str) and (recorded == source or os.path.exists(source) and os.path.exists(recorded)
+                                                 and os.path.samefile(recorded, source))
+    if (not same_source or record.get("target_format") != out_format
+            or not all(os.path.isfile(os.path.join(target, n)) for n in (CONFIG_NAME, INDEX_NAME))):
+        return None
+    return (f"{target} is a finished conversion of {source} to {out_format} (its requant.json says how it was "
+            f"made); nothing to resume. `requant verify {target}` checks it")
 
 
 def differences_between(then, now, path: str = "", named: bool = False) -> list[str]:
@@ -114,27 +133,16 @@ def source_changes(old: dict, new: dict) -> list[str]:
     return changes
 
 
-def matches(path: str, size: int, header: bytes, mtime_ns: int | None = None) -> bool:
-    """Whether the file at `path` has this size, header bytes (and modification time)."""
-    try:
-        st = os.stat(path)
-        with open(path, "rb") as f:
-            head = f.read(len(header))
-    except FileNotFoundError:
-        return False
-    return st.st_size == size and head == header and mtime_ns in (None, st.st_mtime_ns)
-
-
 def shard_done(shard: ShardPlan, target: str, in_place: bool, entry: dict) -> bool:
     """Whether the target already holds this shard's planned output. In place, a shard must be
     either converted or still exactly its recorded source; one that only passes tensors through
     is its own output there (outputs.untouched)."""
     final = os.path.join(target, shard.name)
-    if matches(final, shard.file_size, encode_header(shard.specs)[0]):
+    if journal.matches(final, shard.file_size, encode_header(shard.specs)[0]):
         return True
     if not in_place:
         return False
-    if not matches(final, entry["size"], base64.b64decode(entry["header"]), entry["mtime_ns"]):
+    if not journal.still_source(target, entry):
         raise CheckpointError("matches neither the source shard recorded in the journal nor its planned conversion: "
                               "the directory changed since the conversion began", file=final)
     return untouched(shard)
@@ -158,7 +166,7 @@ def accept_replaced(target: str, record: dict, snapshot: dict) -> None:
         raise SourceDamaged(f"cannot resume: the source is damaged and has not changed since: "
                             f"{journal.damage_advice(record)}", d)
     if st is not None and entry is not None and entry["mtime_ns"] is not None:
-        if not matches(d["file"], entry["size"], base64.b64decode(entry["header"])):
+        if not journal.matches(d["file"], entry["size"], base64.b64decode(entry["header"])):
             raise CheckpointError("cannot resume: this replacement of the damaged source shard differs in size or "
                                   "header from the shard the conversion began with (another revision?); download "
                                   "the same revision's shard", file=d["file"])

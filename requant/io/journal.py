@@ -17,6 +17,7 @@ once; one journal write records the change, so a crash leaves either state).
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -80,6 +81,23 @@ def load(target: str) -> tuple[dict, dict]:
         if entry.get("name") in (journal.get("replaced") or {}):
             entry["mtime_ns"] = journal["replaced"][entry["name"]]
     return journal, snapshot
+
+
+def matches(path: str, size: int, header: bytes, mtime_ns: int | None = None) -> bool:
+    """Whether the file at `path` has this size, header bytes (and modification time)."""
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            head = f.read(len(header))
+    except FileNotFoundError:
+        return False
+    return st.st_size == size and head == header and mtime_ns in (None, st.st_mtime_ns)
+
+
+def still_source(target: str, entry: dict) -> bool:
+    """Whether the shard a snapshot entry records is still, in `target`, that source shard."""
+    return matches(os.path.join(target, entry["name"]), entry["size"], base64.b64decode(entry["header"]),
+                   entry["mtime_ns"])
 
 
 def progress_message(target: str) -> str:

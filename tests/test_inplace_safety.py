@@ -1,0 +1,217 @@
+"""Nothing requant prints may lead to data loss (issue 41). An in-place conversion killed at seeded
+durable steps is run again without --resume, as a user would, and every command requant's messages
+offer is then run exactly as printed (each alternative from the same killed state, and whatever
+those print in turn): every path ends in a checkpoint that opens and that `requant verify` passes,
+either the finished conversion (byte-identical to an uninterrupted one) or the source as it was.
+Also: `--abort` out of place, `--resume` after the end, and no message telling the user to delete
+anything.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from requant import synth
+from requant.cli import cli
+from requant.io import journal
+from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
+from tests.helpers.files import output_tree, tree
+from tests.helpers.kills import convert_args, kill_points, printed_commands, run_printed, run_stopped, steps_and_output
+
+DIMS = synth.Dims(layers=3, experts=6)
+POINTS = 6   # seeded kill points over the whole in-place conversion, one test each
+REQUANT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "requant")
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    src = str(tmp_path_factory.mktemp("safety") / "src")
+    synth.write_checkpoint(src, DIMS, seed=11)
+    return src
+
+
+@pytest.fixture(scope="module")
+def clean(source, tmp_path_factory):
+    """(durable steps, output tree) of the uninterrupted in-place conversion to NVFP4."""
+    target = str(tmp_path_factory.mktemp("clean") / "k9")
+    shutil.copytree(source, target)
+    return steps_and_output(convert_args(target, None, "nvfp4"), target)
+
+
+def follow(command: str, seen: set[str]) -> list[tuple[str, int, str]]:
+    """Run `command` as printed, then every command its output prints, once each: (command, exit
+    code, output) in order."""
+    ran, queue = [], [command]
+    while queue:
+        cmd = queue.pop(0)
+        if cmd in seen:
+            continue
+        seen.add(cmd)
+        result = run_printed(cmd)
+        said = result.stdout + result.stderr
+        ran.append((cmd, result.exit_code, said))
+        queue += printed_commands(said)
+    return ran
+
+
+def assert_usable(target: str) -> None:
+    """A checkpoint that opens, with no journal, that `requant verify` passes."""
+    assert not os.path.exists(journal.path_of(target)), os.listdir(target)
+    with Checkpoint.open(target) as ck:
+        assert ck.shard_names
+    verified = CliRunner().invoke(cli, ["verify", target, "--quiet"])
+    assert verified.exit_code == 0, verified.output
+
+
+def assert_is_source(target: str, source: str) -> None:
+    """Every file the source's bytes; config.json and the index its content (they come back from
+    the journal, which keeps them as JSON)."""
+    now, then = tree(target), tree(source)
+    assert set(now) == set(then), set(now) ^ set(then)
+    for name in then:
+        if name in (CONFIG_NAME, INDEX_NAME):
+            with open(os.path.join(target, name)) as a, open(os.path.join(source, name)) as b:
+                assert json.load(a) == json.load(b), name
+        else:
+            assert now[name] == then[name], f"{name} differs from the source"
+
+
+@pytest.mark.parametrize("point", range(POINTS))
+def test_killed_in_place_then_rerun_without_resume(source, clean, tmp_path, point):
+    steps, expected = clean
+    step = kill_points(41, steps, POINTS)[point]
+    target = str(tmp_path / "k9")
+    shutil.copytree(source, target)
+    args = convert_args(target, None, "nvfp4")
+    proc, err = run_stopped(args, f"kill@{step}", str(tmp_path / "stderr"))
+    assert proc.returncode < 0, f"kill@{step}: ended with {proc.returncode}: {err}"
+
+    begun = journal.exists(target)
+    rerun = CliRunner().invoke(cli, args)   # the same command, no --resume
+    if not begun:   # killed before anything changed: this is a fresh start
+        assert rerun.exit_code == 0, rerun.stderr
+        assert output_tree(target) == expected
+        assert_usable(target)
+        return
+    assert rerun.exit_code == 1, rerun.stderr
+    message = rerun.stderr
+    assert "unfinished conversion" in message and "delete" not in message, message
+    commands = printed_commands(message)
+    converted = [e["name"] for e in journal.load(target)[1]["shards"] if not journal.still_source(target, e)]
+    resume = [c for c in commands if c.endswith(" --resume")]
+    abort = [c for c in commands if c.endswith(" --abort")]
+    assert len(resume) == 1 and len(abort) == (0 if converted else 1) and len(commands) == 1 + len(abort), message
+    for name in converted:
+        assert name in message, f"{name} is converted and the refusal does not say so: {message}"
+
+    killed = str(tmp_path / "killed")   # the killed state, for each alternative in turn (copy2 keeps mtimes)
+    shutil.copytree(target, killed)
+    for choice in commands:
+        shutil.rmtree(target)
+        shutil.copytree(killed, target)
+        ran = follow(choice, set())
+        assert all(code == 0 for _, code, _ in ran), ran
+        assert_usable(target)
+        if choice in abort:
+            assert_is_source(target, source)
+        else:
+            assert output_tree(target) == expected, f"kill@{step}: resumed output differs from an uninterrupted run"
+
+
+def test_abort_refuses_once_a_shard_is_converted_and_changes_nothing(source, clean, tmp_path):
+    steps, expected = clean
+    target = str(tmp_path / "k9")
+    shutil.copytree(source, target)
+    args = convert_args(target, None, "nvfp4")
+    run_stopped(args, f"kill@{3 * steps // 4}", str(tmp_path / "stderr"))
+    lock = os.path.join(journal.JOURNAL_DIR, journal.LOCK)   # the killed run's lock record: taken over, then gone
+
+    def state():
+        return {k: v for k, v in tree(target).items() if k != lock}
+    before = state()
+    refused = CliRunner().invoke(cli, [*args, "--abort"])
+    assert refused.exit_code == 1 and "already nvfp4" in refused.stderr, refused.stderr
+    assert state() == before, "a refused abort changed the directory"
+    [resume] = printed_commands(refused.stderr)
+    assert run_printed(resume).exit_code == 0 and output_tree(target) == expected
+    assert_usable(target)
+
+
+def test_abort_out_of_place_removes_what_it_wrote(source, tmp_path):
+    dst = str(tmp_path / "dst")
+    args = convert_args(source, dst, "nvfp4")
+    steps, expected = steps_and_output(convert_args(source, str(tmp_path / "clean"), "nvfp4"), str(tmp_path / "clean"))
+    before = tree(source)
+    run_stopped(args, f"kill@{steps // 2}", str(tmp_path / "stderr"))
+    rerun = CliRunner().invoke(cli, args)
+    assert rerun.exit_code == 1
+    [abort] = [c for c in printed_commands(rerun.stderr) if c.endswith(" --abort")]
+    aborted = run_printed(abort)
+    assert aborted.exit_code == 0 and f"{dst} is empty" in aborted.stdout, aborted.output
+    assert os.listdir(dst) == [] and tree(source) == before
+    assert CliRunner().invoke(cli, args).exit_code == 0 and output_tree(dst) == expected
+    nothing = CliRunner().invoke(cli, [*args, "--abort"])
+    assert nothing.exit_code == 1 and "nothing to abort" in nothing.stderr
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["copy", "in-place"])
+def test_resume_after_the_end_says_finished(source, tmp_path, in_place):
+    target = str(tmp_path / "out")
+    if in_place:
+        shutil.copytree(source, target)
+    args = convert_args(target if in_place else source, None if in_place else target, "nvfp4")
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    before = tree(target)
+    again = CliRunner().invoke(cli, [*args, "--resume"])
+    assert again.exit_code == 0, again.stderr
+    assert "is a finished conversion of" in again.stdout and "nothing to resume" in again.stdout, again.output
+    assert tree(target) == before
+    if not in_place:   # another source into the same directory is no resume of it
+        other = str(tmp_path / "other")
+        shutil.copytree(source, other)
+        refused = CliRunner().invoke(cli, [*convert_args(other, target, "nvfp4"), "--resume"])
+        assert refused.exit_code == 1 and "not an empty directory" in refused.stderr, refused.output
+        assert tree(target) == before
+
+
+ALLOWED = (   # what requant itself deletes, not what the user should
+    "SRC as a Hub repository: fetch one shard at a time and delete it once converted",
+)
+TELLS_TO_DELETE = re.compile(r"\bdelete\b|\brm\s+-?\w", re.IGNORECASE)
+BARE_START_OVER = re.compile(r"(?<!cannot )start over(?! with `)", re.IGNORECASE)   # with no requant command
+
+
+def test_no_message_tells_the_user_to_delete_anything():
+    """Every string literal in requant/ (an f-string as its text with {} for the values), docstrings
+    aside: none says to delete or `rm` anything, nor to "start over" without the command that does."""
+    found = []
+    for root, _, files in os.walk(REQUANT):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(root, name)
+            with open(path) as f:
+                module = ast.parse(f.read())
+            docstrings = {id(owner.body[0].value) for owner in ast.walk(module)
+                          if isinstance(owner, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                          and owner.body and isinstance(owner.body[0], ast.Expr)}
+            parts = set()
+            for node in ast.walk(module):
+                if isinstance(node, ast.JoinedStr):
+                    parts |= {id(v) for v in node.values}
+                    text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                    text = node.value
+                else:
+                    continue
+                if id(node) not in parts and not text.startswith(ALLOWED) \
+                        and (TELLS_TO_DELETE.search(text) or BARE_START_OVER.search(text)):
+                    found.append(f"{os.path.relpath(path, REQUANT)}:{node.lineno}: {text.strip()[:100]}")
+    assert not found, found
