@@ -263,3 +263,17 @@ def test_two_different_models_are_refused(checkpoints, tmp_path):
         assert "layers.0.attn.wkv.scale" in a.names and "layers.0.attn.wkv.weight_scale" in b.names
     run = runner.invoke(cli, ["validate", src, w4a16, "--device", "cpu", "-q", "--layers", "0", "--tokens", "4"])
     assert run.exit_code == 0, run.output
+
+
+def test_a_kept_mxfp4_block_has_one_w4a8_row(checkpoints, tmp_path):
+    """MTP experts kept MXFP4 (--mtp keep): the candidate's block is the source's, so its W4A8 row is
+    the source's; it is listed once. A converted layer keeps the source's W4A8 row beside its own modes."""
+    src, _ = checkpoints
+    kept = str(tmp_path / "kept")
+    run = CliRunner().invoke(cli, ["convert", src, kept, "--out", "nvfp4", "--mtp", "keep", "--force", "-q"])
+    assert run.exit_code == 0, run.output
+    result = validate(src, kept, layers="1,mtp.0", tokens=4, device="cpu", progress=False)
+    rows = {r.layer: [(s.mode, s.policy, s.side) for s in r.serving] for r in result.layers}
+    assert rows["mtp.0"] == [("mxfp4-w4a8", None, "candidate"), ("bf16", None, "candidate")], rows
+    assert rows["layers.1"] == [("nvfp4-w4a4", "written", "candidate"), ("nvfp4-w4a4", "1.0", "candidate"),
+                                ("marlin-w4a16", None, "candidate"), ("mxfp4-w4a8", None, "source")], rows

@@ -56,7 +56,11 @@ def validate_block(run: Comparison, block: str) -> LayerResult:
 
     dst_fmt = kernel_format(b, block)
     modes = [m for m in (run.serve_modes or serve.default_modes(dst_fmt, run.capability)) if serve.applies(m, dst_fmt)]
-    src_modes = serve.source_modes(run.serve_modes, kernel_format(a, block), run.capability)
+    # A block the conversion kept in the source's format (MXFP4 MTP experts for SGLang): the
+    # candidate's rows are the source's, so the source side runs none of them again.
+    src_fmt = kernel_format(a, block)
+    src_modes = [m for m in serve.source_modes(run.serve_modes, src_fmt, run.capability)
+                 if not (src_fmt == dst_fmt and m in modes)]
     h_amax = []   # the source's intermediate (w2 input) range, for the calibrated input_scale
 
     def observe(h):
