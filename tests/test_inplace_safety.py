@@ -31,17 +31,14 @@ REQUANT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    src = str(tmp_path_factory.mktemp("safety") / "src")
-    synth.write_checkpoint(src, DIMS, seed=11)
-    return src
+def source(checkpoints):
+    return checkpoints.source(DIMS, seed=11)
 
 
 @pytest.fixture(scope="module")
-def clean(source, tmp_path_factory):
+def clean(source, checkpoints, tmp_path_factory):
     """(durable steps, output tree) of the uninterrupted in-place conversion to NVFP4."""
-    target = str(tmp_path_factory.mktemp("clean") / "k9")
-    shutil.copytree(source, target)
+    target = checkpoints.copy(source, tmp_path_factory.mktemp("clean") / "k9")
     return steps_and_output(convert_args(target, None, "nvfp4"), target)
 
 
@@ -84,11 +81,10 @@ def assert_is_source(target: str, source: str) -> None:
 
 
 @pytest.mark.parametrize("point", range(POINTS))
-def test_killed_in_place_then_rerun_without_resume(source, clean, tmp_path, point):
+def test_killed_in_place_then_rerun_without_resume(source, clean, checkpoints, tmp_path, point):
     steps, expected = clean
     step = kill_points(41, steps, POINTS)[point]
-    target = str(tmp_path / "k9")
-    shutil.copytree(source, target)
+    target = checkpoints.copy(source, tmp_path / "k9")
     args = convert_args(target, None, "nvfp4")
     proc, err = run_stopped(args, f"kill@{step}", str(tmp_path / "stderr"))
     assert proc.returncode < 0, f"kill@{step}: ended with {proc.returncode}: {err}"
@@ -125,10 +121,9 @@ def test_killed_in_place_then_rerun_without_resume(source, clean, tmp_path, poin
             assert output_tree(target) == expected, f"kill@{step}: resumed output differs from an uninterrupted run"
 
 
-def test_abort_refuses_once_a_shard_is_converted_and_changes_nothing(source, clean, tmp_path):
+def test_abort_refuses_once_a_shard_is_converted_and_changes_nothing(source, clean, checkpoints, tmp_path):
     steps, expected = clean
-    target = str(tmp_path / "k9")
-    shutil.copytree(source, target)
+    target = checkpoints.copy(source, tmp_path / "k9")
     args = convert_args(target, None, "nvfp4")
     run_stopped(args, f"kill@{3 * steps // 4}", str(tmp_path / "stderr"))
     lock = os.path.join(journal.JOURNAL_DIR, journal.LOCK)   # the killed run's lock record: taken over, then gone
@@ -162,10 +157,8 @@ def test_abort_out_of_place_removes_what_it_wrote(source, tmp_path):
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["copy", "in-place"])
-def test_resume_after_the_end_says_finished(source, tmp_path, in_place):
-    target = str(tmp_path / "out")
-    if in_place:
-        shutil.copytree(source, target)
+def test_resume_after_the_end_says_finished(source, checkpoints, tmp_path, in_place):
+    target = checkpoints.copy(source, tmp_path / "out") if in_place else str(tmp_path / "out")
     args = convert_args(target if in_place else source, None if in_place else target, "nvfp4")
     assert CliRunner().invoke(cli, args).exit_code == 0
     before = tree(target)
@@ -174,8 +167,7 @@ def test_resume_after_the_end_says_finished(source, tmp_path, in_place):
     assert "is a finished conversion of" in again.stdout and "nothing to resume" in again.stdout, again.output
     assert tree(target) == before
     if not in_place:   # another source into the same directory is no resume of it
-        other = str(tmp_path / "other")
-        shutil.copytree(source, other)
+        other = checkpoints.copy(source, tmp_path / "other")
         refused = CliRunner().invoke(cli, [*convert_args(other, target, "nvfp4"), "--resume"])
         assert refused.exit_code == 1 and "not an empty directory" in refused.stderr, refused.output
         assert tree(target) == before
