@@ -18,7 +18,7 @@ from requant import serve
 from requant.cli import cli
 from requant.compute import kernel_device
 from requant.convert import convert
-from requant.report import c_compare, make_report, weights
+from requant.report import c_compare, html, make_report, render, weights
 from requant.synth import Dims, HardCases
 from requant.targets import Options
 from requant.targets.nvfp4 import NVFP4Options
@@ -160,21 +160,24 @@ def test_forward_comparison_says_what_ran_where(pair, tmp_path):
     assert "MoE forward on cpu" in (out / "report.md").read_text() or on_gpu
     # drawn only when some layer's output differs: a log axis has no place for identical outputs
     assert (out / "forward_error_per_layer.png").exists() == any(r["rel_error"] > 0 for r in forward["by_layer"])
-    # Served numerics: what the GPU that ran it serves each side's format with (serve.default_modes:
-    # Hopper and Ampere Marlin's W4A16 alone, since bf16 on the MXFP4 source is the reference itself;
-    # Blackwell NVFP4's W4A4 under both input_scale policies and the MXFP4 source as SGLang serves it,
-    # MXFP8 activations, side "source"). Without a GPU the serving GPU is unknown: all of them.
+    # Served numerics: what the GPU that ran it serves the candidate's format with (serve.default_modes:
+    # Hopper and Ampere Marlin's W4A16, Blackwell NVFP4's W4A4 under both input_scale policies; without
+    # a GPU the serving GPU is unknown: both). The source as SGLang serves it on Blackwell (MXFP8
+    # activations, side "source") is the serving paths' number for this layer, listed there alone.
     served = [(s["mode"], s["policy"], s["side"]) for s in forward["by_layer"][0]["serving"]]
     capability = torch.cuda.get_device_capability() if on_gpu else None
     expected = [(m, p, "candidate") for m in serve.default_modes("nvfp4", capability)
                 for p in (("written", "1.0") if m == "nvfp4-w4a4" else (None,))]
-    expected += [(m, None, "source") for m in serve.source_modes(None, "mxfp4", capability)]
     assert served == expected, (capability, served)
     if not on_gpu:
         assert served == [("nvfp4-w4a4", "written", "candidate"), ("nvfp4-w4a4", "1.0", "candidate"),
-                          ("marlin-w4a16", None, "candidate"), ("mxfp4-w4a8", None, "source")]
+                          ("marlin-w4a16", None, "candidate")]
     md = (out / "report.md").read_text()
-    assert "Served numerics" in md
+    # the words above the table name the modes that ran and no other
+    [words] = [line for line in md.splitlines() if line.startswith("Served numerics")]
+    for mode, text in render.SERVED_MODE_WORDS.items():
+        assert (text in words) == (mode in {m for m, _, _ in served}), (mode, words)
+    assert served_words_in_html(out) == words
     # Serving paths: the source's first selected layer through every path, conversions in memory;
     # the in-memory cast's weight-only path is the written candidate's (same tokens), the INT4 ones
     # are lossy, g32 closer than g128.
@@ -184,11 +187,18 @@ def test_forward_comparison_says_what_ran_where(pair, tmp_path):
     if not on_gpu:
         assert res["nvfp4:bf16"]["rel_err"] == pytest.approx(forward["by_layer"][0]["rel_error"], rel=1e-6)
     assert res["nvfp4:bf16"]["rel_err"] < 1e-3 < res["w4a16-g32-sym:bf16"]["rel_err"] < res["w4a16-g128-sym:bf16"]["rel_err"]
-    for w4a8 in (s for s in forward["by_layer"][0]["serving"] if s["mode"] == "mxfp4-w4a8"):   # where it ran
-        assert w4a8["rel_err"] == pytest.approx(res["mxfp4:mxfp4-w4a8"]["rel_err"], rel=1e-6) or on_gpu
+    assert md.count("| mxfp4:mxfp4-w4a8 |") == 1 and "| mxfp4-w4a8 |" not in md   # one row: the paths table's
     closest = paths["layers"][0]["closest_inexact"]["path"]
     assert f"closest inexact: {closest}" in md and "| w4a16-g128-sym:bf16 |" in md
     assert "Serving paths" in (out / "report.html").read_text()
+
+
+def served_words_in_html(out) -> str:
+    import html
+
+    page = (out / "report.html").read_text()
+    found = re.search(r"<p>(Served numerics[^<]*)</p>", page)
+    return html.unescape(found.group(1)) if found else ""
 
 
 def test_unknown_layers_are_refused(pair, tmp_path):
@@ -333,3 +343,33 @@ def test_a_bad_scale_byte_is_one_line_naming_its_file_and_tensor(pair, tmp_path)
     message = [line for line in run.output.splitlines() if "NaN" in line]
     assert len(message) == 1 and name in message[0] and Path(path).name in message[0], run.output
     assert "Traceback" not in run.output and not (out / "report.json").exists()
+
+
+def test_plot_axes_start_at_zero_or_say_they_are_zoomed(pair, tmp_path, monkeypatch):
+    """Two layers a few hundredths of a dB apart must not look like a cliff: the SQNR axis starts at
+    zero, as the forward-error and histogram axes do; the exact-block map's colour scale, which spans
+    only 99-100% where every expert is that close, says it is zoomed."""
+    report = make_report(pair[0], pair[1], str(tmp_path / "r"), layers="0,1", progress=False, forward=False)
+    report["forward"] = {"status": "run", "device": "cpu", "by_layer": [
+        {"block": "layers.1", "rel_error": 0.0200}, {"block": "layers.2", "rel_error": 0.0202}]}
+    figures = {}
+
+    def keep(fig):
+        figures[fig.axes[0].get_title()] = fig
+        return b""
+
+    monkeypatch.setattr(html, "_png", keep)
+    drawn = html.plots(report)
+    assert set(drawn) == set(html.PLOTS)
+    by_title = {title.split(" (")[0].split(";")[0]: fig.axes for title, fig in figures.items()}
+    assert by_title["Weight SQNR per layer"][0].get_ylim()[0] <= 0
+    assert by_title["MoE forward error per layer"][0].get_ylim()[0] == 0
+    assert by_title["Weight error histogram"][0].get_ylim()[0] == 0
+    exact_map = next(title for title in figures if title.startswith("Exact scale blocks"))
+    low = figures[exact_map].axes[0].images[0].get_clim()[0]
+    assert 0 < low < 100 and f"zoomed: colour scale from {low:g}%" in exact_map
+
+
+def test_percentages_never_round_to_exact():
+    assert render.percent(1) == "100%" and render.percent(0) == "0%" and render.percent(0.5) == "50.000%"
+    assert render.percent(1 - 3e-7) == "99.99997%" and render.percent(2e-6) == "0.0002%"

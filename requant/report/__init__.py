@@ -79,6 +79,19 @@ def paths_section(src: str, blocks: list[str], tokens: int = PATHS_TOKENS, exper
     return {"status": "run", "what": what, **result}
 
 
+def _one_source_row(report: dict) -> None:
+    """The source as an engine runs it is the serving paths' number where they ran on that layer
+    (`mxfp4:mxfp4-w4a8`); the forward section's own source rows for the layer, the same quantity
+    measured once more (on a GPU with other tokens), are left out so each number has one source."""
+    paths, forward = report["paths"], report["forward"]
+    if paths.get("status") != "run" or forward.get("status") != "run":
+        return
+    covered = {layer["block"] for layer in paths["layers"]}
+    for row in forward["by_layer"]:
+        if row["block"] in covered:
+            row["serving"] = [s for s in row["serving"] if s.get("side", "candidate") != "source"]
+
+
 def make_report(src: str, dst: str, out_dir: str, layers: str | None = None, workers: int | None = None,
                 progress: bool = True, forward: bool = True, serve_modes: list[str] | None = None,
                 device: str | None = None, paths: bool = True) -> dict:
@@ -96,6 +109,7 @@ def make_report(src: str, dst: str, out_dir: str, layers: str | None = None, wor
     report["paths"] = (paths_section(src, report["selection"]["blocks"]) if forward and paths
                        else {"status": "not run", "reason": "not requested" + (" (--no-forward)" if not forward else "")})
     log.info("serving paths: %s in %.2f s", report["paths"]["status"], time.monotonic() - step)
+    _one_source_row(report)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)

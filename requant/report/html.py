@@ -15,7 +15,7 @@ import os
 from requant.extras import MissingExtra, install_hint, require
 from requant.report.render import (METRIC_COLUMNS, NOTE, forward_table, forward_verdict, is_exact, lossy_standing,
                                    metric_rows,
-                                   paths_table, paths_verdict, served_table, verdict)
+                                   paths_table, paths_verdict, served_table, served_words, verdict)
 
 PLOTS = {
     "sqnr_per_layer.png": "Per-layer SQNR (dB)",
@@ -57,6 +57,9 @@ def plots(report: dict) -> dict[str, bytes]:
         for i in exact:
             ax.axvline(i, color="#2a9d8f", alpha=0.25, lw=6)
         ax.set_xticks(list(x), labels, rotation=90, fontsize=7)
+        # from zero: an axis fitted to the data would make a few hundredths of a dB look like a cliff
+        finite = [s for layer in layers for s in (v["sqnr_db"] for v in layer["by_projection"].values()) if s is not None]
+        ax.set_ylim(bottom=min(0.0, *finite), top=max(finite) * 1.05 if max(finite) > 0 else None)
         ax.set_ylabel("SQNR (dB), higher is better")
         ax.set_title("Weight SQNR per layer" + (" (shaded: exact, SQNR ∞)" if exact else ""))
         ax.grid(alpha=0.3)
@@ -67,14 +70,14 @@ def plots(report: dict) -> dict[str, bytes]:
     if forward and forward.get("status") == "run" and any(r["rel_error"] > 0 for r in forward["by_layer"]):
         fig, ax = plt.subplots(figsize=(9, 3.2))
         rows = forward["by_layer"]
-        # log axis: identical outputs (error 0) have no place on it and are named in the title
-        ax.semilogy(range(len(rows)), [r["rel_error"] or float("nan") for r in rows], marker="o", ms=3)
+        ax.plot(range(len(rows)), [r["rel_error"] for r in rows], marker="o", ms=3)
+        ax.set_ylim(bottom=0)   # a linear axis from zero: identical outputs sit on it
         ax.set_xticks(range(len(rows)), [r["block"] for r in rows], rotation=90, fontsize=7)
         ax.set_ylabel("relative output error")
         identical = [r["block"] for r in rows if r["rel_error"] == 0]
         ax.set_title(f"MoE forward error per layer ({forward['device']})"
                      + (f"; identical output: {', '.join(identical)}" if identical else ""))
-        ax.grid(alpha=0.3, which="both")
+        ax.grid(alpha=0.3)
         out["forward_error_per_layer.png"] = _png(fig)
 
     hist = report["error_histogram"]
@@ -85,6 +88,7 @@ def plots(report: dict) -> dict[str, bytes]:
         for proj, counts in hist["by_projection"].items():
             ax.step(edges[:-1], counts, where="post", label=f"{proj} ({hist['zero_error_elements'][proj]:,} exact)")
         ax.set_yscale("symlog")
+        ax.set_ylim(bottom=0)
         ax.set_xlim(edges[0], edges[-1] + width)
         ax.set_xlabel("log10 |candidate - source| (non-zero errors)")
         ax.set_ylabel("elements")
@@ -96,12 +100,15 @@ def plots(report: dict) -> dict[str, bytes]:
     grid = report["exact_block_map"]
     values = [[float("nan") if v is None else 100 * v for v in row] for row in grid["fraction"]]
     fig, ax = plt.subplots(figsize=(9, max(2.2, 0.22 * len(values) + 1.2)))
-    image = ax.imshow(values, aspect="auto", cmap="viridis", vmin=min(99.0, _finite_min(values)), vmax=100,
-                      interpolation="nearest")
+    # The colours span 99-100% where every expert is that close, so a few differing blocks show; such
+    # a colour scale is zoomed, and says so.
+    low = min(99.0, _finite_min(values))
+    image = ax.imshow(values, aspect="auto", cmap="viridis", vmin=low, vmax=100, interpolation="nearest")
     ax.set_yticks(range(len(grid["blocks"])), grid["blocks"], fontsize=7)
     ax.set_xlabel("expert")
-    ax.set_title("Exact scale blocks (%) per layer and expert")
-    fig.colorbar(image, ax=ax, label="% exact scale blocks")
+    zoom = f"zoomed: colour scale from {low:g}%" if low > 0 else ""
+    ax.set_title("Exact scale blocks (%) per layer and expert" + (f" ({zoom})" if zoom else ""))
+    fig.colorbar(image, ax=ax, label="% exact scale blocks" + (f" ({zoom})" if zoom else ""))
     out["exact_block_map.png"] = _png(fig)
     return out
 
@@ -153,8 +160,7 @@ def page(report: dict, pngs: dict[str, bytes], missing_plots: str | None = None)
                + _table(*forward_table(forward)))
         served = [(r["block"], s) for r in forward["by_layer"] for s in r.get("serving", [])]
         if served:
-            fwd += ("<p>Served numerics: each layer as an engine computes it (candidate; source: the MXFP4 source "
-                    "with MXFP8 activations), against the source's reference path.</p>" + _table(*served_table(served)))
+            fwd += f"<p>{html.escape(served_words(served))}</p>" + _table(*served_table(served))
         if "forward_error_per_layer.png" in pngs:
             fwd += _img("forward_error_per_layer.png", pngs["forward_error_per_layer.png"])
     else:

@@ -17,7 +17,7 @@ def fmt(key: str, value) -> str:
     if value is None:
         return "∞" if key == "sqnr_db" else "n/a"
     if key == "exact_block_fraction":
-        return f"{100 * value:.3f}%"
+        return percent(value)
     if key == "sqnr_db":
         return f"{value:.2f}"
     if key == "cosine":   # near 1 the interesting part is the distance from 1
@@ -25,6 +25,18 @@ def fmt(key: str, value) -> str:
     if isinstance(value, float):
         return f"{value:.3g}"
     return str(value)
+
+
+def percent(fraction: float) -> str:
+    """A fraction as a percentage that reads 100% or 0% only when it is exactly that: 3 decimals, more
+    where 3 would round a few differing blocks away."""
+    if fraction in (0, 1):
+        return f"{100 * fraction:.0f}%"
+    for places in range(3, 12):
+        text = f"{100 * fraction:.{places}f}"
+        if text not in (f"{100:.{places}f}", f"{0:.{places}f}"):
+            return f"{text}%"
+    return f"{100 * fraction!r}%"
 
 
 def is_exact(metrics: dict) -> bool:
@@ -76,7 +88,7 @@ def verdict(report: dict) -> str:
                 f"{o['sqnr_db']:.2f} dB against the source over the {scope}"
                 + (f" (lowest: {worst['block']} {worst['metrics']['sqnr_db']:.2f} dB)" if worst else "")
                 + f", where this format and group size reach {best:.2f} dB at best on requant's synthetic weights "
-                f"({o['sqnr_db'] - best:+.2f} dB).")
+                f"({round(o['sqnr_db'], 2) - best:+.2f} dB).")   # the difference of the two numbers shown
     differ = o["blocks"] - o["exact_blocks"]
     inexact = [layer for layer in layers if not is_exact(layer["metrics"])]
     finite = [layer for layer in inexact if layer["metrics"]["sqnr_db"] is not None]
@@ -123,18 +135,34 @@ def forward_table(forward: dict) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+# What each serving mode computes, for the words above a table of the modes that ran.
+SERVED_MODE_WORDS = {
+    "nvfp4-w4a4": "nvfp4-w4a4, Blackwell's NVFP4 activations under each input_scale policy",
+    "marlin-w4a16": "marlin-w4a16, vLLM 0.33.0's Marlin block-scale rule on Hopper and Ampere, which zeroes blocks "
+                    "far below the layer's largest",
+    "mxfp4-w4a8": "mxfp4-w4a8, MXFP4 weights with MXFP8 activations as SGLang runs them on Blackwell",
+    "bf16": "bf16, the weights decoded exactly with BF16 activations",
+}
+
+
+def served_words(served: list[tuple[str, dict]]) -> str:
+    """The words above the served-numerics table: the modes that ran, on which side, nothing else."""
+    modes = list(dict.fromkeys(s["mode"] for _, s in served))
+    on_source = sorted({s["mode"] for _, s in served if s.get("side") == "source"})
+    return ("Served numerics: each layer computed as an engine computes it, in the modes this run chose ("
+            + "; ".join(SERVED_MODE_WORDS[m] for m in modes) + ")"
+            + (f"; side source: the source itself in {', '.join(on_source)}" if on_source else "")
+            + ". Errors against the source's reference path; other modes were not run (--serve all runs every "
+            "one). Exact weights above need not mean exact served numbers.")
+
+
 def forward_lines(forward: dict | None) -> list[str]:
     if not forward or forward.get("status") != "run":
         return [forward_verdict(forward)]
     lines = [forward_verdict(forward), "", f"What ran: {forward['what']}.", "", *_md_table(*forward_table(forward))]
     served = [(r["block"], s) for r in forward["by_layer"] for s in r.get("serving", [])]
     if served:
-        lines += ["", "Served numerics: the candidate layer computed as each engine computes it (nvfp4-w4a4: "
-                  "activations quantized to NVFP4 under each input_scale policy; marlin-w4a16: vLLM 0.33.0's "
-                  "Marlin block-scale rule, which zeroes blocks far below the layer's largest), and the MXFP4 source "
-                  "as SGLang runs it on Blackwell (side source, mxfp4-w4a8: MXFP8 activations), against the "
-                  "source's reference path. Exact weights above need not mean exact served numbers.", ""]
-        lines += _md_table(*served_table(served))
+        lines += ["", served_words(served), "", *_md_table(*served_table(served))]
     return lines
 
 
@@ -240,7 +268,8 @@ def terminal(report: dict, out_dir: str, missing_plots: str | None = None) -> st
     finite = [layer for layer in report["by_layer"] if layer["metrics"]["sqnr_db"] is not None]
     worst = sorted(finite, key=lambda layer: layer["metrics"]["sqnr_db"])[:5]
     if worst:
-        lines += ["", "lowest SQNR: " + ", ".join(f"{w['block']} {w['metrics']['sqnr_db']:.1f} dB" for w in worst)]
+        lines += ["", "lowest SQNR: " + ", ".join(f"{w['block']} {fmt('sqnr_db', w['metrics']['sqnr_db'])} dB"
+                                                  for w in worst)]
     t = report["timing"]
     lines.append(f"time      {t['weights_seconds']:.1f} s for weights")
     lines.append(f"written   {out_dir}/report.json, report.md, report.html"
