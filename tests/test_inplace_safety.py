@@ -156,6 +156,19 @@ def test_abort_out_of_place_removes_what_it_wrote(source, tmp_path):
     assert nothing.exit_code == 1 and "nothing to abort" in nothing.stderr
 
 
+def test_abort_of_a_lone_snapshot_removes_it_and_nothing_else(source, checkpoints, tmp_path):
+    """A kill before the journal's first write (or while it is removed at the end) leaves its
+    snapshot alone: no unfinished conversion, and --abort removes only that."""
+    target = checkpoints.copy(source, tmp_path / "k9")
+    before = tree(target)
+    os.makedirs(journal.path_of(target))
+    with open(journal.path_of(target, journal.SNAPSHOT), "w") as f:
+        f.write("{}")
+    result = CliRunner().invoke(cli, [*convert_args(target, None, "nvfp4"), "--abort", "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["message"].startswith("nothing to abort"), result.output
+    assert tree(target) == before
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["copy", "in-place"])
 def test_resume_after_the_end_says_finished(source, checkpoints, tmp_path, in_place):
     target = checkpoints.copy(source, tmp_path / "out") if in_place else str(tmp_path / "out")

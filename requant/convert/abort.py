@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 
 from requant import card
 from requant.errors import CheckpointError, RequantError, UsageError
@@ -64,9 +65,10 @@ def abort(src: str, dst: str | None) -> str:
                           record=journal.path_of(target, journal.LOCK))
     try:
         if not journal.exists(target):
-            if os.path.isfile(journal.path_of(target, journal.SNAPSHOT)):   # a start that changed nothing yet
-                journal.remove(target)
-                return f"aborted: the conversion in {target} had not changed anything yet; its journal is removed"
+            if os.path.isfile(journal.path_of(target, journal.SNAPSHOT)):   # from before the first change or after the end
+                shutil.rmtree(journal.path_of(target))
+                return (f"nothing to abort: {target} holds no unfinished conversion; removed the snapshot a conversion "
+                        f"left in {journal.path_of(target)} (nothing else was touched)")
             raise RequantError(f"nothing to abort: {target} holds no unfinished conversion")
         try:
             record, snapshot = journal.load(target)
@@ -121,7 +123,7 @@ def _remove_output(src: str, target: str, snapshot: dict) -> str:
             os.removedirs(os.path.join(target, folder))   # only folders left empty, up to the target
     journal.remove(target)
     left = sorted(set(os.listdir(target)) - {journal.JOURNAL_DIR})
-    rest = f"; left {len(left)} entries it did not write ({', '.join(left[:3])})" if left else f"; {target} is empty"
+    rest = f"; {len(left)} other entries stay ({', '.join(left)})" if left else f"; {target} is empty"
     return f"aborted the conversion into {target}: removed what it had written ({removed} files){rest}"
 
 

@@ -116,6 +116,10 @@ def progress_message(target: str) -> str:
 
 
 def remove(target: str) -> None:
+    """journal.json first: once it is gone the directory is no unfinished conversion, whatever
+    of the folder a kill leaves behind."""
+    os.remove(path_of(target, JOURNAL))
+    fsync_dir(path_of(target))
     shutil.rmtree(path_of(target))
     fsync_dir(target)
 
