@@ -95,7 +95,7 @@ little free disk; {EXIT_BUG} a bug in requant (REQUANT_DEBUG=1 prints the traceb
 {EXIT_INTERRUPTED} interrupted (Ctrl-C, SIGTERM or SIGHUP) before the command finished. An error
 is one line on stderr; with --json it is also printed on stdout as {{"error": {{"code": N,
 "message": "..."}}}}.
--q/--quiet: no progress bars, library warnings off; -v/--verbose: log INFO (-vv DEBUG).
+-q/--quiet: no progress bars, library warnings off; -v/--verbose: log requant's steps (-vv its debug lines).
 Progress bars are drawn only when stderr is a terminal."""
 
 # Set by main(): the command runs as its own process (not in a test's CliRunner), so once it has
@@ -190,7 +190,8 @@ def reports_errors(fn):
 
 def verbosity_options(fn):
     """-q/--quiet and -v/--verbose, the same on every command."""
-    fn = click.option("-v", "--verbose", count=True, help="Log more: -v INFO, -vv DEBUG (to stderr).")(fn)
+    fn = click.option("-v", "--verbose", count=True, help="Log requant's steps to stderr: -v INFO (plan, shards, "
+                      "timings), -vv DEBUG; other libraries stay quiet.")(fn)
     return click.option("-q", "--quiet", is_flag=True, help="No progress bar; library warnings off.")(fn)
 
 
@@ -479,7 +480,8 @@ def verify(path, deep, source, device, engine, gpu, as_json, quiet):
     failed = None if result["ok"] else failure_line(result)
     if failed and as_json:   # one JSON document: the findings, with the error
         result["error"] = {"code": EXIT_INPUT, "message": failed}
-    click.echo(json.dumps(result, indent=2) if as_json else format_findings(result))
+    if as_json or not result.get("diagnosis"):   # a path that is no checkpoint: the error line alone
+        click.echo(json.dumps(result, indent=2) if as_json else format_findings(result))
     if failed:
         _fail(failed, EXIT_INPUT)
 

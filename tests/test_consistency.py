@@ -118,7 +118,7 @@ def test_missing_path_and_unfinished_conversion_have_one_line_each(tmp_path):
         {"format": 1, "shards": [{"done": True}, {"done": False}], "resume": "requant convert a half --resume"}))
     v, i = invoke("verify", str(target), "--quiet"), invoke("inspect", str(target))
     line = f"file {target}: conversion in progress: 1 of 2 shards, resume with `requant convert a half --resume`"
-    assert v.exit_code == 1 and v.output.strip() == f"FAILED: {line}"
+    assert v.exit_code == 1 and v.output.strip() == f"requant: error: {line}"
     assert line in i.output
     result = verify(str(target), progress=False)
     assert result["diagnosis"] == line and result["findings"][0]["code"] == "conversion-in-progress"

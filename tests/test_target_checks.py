@@ -85,7 +85,7 @@ def test_convert_and_verify_refuse_a_config_the_target_would_not_write(case, sou
     json.dump(config, open(path, "w"))
     run = CliRunner().invoke(cli, ["verify", edited, "--json"])
     assert run.exit_code == 1, run.output
-    result = json.loads(run.output)
+    result = json.loads(run.stdout)
     line = _first_error(result)
     assert line.startswith(f"{code}: "), result["findings"]
 

@@ -372,4 +372,4 @@ def layouts(pair, tmp_path_factory):
 def test_verify_engine_exit_status(layouts, case, engine, code):
     result = run_cli(layouts[case], "--engine", engine)
     assert result.exit_code == code, result.output
-    assert ("FAILED" if code else "OK") in result.output.splitlines()[-1]
+    assert ("FAILED" if code else "OK") in result.stdout.splitlines()[-1]

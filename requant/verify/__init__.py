@@ -110,7 +110,8 @@ def _errors_line(result: dict, limit: int = 2) -> str:
 def failure_line(result: dict) -> str:
     """A failed result as the one error line the CLI prints: why the path is no checkpoint, else
     how many errors and the first few."""
-    return result.get("diagnosis") or (f"{result['path']}: verify found {result['summary']['error']:,} errors: "
+    errors = result["summary"]["error"]
+    return result.get("diagnosis") or (f"{result['path']}: verify found {errors:,} error{'s' if errors != 1 else ''}: "
                                        f"{_errors_line(result)}")
 
 
