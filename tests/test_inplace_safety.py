@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import random
 import re
 import shutil
 
@@ -20,13 +21,17 @@ from click.testing import CliRunner
 
 from requant import synth
 from requant.cli import cli
-from requant.io import journal
+from requant.io import fsutil, journal
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from tests.helpers.files import output_tree, tree
-from tests.helpers.kills import convert_args, kill_points, printed_commands, run_printed, run_stopped, steps_and_output
+from tests.helpers.kills import (SEED, convert_args, kill_points, printed_commands, run_printed, run_stopped,
+                                 steps_and_output)
 
 DIMS = synth.Dims(layers=3, experts=6)
-POINTS = 6   # seeded kill points over the whole in-place conversion, one test each
+# Where a kill leaves an in-place conversion; each gets a seeded kill point of its own, and
+# ANYWHERE more are drawn from the whole conversion.
+PHASES = ("before the journal", "journaled, nothing converted", "some shards converted", "every shard converted")
+ANYWHERE = 4
 REQUANT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "requant")
 
 
@@ -35,11 +40,41 @@ def source(checkpoints):
     return checkpoints.source(DIMS, seed=11)
 
 
+def phase(target: str) -> str:
+    """Which of PHASES the in-place conversion in `target` is in."""
+    if not journal.exists(target):
+        return PHASES[0]
+    record, snapshot = journal.load(target)
+    if not any(not journal.still_source(target, e) for e in snapshot["shards"]):
+        return PHASES[1]
+    return PHASES[3] if all(s["done"] for s in record["shards"]) else PHASES[2]
+
+
 @pytest.fixture(scope="module")
 def clean(source, checkpoints, tmp_path_factory):
-    """(durable steps, output tree) of the uninterrupted in-place conversion to NVFP4."""
+    """(durable steps, output tree, {phase: the steps a kill at which leaves it there}) of the
+    uninterrupted in-place conversion to NVFP4: the phase is seen after each durable step, where
+    the test hook kills."""
     target = checkpoints.copy(source, tmp_path_factory.mktemp("clean") / "k9")
-    return steps_and_output(convert_args(target, None, "nvfp4"), target)
+    phases: dict[str, list[int]] = {p: [] for p in PHASES}
+    hook = fsutil.fault_point
+
+    def observed():
+        hook()
+        phases[phase(target)].append(fsutil._fault_steps)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fsutil, "fault_point", observed)
+        steps, tree_after = steps_and_output(convert_args(target, None, "nvfp4"), target)
+    assert all(phases.values()), phases
+    return steps, tree_after, phases
+
+
+def kill_point(clean, case: int) -> int:
+    """A seeded step in each phase, then ANYWHERE seeded steps from the whole conversion."""
+    steps, _, phases = clean
+    if case < len(PHASES):
+        return random.Random(SEED + case).choice(phases[PHASES[case]])
+    return kill_points(41, steps, ANYWHERE)[case - len(PHASES)]
 
 
 def follow(command: str, seen: set[str]) -> list[tuple[str, int, str]]:
@@ -80,14 +115,15 @@ def assert_is_source(target: str, source: str) -> None:
             assert now[name] == then[name], f"{name} differs from the source"
 
 
-@pytest.mark.parametrize("point", range(POINTS))
-def test_killed_in_place_then_rerun_without_resume(source, clean, checkpoints, tmp_path, point):
-    steps, expected = clean
-    step = kill_points(41, steps, POINTS)[point]
+@pytest.mark.parametrize("case", range(len(PHASES) + ANYWHERE), ids=[*PHASES, *(f"anywhere-{i}" for i in range(ANYWHERE))])
+def test_killed_in_place_then_rerun_without_resume(source, clean, checkpoints, tmp_path, case):
+    _, expected, phases = clean
+    step = kill_point(clean, case)
     target = checkpoints.copy(source, tmp_path / "k9")
     args = convert_args(target, None, "nvfp4")
     proc, err = run_stopped(args, f"kill@{step}", str(tmp_path / "stderr"))
     assert proc.returncode < 0, f"kill@{step}: ended with {proc.returncode}: {err}"
+    assert step in phases[phase(target)], f"kill@{step} left the conversion {phase(target)}, unlike the clean run"
 
     begun = journal.exists(target)
     rerun = CliRunner().invoke(cli, args)   # the same command, no --resume
@@ -122,7 +158,7 @@ def test_killed_in_place_then_rerun_without_resume(source, clean, checkpoints, t
 
 
 def test_abort_refuses_once_a_shard_is_converted_and_changes_nothing(source, clean, checkpoints, tmp_path):
-    steps, expected = clean
+    steps, expected, _ = clean
     target = checkpoints.copy(source, tmp_path / "k9")
     args = convert_args(target, None, "nvfp4")
     run_stopped(args, f"kill@{3 * steps // 4}", str(tmp_path / "stderr"))
