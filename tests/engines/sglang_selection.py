@@ -58,7 +58,8 @@ def on_release(version: str):
 
 
 def _file(relpath: str) -> ast.Module:
-    return ast.parse(wheels.source("sglang", SRT + relpath))
+    """The parsed file, cached per release by wheels (nodes are copied before they are changed)."""
+    return wheels._tree("sglang", SRT + relpath)
 
 
 def _function(tree: ast.Module, name: str) -> ast.FunctionDef | None:
@@ -155,12 +156,137 @@ def answer(gpu: str, backend_flag: str) -> dict:
             "evidence": list(dict.fromkeys(evidence))}
 
 
-def mxfp4_table() -> dict:
-    """GPU -> the auto cell with `fix` and `explicit` (sglang_kernels.table's shape, MXFP4 only)."""
+# ---------------------------------------------------------------------------------------------
+# requant's NVFP4 output: SGLang's hybrid FP8 + NVFP4 config (0.5.14 on)
+# ---------------------------------------------------------------------------------------------
+MODELOPT = "layers/quantization/modelopt_quant.py"
+LOADER = "model_loader/loader.py"
+
+
+def _method_node(relpath: str, cls: str, name: str) -> ast.FunctionDef:
+    klass = next((n for n in _file(relpath).body if isinstance(n, ast.ClassDef) and n.name == cls), None)
+    if klass is None:
+        raise KeyError(f"sglang {K.release()}: {relpath} defines no class {cls}")
+    return next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _run(statements: list[ast.stmt], relpath: str, ns: dict, args: tuple[str, ...], *values):
+    fn = ast.FunctionDef(name="_run", args=ast.arguments(posonlyargs=[], args=[ast.arg(a) for a in args], kwonlyargs=[],
+                                                       kw_defaults=[], defaults=[]),
+                         body=statements + [ast.Return(value=ast.Constant(value=None))], decorator_list=[], returns=None,
+                         type_params=[])
+    exec(compile(ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[])), f"sglang/{SRT}{relpath}", "exec"), ns)
+    return ns["_run"](*values)
+
+
+def serves_nvfp4() -> bool:
+    """Whether the release detects requant's NVFP4 output (quant_algo MIXED_PRECISION, NVFP4 experts)
+    as a hybrid FP8 + NVFP4 checkpoint at all."""
+    return "class HybridFp8NvFp4Config" in wheels.source("sglang", SRT + MODELOPT)
+
+
+def nvfp4_refusal(gpu: str, backend: str) -> tuple[str, list[str]]:
+    """ModelOptNvFp4FusedMoEMethod.__init__'s platform check, executed: its ValueError, or ""."""
+    init = _method_node(MODELOPT, "ModelOptNvFp4FusedMoEMethod", "__init__")
+    start = next(i for i, s in enumerate(init.body) if "moe_runner_backend = get_moe_runner_backend()" in ast.unparse(s))
+    end = next(i for i, s in enumerate(init.body) if "Blackwell and above" in ast.unparse(s))
+    statements = [copy.deepcopy(s) for s in init.body[start:end + 1]]
+    platform = _Platform(gpu)
+    ns = {"get_moe_runner_backend": lambda: _Backend(backend), "is_cuda": lambda: True,
+          "get_device_capability": lambda: GPU_CAPABILITY[gpu], "is_blackwell_supported": lambda: platform.is_blackwell,
+          "get_platform": lambda: platform}
+    evidence = [K.sg_ev(MODELOPT, (statements[0].lineno, statements[-1].end_lineno))]
+    try:
+        _run(statements, MODELOPT, ns, ("self",), types.SimpleNamespace())
+    except ValueError as refused:
+        return f"ValueError: {refused}", evidence
+    return "", evidence
+
+
+def hybrid_methods() -> tuple[str, str, list[str]]:
+    """HybridFp8NvFp4Config.get_quant_method's routed-experts branch, executed for a main layer and
+    for the NextN block the loader excludes (model.decoder.*): (main method, NextN method, evidence)."""
+    fn = _method_node(MODELOPT, "HybridFp8NvFp4Config", "get_quant_method")
+    branch = next(n for n in ast.walk(fn) if isinstance(n, ast.If) and "FusedMoE" in ast.unparse(n.test))
+    names = ("ModelOptNvFp4FusedMoEMethod", "Fp8MoEMethod", "Mxfp4FlashinferTrtllmMoEMethod")
+    stand_ins = {n: type(n, (), {"__init__": lambda *a, **k: None}) for n in names}
+    wheels.fake_module("sglang.srt.layers.quantization.fp8", Fp8MoEMethod=stand_ins["Fp8MoEMethod"])
+    wheels.fake_module("sglang.srt.layers.quantization.mxfp4_flashinfer_trtllm_moe",
+                       Mxfp4FlashinferTrtllmMoEMethod=stand_ins["Mxfp4FlashinferTrtllmMoEMethod"])
+    me = types.SimpleNamespace(is_fp4_experts=True, nvfp4_config=types.SimpleNamespace(
+        is_layer_excluded=lambda prefix: prefix.startswith("model.decoder.")))
+    ns = dict(stand_ins)
+    picked = [type(_run([copy.deepcopy(s) for s in branch.body], MODELOPT, ns, ("self", "prefix"), me, prefix)).__name__
+              for prefix in ("model.layers.0.mlp.experts", "model.decoder.mlp.experts")]
+    loader = wheels.source("sglang", SRT + LOADER)
+    evidence = [K.sg_ev(MODELOPT, (branch.lineno, branch.end_lineno)),
+                K.sg_ev(LOADER, K._lines_of(loader, '+ ["model.decoder.*"'))]
+    return picked[0], picked[1], evidence
+
+
+def nvfp4_answer(gpu: str, backend_flag: str) -> dict:
+    """One cell of requant's NVFP4 output, as sglang_kernels.entry records it."""
+    backend, ev = auto_backend(gpu, fp4_experts=True, nvfp4_meta=True) if backend_flag == "auto" else (backend_flag, [])
+    refusal, ev_refusal = nvfp4_refusal(gpu, backend)
+    method, nextn, ev_methods = hybrid_methods()
+    starts = not refusal
+    if not starts:
+        method = "REFUSED ValueError"
+    ar, lib, needs, ev_ar = K.arithmetic(method, backend, gpu) if starts else ("", None, (), [])
+    _, nlib, nneeds, _ = K.arithmetic(nextn, backend, gpu) if starts else ("", None, (), [])
+    built = K.kernel_built(lib, gpu, needs) if starts else None
+    nbuilt = K.kernel_built(nlib, gpu, nneeds) if starts else None
+    evidence = ev + ev_methods + ev_refusal + ev_ar + (K.kernel_evidence(lib, gpu) if lib else [])
+    if nlib not in (None, lib):
+        evidence += K.kernel_evidence(nlib, gpu)
+    return {"method": method, "nextn_method": nextn, "backend": backend, "arithmetic": ar, "starts": starts,
+            "kernel_built_for_gpu": built, "nextn_kernel_built_for_gpu": nbuilt, "refusal": refusal,
+            "evidence": list(dict.fromkeys(evidence))}
+
+
+def table() -> dict:
+    """format -> GPU -> the auto cell with `fix` and `explicit` (sglang_kernels.table's shape) for
+    the formats whose selection this module executes: the MXFP4 source, and NVFP4 where served."""
+    answers = {"mxfp4": answer, **({"nvfp4": nvfp4_answer} if serves_nvfp4() else {})}
+    out = {}
+    for fmt, answer_of in answers.items():
+        for gpu in K.GPUS:
+            cell = answer_of(gpu, "auto")
+            explicit = {b: answer_of(gpu, b) for b in K.EXPLICIT[fmt]}
+            cell["fix"] = K.fix(cell, explicit, gpu)
+            cell["explicit"] = explicit
+            out.setdefault(fmt, {})[gpu] = cell
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# requant's W4A16 output: compressed-tensors' WNA16 MoE dispatch, read (not executed)
+# ---------------------------------------------------------------------------------------------
+COMPRESSED = "layers/quantization/compressed_tensors/compressed_tensors.py"
+WNA16 = {"triton": "CompressedTensorsWNA16TritonMoE"}   # the --moe-runner-backend values the dispatch tests; else Marlin
+
+
+def w4a16_answer(gpu: str, backend_flag: str) -> dict:
+    """The WNA16 MoE scheme compressed-tensors gives INT4 group experts, from the lines that return
+    it (the CUDA branch: triton -> the Triton scheme, any other backend -> the Marlin one); the
+    resolved backend is the DeepSeek-V4 auto default, executed."""
+    backend, ev = auto_backend(gpu, fp4_experts=True) if backend_flag == "auto" else (backend_flag, [])
+    method = WNA16.get(backend, "CompressedTensorsWNA16MoE")
+    lines = wheels.source("sglang", SRT + COMPRESSED).splitlines()
+    marlin = next(i for i, l in enumerate(lines) if "return CompressedTensorsWNA16MoE(" in l)
+    last = max(i for i in range(marlin + 1) if f"return {method}(" in lines[i])   # the CUDA branch's, not ROCm's
+    first = max(i for i in range(last) if "_is_wNa16_group_channel(weight_quant, input_quant)" in lines[i])
+    arithmetic, *_ = K.arithmetic(method, backend, gpu)
+    return {"method": method, "nextn_method": method, "backend": backend, "arithmetic": arithmetic, "starts": True,
+            "kernel_built_for_gpu": None, "nextn_kernel_built_for_gpu": None, "refusal": "",
+            "evidence": ev + [K.sg_ev(COMPRESSED, (first + 1, last + 1))]}
+
+
+def w4a16_table() -> dict:
     out = {}
     for gpu in K.GPUS:
-        cell = answer(gpu, "auto")
-        explicit = {b: answer(gpu, b) for b in K.EXPLICIT["mxfp4"]}
+        cell = w4a16_answer(gpu, "auto")
+        explicit = {b: w4a16_answer(gpu, b) for b in K.EXPLICIT["w4a16"]}
         cell["fix"] = K.fix(cell, explicit, gpu)
         cell["explicit"] = explicit
         out[gpu] = cell
