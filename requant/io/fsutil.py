@@ -60,6 +60,67 @@ def free_bytes(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
+# Why os.link refuses where a copy still works: another filesystem, a filesystem without hard links
+# (or fs.protected_hardlinks: a file this user does not own), the inode's link limit.
+_LINK_REFUSED = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
+_COPY_PIECE = 64 << 20
+
+
+def link_or_copy(src: str, dst: str, copy: bool = False, progress=None) -> bool:
+    """Give the new name `dst` the bytes of file `src` (a symlink is followed): a hard link, which
+    shares `src`'s inode and takes no space, where the filesystem allows one and not `copy`; else a
+    copy (copy_file). True when linked. Nothing may write into `dst` afterwards, since that would
+    write into `src`: requant only ever replaces a file, by renaming a new one over it."""
+    if not copy:
+        try:
+            os.link(os.path.realpath(src), dst)   # link(2) links a symlink itself, not what it names
+            return True
+        except OSError as e:
+            if e.errno not in _LINK_REFUSED:
+                raise
+    copy_file(src, dst, progress)
+    return False
+
+
+def copy_file(src: str, dst: str, progress=None) -> None:
+    """Copy `src` to the new file `dst` inside the kernel (copy_file_range, which lets a filesystem
+    such as XFS or btrfs share the extents instead), in pieces, then fsync. `progress(n)` after
+    each piece."""
+    with open(src, "rb") as fin, open(dst, "xb") as fout:
+        size, done = os.fstat(fin.fileno()).st_size, 0
+        while done < size:
+            step = min(size - done, _COPY_PIECE)
+            try:
+                n = os.copy_file_range(fin.fileno(), fout.fileno(), step, done, done)
+            except OSError:
+                n = 0
+            if n <= 0:   # not across these filesystems: by hand
+                chunk = os.pread(fin.fileno(), step, done)
+                if not chunk:
+                    raise OSError(errno.EIO, f"{src} ended while it was copied")
+                n = os.pwrite(fout.fileno(), chunk, done)
+            done += n
+            if progress is not None:
+                progress(n)
+        fault_point()
+        os.fsync(fout.fileno())
+
+
+def can_link(src: str, folder: str) -> bool:
+    """Whether a hard link to file `src` can be made in `folder` (or, while it does not exist, its
+    nearest existing parent, where it would be made): tried, and the link removed again."""
+    folder = os.path.abspath(folder)
+    while not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    probe = os.path.join(folder, f".requant-link-probe-{os.getpid()}")
+    try:
+        os.link(os.path.realpath(src), probe)
+    except OSError:
+        return False
+    remove_quietly(probe)
+    return True
+
+
 class DirLock:
     """An flock on a directory itself: the kernel drops the lock when the last descriptor of it
     closes, so a killed conversion never blocks its resume. No process forked while a lock is
