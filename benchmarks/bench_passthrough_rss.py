@@ -12,7 +12,8 @@ Two ways to build the source checkpoint:
   table alone in a shard of its own (its last two), so no table shares a shard with routed experts
   there; the generic mode covers that case.
 Then `python -m requant convert` runs in a child process twice:
-- copy: SRC -> DST, the big tensors copied;
+- copy: SRC -> DST --copy-all, the big tensors copied (without --copy-all a shard with nothing to
+  convert would be a hard link to the source's, and nothing of it copied);
 - in place: every shard with a big tensor and no routed experts has nothing to convert and must be
   left as it is (same inode, same modification time, same size, same bytes); a shard with routed
   experts is rewritten, its big tensor copied;
@@ -214,7 +215,7 @@ def main() -> None:
     parent_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # kilobytes on Linux
 
     rows = {}
-    seconds, rss = convert_child(src, dst)
+    seconds, rss = convert_child(src, dst, "--copy-all")
     rows["copy"] = {"seconds": round(seconds, 2), "peak_rss_mib": round(rss / 2**20, 1)}
     seconds, rss = convert_child(inplace, "--in-place")
     rows["in_place"] = {"seconds": round(seconds, 2), "peak_rss_mib": round(rss / 2**20, 1)}

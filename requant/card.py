@@ -22,9 +22,9 @@ PROVENANCE_NAME = "requant.json"
 MTP_GROUP = "routed experts (MTP block)"
 
 
-def provenance(plan, stats, source_label: str) -> dict:
+def provenance(plan, stats, source_label: str, linked: list[str] = ()) -> dict:
     """What this output is: source, requant version and options, engine, format per tensor group,
-    accuracy. JSON-able."""
+    accuracy, the shards that are hard links to the source's files (`linked`). JSON-able."""
     target, model = plan.target, plan.model
     rules = target.engine
     blocks = set(plan.blocks)
@@ -46,6 +46,7 @@ def provenance(plan, stats, source_label: str) -> dict:
         "tensor_groups": groups,
         "accuracy": target.accuracy(stats),
         "tensor_bytes": plan.total_size,
+        "linked_shards": list(linked),
         "command": command_line(run.get("source") or source_label, run.get("destination"),
                                 run.get("in_place", False), getattr(plan, "in_format", None) or plan.source_format,
                                 target.name, target.options.engine or rules.name,
@@ -174,7 +175,19 @@ def model_card(record: dict, rules: EngineRules) -> str:
               "for another release.", ""]
     lines += ["## Source", "", f"The source checkpoint's own model card, if it had one, is kept as "
               f"`{SOURCE_CARD_NAME}`; its license and terms apply to these weights.", ""]
+    lines += _linked_lines(record.get("linked_shards") or [])
     return "\n".join(lines)
+
+
+def _linked_lines(linked: list[str]) -> list[str]:
+    """The card's word on shards that are the source's files: what a person may and may not do."""
+    if not linked:
+        return []
+    return ["## Shards shared with the source", "",
+            f"In the directory requant wrote, {len(linked)} shards hold nothing it converts and are hard links to the source's files (the "
+            "same bytes, stored once): " + ", ".join(f"`{n}`" for n in linked) + ". Deleting the source leaves "
+            "them whole; a tool that edits one of these files in place edits the source's too (requant never "
+            "does: it writes new files and renames them). `requant convert --copy-all` makes copies instead.", ""]
 
 
 ONE_GPU_BYTES = 80e9   # an 80 GB GPU (H100/A100 80GB), the smallest that serving these models commonly assumes

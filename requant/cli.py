@@ -323,6 +323,9 @@ def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_sc
               help="Where w4a16 encodes (default: cuda when available); the bytes are the same on either.")
 @click.option("--in-place", is_flag=True, help="Convert SRC inside its own directory (no DST), shard by shard: "
               "needs free space for one output shard plus the format's growth, not a second copy.")
+@click.option("--copy-all", is_flag=True, help="Copy into DST the shards that hold nothing to convert (their bytes "
+              "stay the source's) instead of hard-linking them to SRC's files; links, the default where SRC and "
+              "DST share a filesystem, take no disk.")
 @click.option("--resume", is_flag=True, help="Continue the unfinished conversion journaled in DST (or SRC with "
               "--in-place), or start one if there is none; the options must be the ones it started with.")
 @click.option("--abort", is_flag=True, help="Give up the unfinished conversion journaled in DST (or SRC with "
@@ -342,8 +345,8 @@ def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_sc
 @verbosity_options
 @reports_errors
 def convert(src, dst, in_format, out_format, engine, model_name, mtp, force, input_scale, scale_headroom, group_size,
-            scheme, workers, device, in_place, resume, abort, revision, cache_dir, token, stream_source, dry_run, as_json,
-            quiet):
+            scheme, workers, device, in_place, copy_all, resume, abort, revision, cache_dir, token, stream_source, dry_run,
+            as_json, quiet):
     """Convert checkpoint SRC (a directory or a Hub repository id) into a new directory DST, or in
     place with --in-place.
 
@@ -370,6 +373,8 @@ def convert(src, dst, in_format, out_format, engine, model_name, mtp, force, inp
     target_options = TARGETS[out_format].options_from({k: v for k, v in given.items() if v})
     if in_place == (dst is not None):
         raise UsageError("give DST, or --in-place to convert SRC inside its own directory (not both)")
+    if copy_all and in_place:
+        raise UsageError("--copy-all is for a new directory DST; in place the shards with nothing to convert stay")
     if abort:
         if resume or dry_run:
             raise UsageError("--abort ends an unfinished conversion: not with --resume or --dry-run")
@@ -380,7 +385,8 @@ def convert(src, dst, in_format, out_format, engine, model_name, mtp, force, inp
     options = Options(mtp=mtp, input_scale=input_scale, target=target_options, engine=engine, model=model_name,
                       force=force, device=compute_device(device) if TARGETS[out_format].cpu_heavy else "cpu")
     if dry_run:
-        plan = convert_lib.plan_conversion(src, out_format, options, in_format, in_place, revision, token, cache_dir)
+        plan = convert_lib.plan_conversion(src, out_format, options, in_format, in_place, revision, token, cache_dir,
+                                           dst, copy_all)
         summary = convert_lib.describe_plan(plan, dst, in_place, source=src)
         short = None
         if summary["free_bytes_available"] < summary["free_bytes_needed"]:
@@ -395,7 +401,8 @@ def convert(src, dst, in_format, out_format, engine, model_name, mtp, force, inp
     try:
         result = convert_lib.convert(src, dst, out_format, options, in_format, workers, progress=progress_shown(quiet),
                                      resume=resume, resume_hint=_resume_command(click.get_current_context()),
-                                     revision=revision, stream=stream_source, token=token, cache_dir=cache_dir)
+                                     revision=revision, stream=stream_source, token=token, cache_dir=cache_dir,
+                                     copy_all=copy_all)
     except convert_lib.AlreadyFinished as e:   # --resume after the end: nothing to do
         _finished_quietly()
         click.echo(json.dumps({"finished": True, "message": str(e)}, indent=2) if as_json else f"requant: {e}")

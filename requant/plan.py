@@ -45,6 +45,10 @@ class Plan:
     # DST (None in place), "in_place": bool}; empty: unknown (the card shows DST)
     run: dict = field(default_factory=dict)
     experts: ExpertIndex | None = None      # the source's routed experts
+    # How a new directory gets each shard whose output is its source's bytes unchanged
+    # (outputs.verbatim): "link" (a hard link to the source's file, no new disk) or "copy" (copied
+    # whole: --copy-all, or the filesystem refuses a link); in place such a shard stays ("keep").
+    verbatim_as: str = "copy"
 
     @property
     def index(self) -> dict:

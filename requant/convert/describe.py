@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import textwrap
+
 from requant.io import fsutil
 from requant.plan import Plan
 
-from requant.convert.outputs import space_needed
+from requant.convert.outputs import space_needed, untouched, verbatim
 from requant.convert.pipeline import Result
 
 
 def describe_plan(plan: Plan, dst: str | None, in_place: bool = False, source: str | None = None) -> dict:
+    # the shards that keep the source's bytes: left where they are in place, else linked or copied whole
+    unchanged = [s for s in plan.shards if (untouched(s) if in_place else verbatim(plan, s))]
     return {
         "source": source or plan.source.path,
         "source_format": plan.source_format,
@@ -24,6 +28,8 @@ def describe_plan(plan: Plan, dst: str | None, in_place: bool = False, source: s
         "output_bytes": plan.output_bytes,
         "input_tensor_bytes": plan.source.tensor_bytes,   # tensor data alone (inspect's figure)
         "output_tensor_bytes": plan.total_size,
+        "unchanged_shards": {"as": "keep" if in_place else plan.verbatim_as, "shards": [s.name for s in unchanged],
+                             "bytes": sum(plan.source.headers[s.name].file_size for s in unchanged)},
         "free_bytes_needed": space_needed(plan, in_place)[0],
         "free_bytes_available": fsutil.free_bytes(plan.source.path if in_place else dst),
     }
@@ -38,9 +44,23 @@ def format_plan(d: dict) -> str:
         f"  tensors   {counts}; {d['output_tensors']:,} written",
         f"  files     in {d['input_bytes']:,} bytes, out {d['output_bytes']:,} (shard file sizes)",
         f"  data      in {d['input_tensor_bytes']:,} bytes, out {d['output_tensor_bytes']:,} (tensor data)",
+        *_unchanged_line(d["unchanged_shards"]),
         f"  disk      needs {d['free_bytes_needed']:,} free, {d['free_bytes_available']:,} available"
         + ("" if ok else "  (NOT ENOUGH)"),
     ])
+
+
+_UNCHANGED_AS = {"link": "hard-linked to the source's files (no new disk)",
+                 "copy": "copied whole (--copy-all, or no hard link can be made there)",
+                 "keep": "left where they are"}
+
+
+def _unchanged_line(u: dict) -> list[str]:
+    """The shards that keep the source's bytes, every one named (wrapped under the line)."""
+    if not u["shards"]:
+        return []
+    return [f"  unchanged {len(u['shards'])} shards, {u['bytes']:,} bytes, {_UNCHANGED_AS[u['as']]}:",
+            *textwrap.wrap(", ".join(u["shards"]), 100, initial_indent=" " * 12, subsequent_indent=" " * 12)]
 
 
 def describe_result(r: Result) -> dict:

@@ -1,6 +1,9 @@
 """What a conversion writes: each output shard (under a temporary name, checked, then renamed),
-the shards left where they are in place, the source's other files, and the metadata written last;
-and the free space all of that needs."""
+the shards left where they are in place or hard-linked to the source's files in a new directory,
+the source's other files, and the metadata written last; and the free space all of that needs.
+
+Nothing here opens an existing file for writing: every file is written new and renamed over its
+name, so a file that is a hard link to the source's is replaced, never written through."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from requant.errors import CheckpointError, FormatError, RequantError
 from requant.formats import mxfp4
 from requant.io import fsutil
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, read_json, resolve_inside
-from requant.io.safetensors import ShardWriter, read_header
+from requant.io.safetensors import ShardWriter, encode_header, read_header
 from requant.plan import Plan, ShardPlan
 from requant.targets import Stats
 from requant.targets.nvfp4 import HF_QUANT_CONFIG
@@ -39,6 +42,43 @@ def untouched(shard: ShardPlan) -> bool:
     return all(unit.encode is None for unit in shard.units)
 
 
+def verbatim(plan: Plan, shard: ShardPlan) -> bool:
+    """Whether a shard's output would be its source file byte for byte: it only passes tensors
+    through and the header written would be the source's own. A new directory then gets the
+    source's file itself (plan.verbatim_as: a hard link, or a copy)."""
+    header = plan.source.headers[shard.name]
+    return (untouched(shard) and header.file_size == shard.file_size
+            and header.raw == encode_header(shard.specs)[0])
+
+
+def choose_verbatim_as(plan: Plan, dst: str | None, copy_all: bool = False) -> None:
+    """How the verbatim shards reach `dst` (None: in place, where they stay): hard links where one
+    can be made there (tried on one of them), else copies, and copies with `copy_all`."""
+    first = next((s.name for s in plan.shards if verbatim(plan, s)), None)
+    if dst is None:
+        plan.verbatim_as = "keep"
+    elif copy_all or first is None:
+        plan.verbatim_as = "copy"
+    elif first not in plan.source.reads:   # streamed: each shard is fetched into the target's own folder
+        plan.verbatim_as = "link"
+    else:
+        plan.verbatim_as = "link" if fsutil.can_link(plan.source.reads[first].path, dst) else "copy"
+
+
+def linked_shards(plan: Plan) -> list[str]:
+    """The output's shards that are the source's files (hard links), as they are on disk now."""
+    dst = (plan.run or {}).get("destination")
+    found = []
+    for shard in plan.shards if dst else []:
+        source = plan.source.reads.get(shard.name)
+        try:
+            if source is not None and os.path.samefile(source.path, os.path.join(dst, shard.name)):
+                found.append(shard.name)
+        except OSError:   # not written yet, or a streamed source's file already gone
+            continue
+    return found
+
+
 def write_shard(plan: Plan, shard: ShardPlan, target: str, encoders: Encoders, bar, entry: dict,
                 in_place: bool = False, before_rename=None) -> Stats:
     """Write one output shard. The encoders (workers.py) read, encode and write units at their
@@ -50,6 +90,9 @@ def write_shard(plan: Plan, shard: ShardPlan, target: str, encoders: Encoders, b
     source = plan.source
     source_path = source.reads[shard.name].path if shard.name in source.reads else source.shard_path(shard.name)
     check_unchanged(source_path, entry)
+    fsutil.remove_quietly(partial)   # opened anew below, never written through (it could be a link)
+    if not in_place and verbatim(plan, shard):
+        return _place_verbatim(plan, shard, source_path, target, bar, entry, before_rename)
     writer = ShardWriter(partial, shard.specs)
     stats = Stats()
     half = len(shard.units) // 2
@@ -103,6 +146,34 @@ def write_shard(plan: Plan, shard: ShardPlan, target: str, encoders: Encoders, b
         source.relocate(shard.name, read_header(final))
     fsutil.fault_point()
     bar.update(shard.file_size - sum(s.nbytes for s in shard.specs))  # header bytes
+    return stats
+
+
+def _place_verbatim(plan: Plan, shard: ShardPlan, source_path: str, target: str, bar, entry: dict,
+                    before_rename=None) -> Stats:
+    """A shard whose output is its source file as it is: hard-linked or copied whole (per
+    plan.verbatim_as; a refused link falls back to a copy) under the temporary name, checked,
+    renamed. The same durable steps as a written shard (fault_point), so crash tests see both alike."""
+    final = os.path.join(target, shard.name)
+    partial = final + PARTIAL_SUFFIX
+    stats = Stats()
+    fsutil.fault_point()
+    try:
+        linked = fsutil.link_or_copy(source_path, partial, copy=plan.verbatim_as != "link", progress=bar.update)
+        fsutil.fault_point()
+        verify_written(partial, shard)
+        check_unchanged(source_path, entry)
+        fsutil.fault_point()
+        if before_rename is not None:
+            before_rename(stats)
+    except BaseException:
+        fsutil.remove_quietly(partial)
+        raise
+    os.replace(partial, final)
+    fsutil.fsync_dir(target)
+    fsutil.fault_point()
+    if linked:
+        bar.update(shard.file_size)
     return stats
 
 
@@ -178,9 +249,10 @@ def copy_ancillary(src: str, dst: str, files: list[str]) -> None:
     """Copy the source's other files; its model card becomes README.source.md, since the output
     gets a card of its own."""
     for name in files:
-        out = card.SOURCE_CARD_NAME if name == card.CARD_NAME else name
-        os.makedirs(os.path.dirname(os.path.join(dst, out)), exist_ok=True)
-        shutil.copyfile(resolve_inside(src, name), os.path.join(dst, out))
+        out = os.path.join(dst, card.SOURCE_CARD_NAME if name == card.CARD_NAME else name)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        fsutil.remove_quietly(out)   # a copy left by a killed run: replaced, never written into
+        shutil.copyfile(resolve_inside(src, name), out)
 
 
 def set_aside_source_card(target: str) -> None:
@@ -219,7 +291,7 @@ def final_metadata(plan: Plan, stats: Stats | None = None) -> dict[str, dict | s
     shard, resumed runs included."""
     stats = stats or Stats()
     files: dict[str, dict | str] = dict(plan.target.extra_files(plan.blocks))
-    record = card.provenance(plan, stats, plan.label)
+    record = card.provenance(plan, stats, plan.label, linked_shards(plan))
     files[card.PROVENANCE_NAME] = record
     files[card.CARD_NAME] = card.model_card(record, plan.target.engine)
     files[CONFIG_NAME] = plan.target.config(plan.blocks, stats)
@@ -243,10 +315,12 @@ def space_needed(plan: Plan, in_place: bool, done: list[bool] | None = None) -> 
     """(free bytes needed, largest output shard, growth) for the shards not yet done.
 
     In place, shard k's output is written while its source still exists, after the shards
-    before it have grown or shrunk: the peak is the largest of (growth so far + output k). The
-    shards left where they are (`untouched`) need nothing."""
+    before it have grown or shrunk: the peak is the largest of (growth so far + output k); a
+    source shard with other hard links (st_nlink > 1) frees nothing when replaced. The shards
+    left where they are (`untouched`), or hard-linked into a new directory, need nothing."""
     done = done or [False] * len(plan.shards)
-    pending = [s for s, d in zip(plan.shards, done) if not d and not (in_place and untouched(s))]
+    pending = [s for s, d in zip(plan.shards, done) if not d and not (in_place and untouched(s))
+               and not (not in_place and plan.verbatim_as == "link" and verbatim(plan, s))]
     largest = max((s.file_size for s in pending), default=0)
     if not in_place:
         total = sum(s.file_size for s in pending)
@@ -254,8 +328,17 @@ def space_needed(plan: Plan, in_place: bool, done: list[bool] | None = None) -> 
     need = growth = 0
     for s in pending:
         need = max(need, growth + s.file_size)
-        growth += s.file_size - plan.source.headers[s.name].file_size
+        growth += s.file_size - (0 if _shared(plan, s) else plan.source.headers[s.name].file_size)
     return need, largest, growth
+
+
+def _shared(plan: Plan, shard: ShardPlan) -> bool:
+    """Whether a source shard's file has other hard links (a new directory made by requant, or
+    `cp -l`): replacing it in place frees no space."""
+    try:
+        return os.stat(plan.source.shard_path(shard.name)).st_nlink > 1
+    except OSError:
+        return False
 
 
 def check_space(plan: Plan, target: str, in_place: bool, done: list[bool], streamed: bool) -> None:

@@ -71,13 +71,18 @@ def refuse_in_place_on_cache(src: str, repo: str | None) -> None:
 
 
 def plan_conversion(src: str, out_format: str, options: Options, in_format: str | None = None, in_place: bool = False,
-                    revision: str | None = None, token: str | None = None, cache_dir: str | None = None) -> Plan:
+                    revision: str | None = None, token: str | None = None, cache_dir: str | None = None,
+                    dst: str | None = None, copy_all: bool = False) -> Plan:
     """The plan, from headers alone; a Hub source's shard headers come by range requests (or from
-    the cache offline), so nothing large is downloaded."""
+    the cache offline), so nothing large is downloaded. With `dst` (or `in_place`) it says how the
+    shards that stay as they are get there (outputs.choose_verbatim_as)."""
     if in_place:
         refuse_in_place_on_cache(src, hub_lib.hub_repo(src))
     with hub_lib.open_headers(src, revision, token, cache_dir) as source:
-        return _logged(make_plan(source, out_format, options, in_format))
+        plan = _logged(make_plan(source, out_format, options, in_format))
+        if in_place or dst:
+            outputs.choose_verbatim_as(plan, None if in_place else dst, copy_all)
+        return plan
 
 
 def _logged(plan: Plan) -> Plan:
@@ -92,7 +97,7 @@ def _logged(plan: Plan) -> Plan:
 def convert(src: str, dst: str | None, out_format: str, options: Options, in_format: str | None = None,
             workers: int | None = None, progress: bool = True, resume: bool = False, resume_hint: str | None = None,
             revision: str | None = None, stream: bool = False, token: str | None = None,
-            cache_dir: str | None = None) -> Result:
+            cache_dir: str | None = None, copy_all: bool = False) -> Result:
     """Convert checkpoint `src` (a directory, or a Hub repository id) into directory `dst`, or in
     place when `dst` is None.
 
@@ -101,6 +106,8 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
     `stream` fetches a Hub source one shard at a time, deleting each once converted. `token` and
     `cache_dir` are the Hub's (None: huggingface_hub's own defaults and environment).
     `workers` (default: one per core) encode in parallel (workers.py); `options.device` says where.
+    Out of place, a shard the conversion would leave byte for byte as it is becomes a hard link to
+    the source's file where the filesystem allows, a copy otherwise or with `copy_all`.
     """
     started = time.monotonic()
     given_src = src   # as the user named it, for the card's command line (a Hub source becomes a snapshot path)
@@ -144,6 +151,7 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
         plan = _logged(make_plan(source, out_format, options, in_format))
         plan.label = request.get("source") or src
         plan.run = {"source": given_src, "destination": dst, "in_place": in_place}
+        outputs.choose_verbatim_as(plan, dst, copy_all)
         entries = {e["name"]: e for e in snapshot["shards"]}
         aborting.remove_temporaries(target, snapshot, outputs.final_metadata(plan))
         done = [resuming.shard_done(shard, target, in_place, entries[shard.name]) for shard in plan.shards]
