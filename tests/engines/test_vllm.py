@@ -9,7 +9,6 @@ the specific problem.
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 
@@ -18,7 +17,6 @@ import torch
 
 from requant import synth
 from requant.engine_check import marlin_flush_threshold
-from requant.engines import INSTALL_CONDITIONS
 from requant.formats import mxfp4
 from requant.model import ModelSpec
 from requant.targets import Options
@@ -32,6 +30,7 @@ if not wheels.available("vllm"):
 
 from . import vllm_harness as vllm  # noqa: E402
 from .outputs import source_and_outputs, with_ignore  # noqa: E402
+from .vllm_kernels import DEVIATIONS, installed  # noqa: E402
 
 ENGINE = f"vLLM {wheels.version('vllm')}"
 
@@ -184,19 +183,6 @@ def test_marlin_flush_matches_requant_prediction(largest):
 
 
 # -------------------------------------------------------------------------- kernel choice (4)
-DEVIATIONS = [frozenset(c) for n in range(len(INSTALL_CONDITIONS) + 1)
-              for c in itertools.combinations(INSTALL_CONDITIONS, n)]
-
-
-def installed(deviations: frozenset[str]) -> frozenset[str]:
-    """INSTALL_CONDITIONS deviations -> the optional kernels present."""
-    present = set(vllm.DEFAULT_INSTALL)
-    present -= {"flashinfer"} if "no_flashinfer" in deviations else set()
-    present -= {"humming"} if "no_humming" in deviations else set()
-    present |= {"deep_gemm"} if "deep_gemm" in deviations else set()
-    return frozenset(present)
-
-
 @pytest.mark.parametrize("gpu", vllm.GPUS)
 def test_kernel_selection_matches_rules(gpu):
     """vLLM's own backend selectors, on a GPU of that family, for every combination of install

@@ -29,6 +29,7 @@ import itertools
 import json
 import math
 import mmap
+import os
 import sys
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -1002,7 +1003,9 @@ def marlin_permuted_scales(scales: torch.Tensor, size_k: int, group_size: int) -
 
 
 # ------------------------------------------------------------------- MoE kernel selection
-EXPERTS = "vllm/model_executor/layers/fused_moe/experts/"
+FUSED_MOE = "vllm/model_executor/layers/fused_moe/"
+EXPERTS = FUSED_MOE + "experts/"
+HUMMING = QUANT + "utils/humming/"
 ORACLE = "vllm/model_executor/layers/fused_moe/oracle/"
 # Quant keys as tokens: the selectors and the kernels' _supports_quant_scheme compare keys by
 # equality and membership only (quant_utils.py builds them as dataclasses).
@@ -1095,6 +1098,20 @@ KERNELS = {
     "TrtLlmMxint4ExpertsMonolithic": (ON_ROUTING, False, True),
     "TritonWNA16Experts": (ON_DEVICE, False, False),
     "Rdna3WNA16Experts": (ON_DEVICE, False, False),
+    # opt-in backends (--moe-backend): b12x (0.34), vLLM's CUTLASS MXFP4 and FlashInfer's CUTLASS
+    # MXFP4 x MXFP8, the OAI Triton MXFP4 kernels (SwiGLU-OAI only: their activation check runs)
+    "B12xExperts": (ON_SCHEME, False, False),
+    "CutlassExpertsMxfp4": (ON_SCHEME, False, False),
+    "OAITritonMxfp4ExpertsMonolithic": (ON_SCHEME + ["_supports_activation"], False, True),
+    "OAITritonExperts": (ON_SCHEME + ["_supports_activation"], False, False),
+    "UnfusedOAITritonExperts": (ON_SCHEME + ["_supports_activation"], False, False),
+    # ROCm's and the expert-parallel megakernels: their device checks turn a CUDA GPU down
+    "AiterMxfp4Experts": (ON_DEVICE, False, False),
+    "AiterW4A16ExpertsMonolithic": (ON_DEVICE, False, True),
+    "AiterW4A4ExpertsMonolithic": (ON_DEVICE, False, True),
+    "AiterW4A8ExpertsMonolithic": (ON_DEVICE, False, True),
+    "FlashInferMoeEpExperts": (ON_DEVICE, False, True),
+    "OCP_MXQuantizationEmulationTritonExperts": (ON_DEVICE, False, False),
 }
 
 
@@ -1105,12 +1122,18 @@ def _kernel(ns, base, module: str, cls: str):
     its shapes (the tier asks which kernel a supported deployment gets, not whether one exists)."""
     checks, batched, monolithic = KERNELS[cls]
     relpath = module.replace(".", "/") + ".py"
+    # a check the class takes from a base in another file (modular_kernel.py's defaults) answers yes
+    defined = {item.name for owner in wheels._file_mro(ENGINE, relpath, cls)
+               for item in wheels._class_node(ENGINE, relpath, owner).body if isinstance(item, ast.FunctionDef)}
+    checks = [c for c in checks if c in defined]
     attrs = {k: staticmethod(v.__func__ if isinstance(v, staticmethod) else v)
              for k, v in methods(relpath, cls, checks, dict(ns), inherited=True, helpers=True).items()}
+    attrs.setdefault("_supports_current_device", staticmethod(lambda: True))
     attrs.setdefault("_supports_quant_scheme", staticmethod(lambda weight, activation: True))
     attrs.setdefault("_supports_routing_method", staticmethod(lambda routing, weight, activation: True))
-    for check in ("_supports_no_act_and_mul", "_supports_activation", "_supports_parallel_config",
-                  "_supports_router_logits_dtype", "_supports_shape", "_supports_batch_invariance", "supports_lora"):
+    for check in {"_supports_no_act_and_mul", "_supports_activation", "_supports_parallel_config",
+                  "_supports_router_logits_dtype", "_supports_shape", "_supports_batch_invariance",
+                  "supports_lora"} - set(checks):
         attrs[check] = staticmethod(lambda *args: True)
     fmt = ns["mk"].FusedMoEActivationFormat
     attrs.update(is_monolithic=staticmethod(lambda: monolithic), _supports_hash_routing=staticmethod(lambda: False),
@@ -1129,29 +1152,86 @@ def _kernel_modules(ns, base) -> None:
             if cls.startswith("__"):
                 raise AttributeError(cls)
             if (name, cls) not in kernels:
-                kernels[name, cls] = _kernel(ns, base, name, cls)
+                # a class the selectors import without selecting it (a base class for issubclass
+                # checks) is a bare type; asked for its support, it fails as an unknown kernel would
+                kernels[name, cls] = _kernel(ns, base, name, cls) if cls in KERNELS else type(cls, (), {
+                    "is_supported_config": staticmethod(lambda *args: KERNELS[cls])})
             return kernels[name, cls]
         wheels.fake_module(name, __getattr__=attr)
 
-    package = EXPERTS.replace("/", ".")
-    for relpath in wheels.zip_names(ENGINE, EXPERTS):
-        module(package + relpath.removesuffix(".py"))
+    # the kernels live in fused_moe/experts/ from 0.22; before, some in fused_moe/ itself
+    for folder in (EXPERTS, FUSED_MOE):
+        for relpath in wheels.zip_names(ENGINE, folder):
+            if relpath.endswith(".py") and (folder == EXPERTS or _defines_kernel(folder + relpath)):
+                module((folder + relpath.removesuffix(".py")).replace("/", "."))
 
 
-# The backend selector of each expert format and the oracle file defining it.
-SELECTORS = {"nvfp4": "select_nvfp4_moe_backend", "mxfp4": "select_deepseek_v4_mxfp4_moe_backend",
-             "w4a16": "select_wna16_moe_backend"}
+def _defines_kernel(relpath: str) -> bool:
+    return any(isinstance(node, ast.ClassDef) and node.name in KERNELS for node in wheels._tree(ENGINE, relpath).body)
+
+
+# The backend selector of each expert format and the oracle file defining it; DeepSeek-V4's MXFP4
+# experts have a selector of their own from 0.32 (before it, Mxfp4MoEMethod's for every non-gpt-oss
+# model: quantization/mxfp4.py).
+SELECTORS = {"nvfp4": ("select_nvfp4_moe_backend",),
+             "mxfp4": ("select_deepseek_v4_mxfp4_moe_backend", "select_mxfp4_moe_backend"),
+             "w4a16": ("select_wna16_moe_backend",)}
 ORACLE_FILES = {"nvfp4": "nvfp4.py", "mxfp4": "mxfp4.py", "w4a16": "int_wna16.py"}
+
+
+def selector(fmt: str) -> str:
+    """The release's backend selector for DeepSeek-V4's `fmt` experts: the first of SELECTORS[fmt]
+    its oracle file defines."""
+    defined = {name for node in wheels._tree(ENGINE, ORACLE + ORACLE_FILES[fmt]).body for name in wheels._binds(node)}
+    return next(name for name in SELECTORS[fmt] if name in defined)
+
+
+class ReleaseEnvs:
+    """vllm.envs as the release defines it (its envs.py environment_variables, executed), reading
+    the environment `state.env` (a dict: the switches a user sets) instead of the process's."""
+
+    def __init__(self, state):
+        self._state = state
+        ns = {"__name__": "vllm_envs"}
+        exec(compile(wheels.source(ENGINE, "vllm/envs.py"), f"{ENGINE}/vllm/envs.py", "exec"), ns)
+        environ = lambda: state.env   # noqa: E731
+        ns["os"] = SimpleNamespace(**{k: getattr(os, k) for k in ("path", "sep", "cpu_count", "pathsep")},
+                                   getenv=lambda key, default=None: environ().get(key, default),
+                                   environ=_EnvironView(environ))
+        self._variables = ns["environment_variables"]
+
+    def __getattr__(self, name):
+        if name.startswith("_") or name not in self._variables:
+            raise AttributeError(name)
+        return self._variables[name]()
+
+    def is_set(self, name):
+        return name in self._state.env
+
+
+class _EnvironView(Mapping):
+    """os.environ for the release's envs.py: the dict `get()` returns at the time of the lookup."""
+
+    def __init__(self, get):
+        self._get = get
+
+    def __getitem__(self, key):
+        return self._get()[key]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self):
+        return len(self._get())
 
 
 @lru_cache(maxsize=None)
 def _selection_env() -> tuple[dict, SimpleNamespace, SimpleNamespace]:
     """The selectors, each with what it uses of its oracle file, built once; `state` holds the
     GPU and the installed optional kernels that the stand-in flags read at call time."""
-    state = SimpleNamespace(platform=None, installed=frozenset())
-    routing = enum.Enum("RoutingMethodType", {n: i for i, n in enumerate(
-        ["DeepSeekV3", "Renormalize", "RenormalizeNaive", "Llama4", "SigmoidRenorm", "Sigmoid", "MiniMax2",
-         "DeepseekV4", "Unspecified"])})
+    state = SimpleNamespace(platform=None, installed=frozenset(), env={})
+    routing = extract("vllm/model_executor/layers/fused_moe/config.py", ["RoutingMethodType"],
+                      dict(IntEnum=enum.IntEnum))["RoutingMethodType"]
     fmt = extract("vllm/model_executor/layers/fused_moe/modular_kernel.py", ["FusedMoEActivationFormat"],
                   dict(Enum=enum.Enum))["FusedMoEActivationFormat"]
     fi = lambda: "flashinfer" in state.installed   # noqa: E731
@@ -1170,8 +1250,11 @@ def _selection_env() -> tuple[dict, SimpleNamespace, SimpleNamespace]:
               cutlass_group_gemm_supported=lambda: state.platform.cap in (90, 100),
               # the custom op that reports the MXFP4 experts quant kernel: built for sm100 family
               ops=SimpleNamespace(mxfp4_experts_quant_supported=lambda c: c // 10 == 10),
-              envs=SimpleNamespace(VLLM_BATCH_INVARIANT=False, VLLM_B12X_MOE_FP4_FORCE_A16=False,
-                                   VLLM_CPU_INT4_W4A8=False),
+              envs=ReleaseEnvs(state),
+              # the optional kernel packages: b12x (utils/b12x.py get_b12x_fused_moe: None unless
+              # importable) and OpenAI's triton_kernels (import_utils.has_triton_kernels)
+              get_b12x_fused_moe=lambda: SimpleNamespace(is_supported=lambda: True) if "b12x" in state.installed
+              else None, has_triton_kernels=lambda: "triton_kernels" in state.installed,
               # no --quantization-config moe.activation override
               user_activation_override=lambda kind, config: (None, False),
               get_current_vllm_config=lambda: None, get_current_vllm_config_or_none=lambda: None)
@@ -1183,8 +1266,8 @@ def _selection_env() -> tuple[dict, SimpleNamespace, SimpleNamespace]:
     base = methods("vllm/model_executor/layers/fused_moe/modular_kernel.py", "FusedMoEExperts",
                    ["is_supported_config"], dict(ns))["is_supported_config"]
     _kernel_modules(ns, base)
-    extract("vllm/model_executor/layers/quantization/utils/humming/priority.py",
-            ["_HUMMING_PREFERRED_CAPABILITIES", "prefers_humming", "prioritize_humming"], ns)
+    if wheels.zip_names(ENGINE, HUMMING).count("priority.py"):   # Humming ranked by GPU from 0.32
+        extract(HUMMING + "priority.py", ["_HUMMING_PREFERRED_CAPABILITIES", "prefers_humming", "prioritize_humming"], ns)
     # vLLM 0.34 moved the selection loop into MoEKernelOracle (fused_moe/oracle/base.py), whose
     # per-format subclasses the selectors construct; 0.33 and earlier loop in the selectors.
     if "MoEKernelOracle" in wheels.imports(ENGINE, ORACLE + "nvfp4.py"):
@@ -1192,9 +1275,11 @@ def _selection_env() -> tuple[dict, SimpleNamespace, SimpleNamespace]:
         oracle_base = klass(ORACLE + "base.py", "MoEKernelOracle", ns)
         oracle_base.__class_getitem__ = classmethod(lambda cls, item: cls)   # MoEKernelOracle[Backend]
         ns["MoEKernelOracle"] = oracle_base
+    activation = extract(FUSED_MOE + "activation.py", ["MoEActivation"], dict(Enum=enum.Enum))["MoEActivation"]
+    ns["MoEActivation"] = activation
     config = SimpleNamespace(swiglu_limit=10.0, moe_backend="auto", routing_method=routing.DeepseekV4,
                              has_hash_routing=False, require_decomposed_backend=False, is_act_and_mul=True,
-                             activation="silu", router_logits_dtype=torch.float32, hidden_dim=4096,
+                             activation=activation.SILU, router_logits_dtype=torch.float32, hidden_dim=4096,
                              is_lora_enabled=False, activation_format=fmt.Standard,   # TP only: no DeepEP
                              moe_parallel_config=SimpleNamespace(use_batched_activation_format=False))
 
@@ -1207,44 +1292,74 @@ def _selection_env() -> tuple[dict, SimpleNamespace, SimpleNamespace]:
               check_moe_marlin_supports_config=lambda moe, group, allow_tile_padding=False: group in (-1, 32, 64, 128))
     for module, name in (("auto_awq", "AutoAWQConfig"), ("auto_gptq", "AutoGPTQConfig"), ("moe_wna16", "MoeWNA16Config")):
         wheels.fake_module(f"vllm.model_executor.layers.quantization.{module}", **{name: type(name, (), {})})
+    if "FlashinferMoeBackend" in wheels.imports(ENGINE, ORACLE + "nvfp4.py"):   # up to 0.2x: FlashInfer's own enum
+        extract(QUANT + "utils/flashinfer_utils.py", ["FlashinferMoeBackend"], oracles["nvfp4"])
     for fmt_name, relpath in ORACLE_FILES.items():
         # kernel classes the file imports at its top level, then the selector and what it uses
         # of its file, backend_to_kernel_cls included
         for name, module in wheels.imports(ENGINE, ORACLE + relpath).items():
             if module.startswith(EXPERTS.replace("/", ".")):
                 oracles[fmt_name][name] = getattr(sys.modules[module], name)
-        wheels.extract_closure(ENGINE, ORACLE + relpath, [SELECTORS[fmt_name], "backend_to_kernel_cls"],
+        wheels.extract_closure(ENGINE, ORACLE + relpath, [selector(fmt_name), "backend_to_kernel_cls"],
                                oracles[fmt_name])
     return oracles, config, state
 
 
-def kernel_selection(cap: int, installed: frozenset[str]) -> dict[str, list[str]]:
+def kernel_selection(cap: int, installed: frozenset[str], moe_backend: str = "auto",
+                     env: dict[str, str] | None = None) -> dict[str, list[str]]:
     """The MoE backend vLLM's own selectors pick for DeepSeek-V4's routed experts on a GPU of
     capability `cap` with the optional kernels `installed` (subset of flashinfer, humming,
-    deep_gemm), per expert format: select_nvfp4_moe_backend (ModelOptNvFp4FusedMoE),
-    select_deepseek_v4_mxfp4_moe_backend (Mxfp4MoEMethod), select_wna16_moe_backend
-    (CompressedTensorsWNA16MoEMethod, for g32/g128 sym/asym), each for a hash-routed and a
-    normally routed layer. Returns format -> the backend enum names (or "refuses: ...")."""
+    deep_gemm), the serve flag `--moe-backend moe_backend` and the environment switches `env`, per
+    expert format: select_nvfp4_moe_backend (ModelOptNvFp4FusedMoE), the release's MXFP4 selector
+    (Mxfp4MoEMethod), select_wna16_moe_backend (CompressedTensorsWNA16MoEMethod, for g32/g128
+    sym/asym), each for a hash-routed and a normally routed layer. Returns format -> the backend
+    enum names (or "refuses: ...")."""
     oracles, config, state = _selection_env()
-    state.platform, state.installed = FakePlatform(cap), installed
+    state.platform, state.installed, state.env = FakePlatform(cap), installed, dict(env or {})
     wheels.fake_module("vllm.platforms", current_platform=state.platform)
 
-    def run(fmt, *args):
+    def run(fmt, **candidates):
+        select = oracles[fmt][selector(fmt)]
+        # the arguments this release's selector takes, by name (their lists changed between releases)
+        names = select.__code__.co_varnames[1:select.__code__.co_argcount]
         picks = []
         for hashed in (False, True):   # DeepSeek-V4's first layers are hash-routed
-            layer = SimpleNamespace(**{**vars(config), "has_hash_routing": hashed})
+            layer = SimpleNamespace(**{**vars(config), "has_hash_routing": hashed, "moe_backend": moe_backend})
             try:
-                picks.append(oracles[fmt][SELECTORS[fmt]](layer, *args)[0].name)
+                picks.append(select(layer, **{n: candidates[n] for n in names if n in candidates})[0].name)
             except (ValueError, NotImplementedError) as e:   # the engine refusing to start is an answer
                 picks.append(f"refuses: {e}")
         return picks
 
-    out = {"nvfp4": run("nvfp4", "kNvfp4Static", "kNvfp4Dynamic"), "mxfp4": run("mxfp4"), "w4a16": []}
+    out = {"nvfp4": run("nvfp4", weight_key="kNvfp4Static", activation_key="kNvfp4Dynamic"),
+           "mxfp4": run("mxfp4"), "w4a16": []}
     from compressed_tensors.quantization import QuantizationArgs
+    keys = {name for node in wheels._tree(ENGINE, QUANT_UTILS).body for name in wheels._binds(node)}
     for group, symmetric in ((32, True), (128, True), (32, False), (128, False)):
-        args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group)
         key = "kInt4Static" + ("32" if group == 32 else "") + ("" if symmetric else "Asym")
-        out["w4a16"] += run("w4a16", key, args, not symmetric, False, True)
+        if key not in keys:   # before 0.24 the release has no key for this group/zero-point scheme
+            continue
+        args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group)
+        out["w4a16"] += run("w4a16", weight_key=key, quant_config=args, may_have_zp=not symmetric,
+                            may_have_bias=False, allow_tile_padding=True, weight_bits=4)
+    return out
+
+
+def moe_backend_choices() -> list[str]:
+    """The values --moe-backend takes in this release: its config/kernel.py MoEBackend Literal."""
+    for node in wheels._tree(ENGINE, "vllm/config/kernel.py").body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "MoEBackend" for t in node.targets):
+            return [c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+    raise KeyError(f"{wheels.where(ENGINE, 'vllm/config/kernel.py')} defines no MoEBackend")
+
+
+def selector_env_switches() -> dict[str, list[str]]:
+    """format -> the boolean VLLM_* switches (envs.<name>) its oracle file reads, in file order."""
+    out = {}
+    for fmt, relpath in ORACLE_FILES.items():
+        names = [n.attr for n in ast.walk(wheels._tree(ENGINE, ORACLE + relpath))
+                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "envs"]
+        out[fmt] = list(dict.fromkeys(names))
     return out
 
 
