@@ -507,10 +507,13 @@ def verify(path, deep, source, device, engine, gpu, as_json, quiet):
 @click.option("--revision", help="CHECKPOINT as a Hub repository: branch, tag or commit.")
 @click.option("--token", help="CHECKPOINT as a Hub repository: access token (default: HF_TOKEN, else the saved login).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="CHECKPOINT as a Hub repository: the Hugging Face cache.")
+@click.option("--prefer", type=click.Choice(["accuracy", "speed"]), default="accuracy", show_default=True,
+              help="What the recommendation weighs first once a path runs and keeps the drafter: the measured "
+                   "error, or the speed class.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @verbosity_options
 @reports_errors
-def advise(checkpoint, engine_specs, gpu, tp, ep, revision, token, cache_dir, as_json, quiet):
+def advise(checkpoint, engine_specs, gpu, tp, ep, revision, token, cache_dir, prefer, as_json, quiet):
     """Should CHECKPOINT (a directory or Hub id) be converted at all, for this engine and GPU?
 
     For the checkpoint as it is and each output requant could write from it: the MoE method and
@@ -524,7 +527,7 @@ def advise(checkpoint, engine_specs, gpu, tp, ep, revision, token, cache_dir, as
     from requant.io.hub import open_headers
 
     with open_headers(checkpoint, revision, token, cache_dir) as ck:
-        result = advise_lib(ck, list(engine_specs), gpu, tp, ep, paths.measured_errors())
+        result = advise_lib(ck, list(engine_specs), gpu, tp, ep, paths.measured_errors(), prefer)
     click.echo(json.dumps(result, indent=2) if as_json else format_advice(result))
 
 

@@ -164,13 +164,13 @@ def judge(rules: EngineRules, model: ModelSpec, config: dict, formats_by_block: 
         found += _marlin_findings(rules, model, spans, verdict)
     if gpu is not None and rules.has_kernel_rules(dominant):
         how = rules.serving(dominant, gpu, has_mtp=any(model.is_mtp(b) for b in formats_by_block))
-        verdict.kernel = asdict(how.kernel) | {"flags": how.flags, "speculative": how.speculative}
+        verdict.kernel = asdict(how.kernel) | {"flags": how.flags, "speculative": how.speculative, "outcome": how.outcome}
         family = f"on {gpu} ({GPU_FAMILIES[gpu]})"
         auto = how.auto
         if how.starts and not how.flags:
             text = f"{family} selects {auto.method}: {auto.backend}" + (f" ({auto.note})" if auto.note else "")
         else:
-            text = f"{family} does not run without flags: {auto.backend}" + (
+            text = f"{family} without flags: {auto.outcome}: {auto.backend}" + (
                 f"; with {how.flags}: {how.kernel.method}: {how.kernel.backend}" if how.starts else f"; {auto.fix}" if auto.fix else "")
         if how.note:
             text += f"; {how.note}"

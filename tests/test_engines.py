@@ -86,7 +86,7 @@ def test_card_drafts_only_where_the_mtp_block_has_a_kernel():
         for version in engines.releases(name):
             rules = engines.rules_for(DSV4, name, version)
             for fmt in ("nvfp4", "w4a16"):
-                for gpu in engines.GPU_FAMILIES:
+                for gpu in engines.GPU_FAMILIES if rules.has_kernel_rules(fmt) else ():   # older releases: not all formats
                     how = rules.serving(fmt, gpu)
                     if not how.starts:
                         continue
@@ -122,11 +122,11 @@ def test_advise_sglang_sm120_keeps_the_mxfp4_source(sglang_pair):
     """The first user's case: SGLang 0.5.23 on RTX PRO 6000 runs the unconverted source as MXFP8 x
     MXFP4 on the tensor cores, so the answer is not to convert."""
     src, _ = sglang_pair
-    answer = advise_json(src, "--engine", "sglang==0.5.23", "--gpu", "sm_120", "--tp", "8")["answers"][0]
+    answer = advise_json(src, "--engine", "sglang==0.5.23", "--gpu", "sm_120", "--tp", "2")["answers"][0]   # 128 a rank
     as_is = answer["paths"][0]
     assert as_is["starts"] and as_is["main"]["method"] == "Mxfp4FlashinferCutlassMoEMethod"
     assert as_is["main"]["selects"] == {"default": "flashinfer_mxfp4"} and "W4A8" in as_is["main"]["arithmetic"]
-    assert answer["recommendation"]["verdict"].startswith("do not convert: your checkpoint already runs on FP4 tensor")
+    assert answer["recommendation"]["verdict"].startswith(f"do not convert: {src} runs as it is")
     nvfp4 = next(p for p in answer["paths"] if p["path"] == "nvfp4")
     assert nvfp4["flags"] == "--moe-runner-backend flashinfer_cutlass" and not nvfp4["mtp"]["runs"]
     assert as_is["layer_error"]["rel_error"] < nvfp4["layer_error"]["rel_error"]   # W4A8 beats W4A4 here

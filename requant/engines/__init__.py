@@ -17,6 +17,7 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import json
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata
@@ -42,6 +43,16 @@ INSTALL_CONDITIONS = {
     "no_humming": "humming-kernels not importable",
     "deep_gemm": "deep_gemm installed",
 }
+
+
+# What happens when a release is started on a checkpoint, in the words verify, advise, the cards
+# and the README table all use; NOT_CHECKED where requant has no rules for the model or release.
+DOES_NOT_START = "does not start"
+WRONG_RESULT = "starts, wrong result"
+NO_KERNEL = "starts, no kernel at first use"
+RUNS = "runs"
+NOT_CHECKED = "not checked"
+OUTCOMES = (RUNS, NO_KERNEL, WRONG_RESULT, DOES_NOT_START, NOT_CHECKED)
 
 
 # What a kernel computes with, from fastest class to none: advise ranks paths by it.
@@ -80,6 +91,16 @@ class Kernel:
         """A kernel entry of a release file (its evidence and opt_in lists as tuples)."""
         return cls(**{**entry, "evidence": tuple(entry.get("evidence", ())),
                       "opt_in": tuple(dict(o) for o in entry.get("opt_in", ()))})
+
+    @property
+    def outcome(self) -> str:
+        """RUNS, or how it fails: the engine's recorded answer says whether it starts and only
+        lacks a kernel for this GPU at the first forward; without one, a path that does not run
+        is taken not to start."""
+        if self.runs:
+            return RUNS
+        answer = self.engine_answer or {}
+        return NO_KERNEL if answer.get("starts") and answer.get("kernel_built_for_gpu") is False else DOES_NOT_START
 
     @property
     def mtp_path(self) -> dict:
@@ -124,6 +145,10 @@ class Serving:
     def starts(self) -> bool:
         return bool(self.command)
 
+    @property
+    def outcome(self) -> str:
+        return RUNS if self.starts else self.kernel.outcome
+
 
 @dataclass(frozen=True)
 class EngineRules:
@@ -138,6 +163,7 @@ class EngineRules:
     version: str
     checked_version: str
     label_name: str
+    build_note: str = ""   # how a dev or local build named on the command line was taken as its release
 
     @property
     def checked(self) -> bool:
@@ -166,8 +192,12 @@ class EngineRules:
         """'' for a checked release; else the sentence every verdict on it carries."""
         if self.checked:
             return ""
+        known = releases(self.name)
+        if version_key(self.version) < version_key(known[0]):
+            return (f"not checked against {self.release_label}: it is older than {self.label_name} {known[0]}, the "
+                    f"first release requant has rules for (rules from {known[0]} stand in)")
         return (f"not checked against {self.release_label} (rules from {self.label_name} {self.checked_version}, "
-                f"the nearest release requant has checked: {', '.join(releases(self.name))})")
+                f"the nearest release requant has rules for; it has {known[0]} to {known[-1]})")
 
     def refusal(self, fmt: str) -> str | None:
         """Why this engine release cannot serve experts stored as `fmt`, or None when it can."""
@@ -241,7 +271,7 @@ class EngineRules:
             kernel, flags = Kernel.from_data(kernel.fix_kernel), kernel.fix_flags
         serve = self.data["serve"]
         if not kernel.runs:
-            return Serving(gpu, "", kernel, auto, flags, False, f"does not start: {kernel.backend}" + (
+            return Serving(gpu, "", kernel, auto, flags, False, f"{kernel.outcome}: {kernel.backend}" + (
                 f"; {kernel.fix}" if kernel.fix else ""))
         mtp = kernel.mtp_path
         mtp_runs = has_mtp and mtp["runs"]
@@ -351,16 +381,60 @@ def _family(models: dict, family: str, seen: tuple) -> dict:
     return _merge(_family(models, base, seen + (family,)), rules)
 
 
+_VERSION = re.compile(r"(\d+(?:\.\d+)*)((?:[.-]?(?:dev|rc|a|b|post)\d*)*)(\+[0-9A-Za-z.]+)?")
+
+
 def parse_spec(spec: str) -> tuple[str, str | None]:
-    """`vllm` or `vllm==0.34.0` -> (name, version or None)."""
+    """`vllm` or `vllm==0.34.0` -> (name, version or None); a release named with fewer than three
+    numbers is its .0 (`vllm==0.33` is 0.33.0), as the engines number their releases."""
     name, sep, version = spec.strip().partition("==")
     name = name.strip().lower()
     if name not in _release_files():
         raise UnsupportedError(f"unknown engine {name!r} in --engine {spec!r} (known: {', '.join(engine_names())})")
     version = version.strip()
-    if sep and not version[:1].isdigit():
+    if sep and not _VERSION.fullmatch(version):
         raise UnsupportedError(f"--engine {spec!r}: give a release as NAME==VERSION, e.g. {name}=={releases(name)[-1]}")
-    return name, version or None
+    return name, normalize_version(version) if version else None
+
+
+def normalize_version(version: str) -> str:
+    """"0.33" -> "0.33.0"; a dev, pre-, post- or local part is kept ("0.5.24.dev3+gabc")."""
+    m = _VERSION.fullmatch(version)
+    if not m:
+        return version
+    numbers = m[1].split(".")
+    return ".".join(numbers + ["0"] * (3 - len(numbers))) + (m[2] or "") + (m[3] or "")
+
+
+def release_of(version: str) -> tuple[str, str]:
+    """The release a build belongs to, and how it was mapped ("" for a release itself):
+    "0.34.0+cu130" -> 0.34.0, a local build; "0.5.24.dev3+gabc" -> 0.5.24, a development build
+    made before that release, so its code may lack some of 0.5.24's."""
+    m = _VERSION.fullmatch(version)
+    if not m or not (m[2] or m[3]):
+        return version, ""
+    release = normalize_version(m[1])
+    part = (m[2] or "").lstrip(".-")
+    if part.startswith("post"):
+        kind = f"a post-release ({part}) of {release}"
+    elif part:
+        kind = f"a pre-release build ({part}) made before {release}, whose code may not hold all of {release}'s"
+    else:
+        return release, f"{version} is a local build ({m[3]}) of {release}; taken as {release}"
+    return release, f"{version} is {kind}" + (f", local version {m[3]}" if m[3] else "") + f"; taken as {release}"
+
+
+# The families whose first release file is the engine's first release serving them (the release
+# files start at each engine's first DeepSeek-V4 release).
+FIRST_FILE_FAMILIES = ("deepseek_v4",)
+
+
+def first_serving(engine: str, family: str) -> str | None:
+    """The engine's first release serving model `family`, where requant knows it (None: unknown)."""
+    known = releases(engine)
+    if known and family.startswith(FIRST_FILE_FAMILIES):
+        return known[0]
+    return None
 
 
 _DISTRIBUTIONS = {"vllm": "vllm", "sglang": "sglang"}
@@ -387,15 +461,13 @@ def resolve(spec: str) -> tuple[str, str, str]:
 
 
 def _checked_for(engine: str, version: str) -> str:
-    """The checked release whose rules stand in for `version`: itself, else the newest one before
-    it, else the oldest."""
+    """The release with rules that stands in for `version`: the release it is a build of, else the
+    newest one before it, else the oldest."""
     known = releases(engine)
-    if version in known:
-        return version
-    stripped = version.split("+")[0]
-    if stripped in known:
-        return stripped
-    earlier = [v for v in known if version_key(v) <= version_key(version)]
+    release, _ = release_of(version)
+    if release in known:
+        return release
+    earlier = [v for v in known if version_key(v) <= version_key(release)]
     return earlier[-1] if earlier else known[0]
 
 
@@ -410,9 +482,10 @@ def rules_for(recipe: dict, engine: str, version: str | None = None) -> EngineRu
     if family not in data["models"]:
         raise UnsupportedError(f"{data['label']} {checked}: requant has no rules for {family} models "
                                f"(it has: {', '.join(data['models'])})")
-    if version.split("+")[0] == checked:
+    release, build_note = release_of(version)
+    if release == checked:
         version = checked
-    return EngineRules(name, data["models"][family], version, checked, data["label"])
+    return EngineRules(name, data["models"][family], version, checked, data["label"], build_note)
 
 
 def available(recipe: dict) -> list[str]:

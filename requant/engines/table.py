@@ -23,7 +23,7 @@ def markdown() -> str:
                 for fmt in sorted(rules.data.get("kernels", {})):
                     how = rules.serving(fmt, gpu)
                     k = how.kernel
-                    run = k.arithmetic or k.backend if how.starts else f"does not start ({how.note.removeprefix('does not start: ')})"
+                    run = k.arithmetic or k.backend if how.starts else f"{how.outcome} ({how.note.removeprefix(how.outcome + ': ')})"
                     mtp = "drafts" if how.speculative else ("no kernel: serve without it" if how.starts else "")
                     rows.append(f"| {rules.release_label} | {gpu} | {fmt} | {run} | {f'`{how.flags}`' if how.flags else ''} "
                                 f"| {mtp} |")

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from requant import formats
 from requant.compute import torch_threads
+from requant.engines import NOT_CHECKED
 from requant.errors import RequantError
 from requant.diagnosis import path_problem, path_problem_line
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
@@ -259,7 +260,7 @@ def engine_verdict_text(v: dict) -> str:
     """One engine verdict in words: a release requant has not checked, or a checkpoint with errors
     of its own, gets no 'loads it correctly'."""
     if v.get("no_rules"):
-        return f"not judged: {v['no_rules']}"
+        return f"{NOT_CHECKED}: {v['no_rules']}"
     if not v.get("judged", True):
         return "not judged: the checkpoint itself has errors (below)"
     if not v["checked"]:
@@ -276,7 +277,7 @@ def format_findings(result: dict) -> str:
              f"experts     {result['experts_checked']:,} checked, format {result['format'] or 'unknown'}"]
     for name, v in result["engines"].items():
         lines.append(f"{'engine':<12}{(name + ' ' + v['version']).strip()}: {engine_verdict_text(v)}"
-                     + (f"; MoE kernel: {v['kernel']['backend']}" + (f" (with {v['kernel']['flags']})" if v['kernel']['flags']
+                     + (f"; MoE kernel {v['kernel']['outcome']}: {v['kernel']['backend']}" + (f" (with {v['kernel']['flags']})" if v['kernel']['flags']
                                                                      else "") if v.get("kernel") else ""))
     for f in result["findings"]:
         count = f" (x{f['count']:,})" if f["count"] > 1 else ""

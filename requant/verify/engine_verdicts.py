@@ -26,7 +26,7 @@ def judge_engines(ctx: Context, layout: Layout, seen: Observed, engine: str | No
             judged = [model.engine(engine)]
         except UnsupportedError as e:   # no rules of that release for this model: said, not a usage error
             name, version = engines.parse_spec(engine)
-            out.add("warning", "no-engine-rules", f"not judged: {e}", name)
+            out.add("warning", "no-engine-rules", f"{engines.NOT_CHECKED}: {e}", name)
             verdict = EngineVerdict(name, version or "", name, checked=False, loads=None)
             return {name: asdict(verdict) | {"no_rules": str(e)}}
     elif made_for.get("name") in model.engine_names:

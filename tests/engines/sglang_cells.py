@@ -179,8 +179,8 @@ def differences(kernels: dict, tp: list, generated: dict, generated_tp: list, lo
                 diffs.append((fmt, gpu, "cell", have is not None, want is not None))
                 continue
             if loader:
-                for key in ("engine_answer", "opt_in", "fix"):
-                    if have.get(key) != want.get(key):
+                for key, absent in (("engine_answer", None), ("opt_in", []), ("fix", "")):
+                    if have.get(key, absent) != want.get(key, absent):
                         diffs.append((fmt, gpu, key, have.get(key), want.get(key)))
                 derived = dict(kernel(have["engine_answer"]), fix_flags=want["fix_flags"])
                 got, exp = visible(have), visible(derived)
