@@ -115,7 +115,8 @@ def assert_is_source(target: str, source: str) -> None:
             assert now[name] == then[name], f"{name} differs from the source"
 
 
-@pytest.mark.parametrize("case", range(len(PHASES) + ANYWHERE), ids=[*PHASES, *(f"anywhere-{i}" for i in range(ANYWHERE))])
+@pytest.mark.parametrize("case", range(len(PHASES) + ANYWHERE),
+                         ids=[*PHASES, *(f"anywhere-{i}" for i in range(ANYWHERE))])
 def test_killed_in_place_then_rerun_without_resume(source, clean, checkpoints, tmp_path, case):
     _, expected, phases = clean
     step = kill_point(clean, case)
@@ -188,8 +189,10 @@ def test_abort_out_of_place_removes_what_it_wrote(source, tmp_path):
     assert aborted.exit_code == 0 and f"{dst} is empty" in aborted.stdout, aborted.output
     assert os.listdir(dst) == [] and tree(source) == before
     assert CliRunner().invoke(cli, args).exit_code == 0 and output_tree(dst) == expected
-    nothing = CliRunner().invoke(cli, [*args, "--abort"])
-    assert nothing.exit_code == 1 and "nothing to abort" in nothing.stderr
+    for where in (dst, str(tmp_path / "nosuch")):
+        nothing = CliRunner().invoke(cli, [*convert_args(source, where, "nvfp4"), "--abort"])
+        assert nothing.exit_code == 1 and "nothing to abort" in nothing.stderr, nothing.stderr
+    assert not os.path.exists(tmp_path / "nosuch")
 
 
 def test_abort_of_a_lone_snapshot_removes_it_and_nothing_else(source, checkpoints, tmp_path):

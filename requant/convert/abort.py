@@ -61,11 +61,13 @@ def abort(src: str, dst: str | None) -> str:
     line. Refuses, changing nothing, where it would lose data."""
     in_place = dst is None
     target = src if in_place else dst
+    if not os.path.isdir(target):
+        raise RequantError(f"nothing to abort: {target} is not a directory")
     lock = fsutil.DirLock(target, exclusive=True, what="a conversion writes there",
                           record=journal.path_of(target, journal.LOCK))
     try:
         if not journal.exists(target):
-            if os.path.isfile(journal.path_of(target, journal.SNAPSHOT)):   # from before the first change or after the end
+            if os.path.isfile(journal.path_of(target, journal.SNAPSHOT)):   # left before the first change or at the end
                 shutil.rmtree(journal.path_of(target))
                 return (f"nothing to abort: {target} holds no unfinished conversion; removed the snapshot a conversion "
                         f"left in {journal.path_of(target)} (nothing else was touched)")

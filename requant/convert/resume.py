@@ -96,8 +96,8 @@ def finished_conversion(target: str, source: str, out_format: str) -> str | None
     except CheckpointError:
         return None
     recorded = record.get("source") if isinstance(record, dict) else None
-    same_source = isinstance(recorded, str) and (recorded == source or os.path.exists(source) and os.path.exists(recorded)
-                                                 and os.path.samefile(recorded, source))
+    same_source = isinstance(recorded, str) and (
+        recorded == source or os.path.exists(source) and os.path.exists(recorded) and os.path.samefile(recorded, source))
     if (not same_source or record.get("target_format") != out_format
             or not all(os.path.isfile(os.path.join(target, n)) for n in (CONFIG_NAME, INDEX_NAME))):
         return None
