@@ -54,7 +54,8 @@ def changes(version: str, base: str, kernels: dict, tp: list) -> list[str]:
                            f"({'; '.join(cell['evidence'][:2])})")
     rule = lambda rules: [(r["format"], r["when"], r["gpus"]) for r in rules or []]  # noqa: E731  (lines move)
     if rule(tp) != rule(base_data.get("tp")):
-        out.append("the MXFP4 CUTLASS per-rank multiple-of-128 TP rule applies on " + (", ".join(tp[0]["gpus"]) if tp else "no GPU by default"))
+        out.append("the per-rank multiple-of-128 TP rule of Mxfp4FlashinferCutlassMoEMethod holds on "
+                   + (", ".join(tp[0]["gpus"]) if tp else "no GPU (no backend selects that method)"))
     return out or [f"every generated cell as {base}, at this release's lines"]
 
 
@@ -73,8 +74,11 @@ def checked(version: str, facts: dict) -> list[str]:
         "W4A16 output: the compressed-tensors WNA16 MoE dispatch read at the cited lines (not executed); the resolved "
         "backend executed as for MXFP4",
         fi,
-        "not run for this release: the loader harness (name mapping, weight loading, the NextN and DSpark drafters' "
-        "loaders, start-up hooks); those rules are the base release's; runtime outcomes are from the engine's code, not run",
+        "not run for this release: the loader harness (name mapping, weight loading, the NextN loader, start-up hooks): "
+        "the expert probe, formats and serve rules are the base release's; runtime outcomes are from the engine's code, not run",
+        "DeepSeek-V4 with a DSpark drafter (V4-Flash-0731, V4-Pro-0813) and V4.1: no rules for this release (not checked); "
+        f"its wheel {'has' if facts['dspark'] else 'has no'} models/deepseek_v4_dspark.py and "
+        f"{'has' if facts['v41'] else 'has no'} configs/deepseek_v41.py",
     ]
 
 
@@ -88,10 +92,9 @@ def selection_file(version: str, base: str) -> dict:
             f"SGLang {version} has no hybrid FP8+NVFP4 config (HybridFp8NvFp4Config, first in 0.5.14): requant's "
             "NVFP4 experts would be read as MXFP4; upgrade SGLang"))
     models = {"deepseek_v4": C.delta(base_model, model)}
-    if not facts["dspark"]:
-        models["deepseek_v4_dspark"] = None
-    if not facts["v41"]:
-        models["deepseek_v41"] = None
+    # the drafter families' rules come from the loader harness, not run here: "not checked" for this release
+    models.update({family: None for family in ("deepseek_v4_dspark", "deepseek_v41")
+                   if family in engines.release_data("sglang", base)["models"]})
     return {"engine": "sglang", "label": "SGLang", "version": version, "base": base, "scope": "selection",
             "checked": checked(version, facts), "changes": changes(version, base, kernels, tp), "models": models}
 

@@ -39,6 +39,7 @@ NO_KERNEL = "; FlashInfer ships no kernel for this GPU (fails at first use, from
 BACKEND_PACKAGES = {"flashinfer_mxfp4": "flashinfer_python", "flashinfer_cutlass": "flashinfer_python",
                     "flashinfer_trtllm_routed": "flashinfer_python", "flashinfer_trtllm": "flashinfer_python",
                     "marlin": "sglang-kernel", "triton": None}
+CUTLASS_MXFP4 = "Mxfp4FlashinferCutlassMoEMethod"   # the method with SGLang's own per-rank %128 condition
 # fields a release file states that advise, verify, the cards and the README read
 VISIBLE = ("method", "runs", "arithmetic", "speed", "mode", "selects", "mtp", "fix_flags")
 
@@ -106,7 +107,7 @@ def opt_in(cell: dict, gpu: str) -> list[dict]:
 
 def _nextn_note(answer: dict, gpu: str) -> str:
     notes = []
-    if answer["method"] == "Mxfp4FlashinferCutlassMoEMethod":   # tp_rules: its create_weights raises otherwise
+    if answer["method"] == CUTLASS_MXFP4:   # tp_rules: its create_weights raises otherwise
         notes.append("needs hidden_size and each rank's share of moe_intermediate_size to be multiples of 128")
     if _runs(answer) and not _runs(answer, nextn=True):
         notes.append(f"no --speculative-algorithm: the NextN experts' {answer['nextn_method']} has no kernel built for {gpu}")
@@ -115,15 +116,17 @@ def _nextn_note(answer: dict, gpu: str) -> str:
 
 def tp_rules(table: dict) -> list[dict]:
     """SGLang's MXFP4 CUTLASS method refuses a per-rank intermediate size that is not a multiple of
-    128 (create_weights raises): a rule on the GPUs where auto selects that method."""
-    gpus = [gpu for gpu, cell in table.get("mxfp4", {}).items() if cell["method"] == "Mxfp4FlashinferCutlassMoEMethod"]
+    128 (create_weights raises): a rule for that method (`methods`: advise applies it to the paths
+    that select it, by default or by flag) on the GPUs where any backend selects it."""
+    gpus = [gpu for gpu, cell in table.get("mxfp4", {}).items()
+            if CUTLASS_MXFP4 in {cell["method"], *(e["method"] for e in cell["explicit"].values())}]
     if not gpus:
         return []
     relpath = "layers/quantization/mxfp4_flashinfer_cutlass_moe.py"
     src = wheels.source("sglang", K.SRT + relpath)
     span = K._lines_of(src, "if hidden_size % 128 != 0 or intermediate_size_per_partition % 128 != 0:",
                        "intermediate={intermediate_size_per_partition}")
-    return [{"format": "mxfp4", "when": "intermediate_per_rank_not_multiple_of_128", "gpus": gpus,
+    return [{"format": "mxfp4", "when": "intermediate_per_rank_not_multiple_of_128", "gpus": gpus, "methods": [CUTLASS_MXFP4],
              "problem": "Mxfp4FlashinferCutlassMoEMethod.create_weights raises ValueError unless hidden_size and "
                         "each rank's share of moe_intermediate_size are multiples of 128",
              "works": "use a --tp that leaves a multiple of 128 per rank, expert parallelism, or --moe-runner-backend marlin",
