@@ -32,6 +32,7 @@ import mmap
 import os
 import sys
 import typing
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from fractions import Fraction
 from functools import lru_cache
@@ -1203,7 +1204,9 @@ class ReleaseEnvs:
     def __getattr__(self, name):
         if name.startswith("_") or name not in self._variables:
             raise AttributeError(name)
-        return self._variables[name]()
+        with warnings.catch_warnings():   # the release's deprecation notices for switches it still reads
+            warnings.simplefilter("ignore", FutureWarning)
+            return self._variables[name]()
 
     def is_set(self, name):
         return name in self._state.env

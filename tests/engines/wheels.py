@@ -89,12 +89,17 @@ class _InUse(Mapping):
 ENGINES = _InUse()
 
 
-def wheel(distribution: str, release: str) -> Path | None:
+def wheel(distribution: str, release: str, slim: bool = False) -> Path | None:
     """The wheel of `distribution`==`release` (an engine, or a library it pins, such as
     flashinfer-python), downloaded into CACHE on first use; None when it cannot be had (no network,
-    registry refusing), with the reason on stderr."""
-    pattern = str(CACHE / f"{distribution.replace('-', '_')}-{release}-*.whl")
+    registry refusing), with the reason on stderr. With `slim`, the cache keeps only what the tier
+    reads (the Python sources and the .dist-info) as `<name>-<release>-slim.zip`, a few percent of
+    the wheel: how the older releases, checked for their selection code only, are kept."""
+    name = distribution.replace("-", "_")
+    pattern, slim_path = str(CACHE / f"{name}-{release}-*.whl"), CACHE / f"{name}-{release}-slim.zip"
     hits = sorted(glob.glob(pattern))
+    if not hits and slim_path.exists():
+        return slim_path
     if not hits and not os.environ.get("REQUANT_NO_WHEEL_FETCH"):
         CACHE.mkdir(parents=True, exist_ok=True)
         done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(CACHE),
@@ -102,12 +107,29 @@ def wheel(distribution: str, release: str) -> Path | None:
         if done.returncode:
             print(f"pip download {distribution}=={release} failed: {done.stderr.strip()[-500:]}", file=sys.stderr)
         hits = sorted(glob.glob(pattern))
+        if hits and slim:
+            _slim(Path(hits[0]), slim_path)
+            return slim_path
     return Path(hits[0]) if hits else None
 
 
+def _slim(full: Path, slim_path: Path) -> None:
+    """Keep the sources and metadata of wheel `full` as `slim_path` (written whole, then renamed),
+    and remove the wheel."""
+    partial = slim_path.with_suffix(".partial")
+    with zipfile.ZipFile(full) as src, zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as dst:
+        for item in src.infolist():
+            if item.filename.endswith(".py") or ".dist-info/" in item.filename:
+                dst.writestr(item, src.read(item))
+    partial.replace(slim_path)
+    full.unlink()
+
+
 def fetch(engine: str) -> Path | None:
-    """The wheel of `engine`'s release in use (see `wheel`)."""
-    return wheel(engine, version(engine))
+    """The wheel of `engine`'s release in use (see `wheel`); slim for a release requant has
+    selection-scope rules for."""
+    release = version(engine)
+    return wheel(engine, release, slim=release in _rules.releases(engine, scope="selection"))
 
 
 @lru_cache(maxsize=None)
