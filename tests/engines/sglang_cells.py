@@ -197,6 +197,15 @@ def differences(kernels: dict, tp: list, generated: dict, generated_tp: list, lo
 # ---------------------------------------------------------------------------------------------
 # a release's generated cells
 # ---------------------------------------------------------------------------------------------
+def missing_wheels() -> list[str]:
+    """The wheels the release in use is read from (sglang, the FlashInfer it pins, the FlashInfer
+    whose TRT-LLM-gen manifest stands for an older pin's) that cannot be had, downloading the others."""
+    if not wheels.available("sglang"):
+        return [f"sglang=={K.release()}"]
+    pins = dict.fromkeys([K.flashinfer_pin(), K.TRTLLM_MANIFEST_FIRST])
+    return [f"flashinfer-python=={pin}" for pin in pins if wheels.wheel("flashinfer-python", pin) is None]
+
+
 def loader_table(version: str) -> dict:
     """The loader harness's kernel table of `version` (sglang_kernels.table)."""
     from tests.engines.outputs import SMALL, per_format, source_and_outputs

@@ -45,8 +45,9 @@ def generated():
     def get(version):
         if version not in out:
             with C.S.on_release(version):
-                if not wheels.available("sglang"):
-                    pytest.skip(f"sglang=={version} wheel not available in {wheels.CACHE}")
+                missing = C.missing_wheels()
+            if missing:
+                pytest.skip(f"{', '.join(missing)} not available in {wheels.CACHE}")
             out[version] = C.selection_release(version)[:2]
         return out[version]
     return get
