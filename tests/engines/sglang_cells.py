@@ -27,6 +27,8 @@ from tests.engines import wheels
 ARITHMETIC = (
     ("MXFP4 x MXFP8 (W4A8)", "W4A8: MXFP4 weights x MXFP8 activations", "fp4-tensor-cores", "mxfp4-w4a8"),
     ("MXFP4 weight-only (W4A16)", "W4A16: MXFP4 weights dequantized to BF16", "weight-only", "bf16"),
+    ("MXFP4 dequant + GEMV (W4A16)", "W4A16: MXFP4 weights dequantized to BF16 in a fused Triton GEMV (SM120 fallback, "
+     "not Marlin)", "weight-only", "bf16"),
     ("none:", "none: MXFP4 bytes on an FP8 path with no FP4 support", "fallback", "bf16"),
     ("NVFP4 x NVFP4 (W4A4)", "W4A4: NVFP4 weights x NVFP4 activations (quantized under input_scale)", "fp4-tensor-cores",
      "nvfp4-w4a4"),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import re
+import types
 import zipfile
 from functools import lru_cache
 
@@ -206,6 +207,9 @@ def arithmetic(method: str, backend: str, gpu: str) -> tuple[str, str | None, tu
             return "MXFP4 x MXFP8 (W4A8), FlashInfer CUTLASS sm120", "cutlass", ("ENABLE_FP4", "ENABLE_FP8"), ev
         return "MXFP4 weight-only (W4A16), FlashInfer CUTLASS sm90 mixed GEMM", "cutlass", ("ENABLE_FP4",), ev
     if method == "Mxfp4MarlinMoEMethod":
+        sm120_triton, ev = marlin_mxfp4(gpu)[1:]
+        if sm120_triton:
+            return "MXFP4 dequant + GEMV (W4A16), fused Triton SM120 fallback (no Marlin)", None, (), ev
         return "MXFP4 weight-only (W4A16), Marlin", None, (), []
     if method == "Fp8MoEMethod":
         f8, tu = src(q + "fp8.py"), src("layers/moe/moe_runner/triton_utils/fused_moe.py")
@@ -229,6 +233,47 @@ def arithmetic(method: str, backend: str, gpu: str) -> tuple[str, str | None, tu
     if method == "CompressedTensorsWNA16TritonMoE":
         return "INT4 W4A16, Triton WNA16", None, (), []
     return "", None, (), []
+
+
+MARLIN_MXFP4 = "layers/quantization/mxfp4_marlin_moe.py"
+
+
+def marlin_mxfp4(gpu: str) -> tuple[str, bool, list[str]]:
+    """Mxfp4MarlinMoEMethod.process_weights_after_loading on `gpu`, its platform statements
+    executed: (the error it raises at load, or ""; whether it keeps the weights for its SM120
+    Triton dequant+GEMV kernel instead of Marlin (0.5.13); the lines)."""
+    tree = wheels._tree("sglang", SRT + MARLIN_MXFP4)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Mxfp4MarlinMoEMethod")
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "process_weights_after_loading")
+    major = GPU_CAPABILITY[gpu][0]
+    platform = types.SimpleNamespace(is_sm90=major == 9, is_sm100=major == 10, is_sm120=major == 12)
+    ns = {"is_sm90_supported": lambda: major == 9, "is_sm100_supported": lambda: major == 10,
+          "is_sm120_supported": lambda: major == 12, "get_platform": lambda: platform}
+    test = lambda node: eval(compile(ast.Expression(node.test), f"sglang/{SRT}{MARLIN_MXFP4}", "eval"), ns)  # noqa: E731
+    ifs = [n for n in fn.body if isinstance(n, ast.If)]
+    guard = next(n for n in ifs if any(isinstance(r, ast.Raise) for r in n.body) and "sm90" in ast.unparse(n.test))
+    sm120 = next((n for n in ifs if '"sm120_triton"' in ast.unparse(n)), None)
+    src = wheels.source("sglang", SRT + MARLIN_MXFP4)
+    evidence = [sg_ev(MARLIN_MXFP4, (guard.lineno, guard.end_lineno))]
+    if test(guard):
+        message = ast.literal_eval(ast.unparse(guard.body[0].exc.args[0])) if guard.body[0].exc.args else ""
+        return f"RuntimeError: {message}", False, evidence
+    if sm120 is not None and test(sm120):
+        return "", True, evidence + [sg_ev(MARLIN_MXFP4, _lines_of(src, "# SM120: use Triton fused dequant+GEMV", "mxfp4_moe_forward_triton,"))]
+    return "", False, evidence
+
+
+def refuse_at_load(answer: dict, gpu: str) -> dict:
+    """`answer` as the release leaves it after loading: the MXFP4 Marlin method raises there on the
+    GPUs its platform check refuses (both its main and NextN layers)."""
+    if answer["method"] != "Mxfp4MarlinMoEMethod" or not answer["starts"]:
+        return answer
+    refusal, _, evidence = marlin_mxfp4(gpu)
+    if not refusal:
+        return answer
+    return dict(answer, method="REFUSED RuntimeError", nextn_method="REFUSED RuntimeError", arithmetic="", starts=False,
+                kernel_built_for_gpu=None, nextn_kernel_built_for_gpu=None, refusal=refusal,
+                evidence=list(dict.fromkeys(answer["evidence"] + evidence)))
 
 
 def selection_evidence(fmt: str, backend_flag: str) -> list[str]:
@@ -280,9 +325,9 @@ def entry(ckpt, fmt: str, gpu: str, backend_flag: str) -> dict:
     if nlib not in (None, "none", lib):
         evidence += kernel_evidence(nlib, gpu)
     refusals = [p.split("refuses to start: ", 1)[1] for p in report.problems if "refuses to start" in p]
-    return {"method": method, "nextn_method": nextn, "backend": report.backend, "arithmetic": ar,
-            "starts": starts, "kernel_built_for_gpu": built, "nextn_kernel_built_for_gpu": nbuilt,
-            "refusal": refusals[0] if refusals else "", "evidence": list(dict.fromkeys(evidence))}
+    return refuse_at_load({"method": method, "nextn_method": nextn, "backend": report.backend, "arithmetic": ar,
+                           "starts": starts, "kernel_built_for_gpu": built, "nextn_kernel_built_for_gpu": nbuilt,
+                           "refusal": refusals[0] if refusals else "", "evidence": list(dict.fromkeys(evidence))}, gpu)
 
 
 def _runs(e: dict) -> bool:

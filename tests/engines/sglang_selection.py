@@ -151,9 +151,9 @@ def answer(gpu: str, backend_flag: str) -> dict:
     arithmetic, lib, needs, ev_ar = K.arithmetic(method, backend, gpu)
     built = False if lib == "none" else K.kernel_built(lib, gpu, needs)
     evidence = ev + ev_method + ev_ar + (K.kernel_evidence(lib, gpu) if lib not in (None, "none") else [])
-    return {"method": method, "nextn_method": method, "backend": backend, "arithmetic": arithmetic, "starts": True,
-            "kernel_built_for_gpu": built, "nextn_kernel_built_for_gpu": built, "refusal": "",
-            "evidence": list(dict.fromkeys(evidence))}
+    return K.refuse_at_load({"method": method, "nextn_method": method, "backend": backend, "arithmetic": arithmetic,
+                             "starts": True, "kernel_built_for_gpu": built, "nextn_kernel_built_for_gpu": built,
+                             "refusal": "", "evidence": list(dict.fromkeys(evidence))}, gpu)
 
 
 # ---------------------------------------------------------------------------------------------
