@@ -5,7 +5,8 @@ release lets a user ask for instead of its default (`opt_in` in the release data
 rules (requant/engines) say which method and kernel the main layers and the drafter (MTP/DSpark)
 get on the GPU family, the outcome (engines.OUTCOMES) and the arithmetic it runs; the numerics of
 each arithmetic come from `requant.paths` measurements. The recommendation weighs, in this order:
-it runs, the drafter is kept, the measured error, the speed class; and a release older than the
+it runs, the drafter is kept, the accuracy tier (weights kept exactly with activations of 8 bits or
+more, or not), the speed class, the measured error (PREFER); and a release older than the
 first one where the source runs faster with its drafter leads with the upgrade. Only headers and
 config.json are read, so a Hub checkpoint costs a few range requests. Everything said of a runtime
 outcome is from the engines' code, not from running them.
@@ -28,10 +29,12 @@ from requant.io.checkpoint import Checkpoint
 from requant.model import ModelSpec
 from requant.targets import TARGETS
 
-# What the recommendation weighs, most important first ("speed" before "accuracy" where the user
-# prefers it: --prefer speed).
-WEIGH = ("runs", "drafter", "accuracy", "speed")
-PREFER = {"accuracy": WEIGH, "speed": ("runs", "drafter", "speed", "accuracy")}
+# What the recommendation weighs, most important first (--prefer). "tier": the source's weights kept
+# exactly and activations of 8 bits or more, else re-quantized weights or 4-bit activations (measured:
+# 26.7 dB and better against 16.3 dB and worse); "error": the measured error itself.
+PREFER = {"balanced": ("runs", "drafter", "tier", "speed", "error"),
+          "accuracy": ("runs", "drafter", "error", "speed"),
+          "speed": ("runs", "drafter", "speed", "error")}
 
 PUBLISHED = Path(engines.__file__).resolve().parent / "published.json"
 
@@ -237,9 +240,14 @@ def _error(p: PathVerdict, errors: dict) -> float:
 def _rank(p: PathVerdict, errors: dict, weigh: tuple[str, ...]) -> tuple:
     """Smaller is better: `weigh`'s criteria in order, then fewer packages to install, the
     checkpoint as it is, and the release's default backend."""
-    score = {"runs": _OUTCOME_RANK[p.outcome], "drafter": p.drafter_kept is False, "accuracy": _error(p, errors),
-             "speed": SPEED_RANK[p.speed]}
+    score = {"runs": _OUTCOME_RANK[p.outcome], "drafter": p.drafter_kept is False, "tier": _lossy(p),
+             "error": _error(p, errors), "speed": SPEED_RANK[p.speed]}
     return (*(score[k] for k in weigh), len(p.packages_missing), p.candidate.convert != "", p.candidate.opt_in is not None)
+
+
+def _lossy(p: PathVerdict) -> bool:
+    """Whether the path re-quantizes the weights or runs 4-bit activations (PREFER's "tier")."""
+    return not p.candidate.lossless or p.kernel.get("chosen", {}).get("arithmetic", "").startswith("W4A4")
 
 
 def costs(p: PathVerdict, errors: dict, engine: EngineRules, fastest: str = "fp4-tensor-cores") -> list[str]:
@@ -272,7 +280,7 @@ def _drafter_name(engine: EngineRules) -> str:
 
 
 def recommend(paths: list[PathVerdict], errors: dict[str, dict], engine: EngineRules, checkpoint: str,
-              weigh: tuple[str, ...] = WEIGH) -> dict:
+              weigh: tuple[str, ...] = PREFER["balanced"]) -> dict:
     """The recommendation and its reasons: `weigh`'s criteria in order; the checkpoint as it is
     wins ties, since converting costs time, disk and, for INT4, accuracy."""
     best = min(paths, key=lambda p: _rank(p, errors, weigh))
@@ -292,7 +300,7 @@ def recommend(paths: list[PathVerdict], errors: dict[str, dict], engine: EngineR
         verdict += "; gives up: " + ", ".join(gives_up) if gives_up else "; gives up nothing requant measures here"
         faster = [p for p in paths if p.runs and SPEED_RANK[p.speed] < SPEED_RANK[best.speed]]
         if faster:
-            quick = min(faster, key=lambda p: _rank(p, errors, ("drafter", "speed", "accuracy")))
+            quick = min(faster, key=lambda p: _rank(p, errors, PREFER["speed"]))
             verdict += f"; faster: {quick.candidate.label} (gives up: {', '.join(costs(quick, errors, engine, fastest))})"
     reasons = [f"{p.candidate.label}: {_says(p, errors, engine, fastest)}"
                for p in sorted(paths, key=lambda p: p is not best)]
@@ -396,7 +404,7 @@ def full_scale_dims(model: ModelSpec, dims: Dims) -> dict[str, Dims]:
 
 
 def advise(ck: Checkpoint, engine_specs: list[str], gpu: str, tp: int = 1, ep: int = 1,
-           errors: dict[str, dict] | None = None, prefer: str = "accuracy") -> dict:
+           errors: dict[str, dict] | None = None, prefer: str = "balanced") -> dict:
     """The answer for checkpoint `ck` (headers and config only) on each engine release and `gpu`."""
     engines.check_gpu(gpu)
     errors = errors or {}

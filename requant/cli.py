@@ -507,9 +507,10 @@ def verify(path, deep, source, device, engine, gpu, as_json, quiet):
 @click.option("--revision", help="CHECKPOINT as a Hub repository: branch, tag or commit.")
 @click.option("--token", help="CHECKPOINT as a Hub repository: access token (default: HF_TOKEN, else the saved login).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="CHECKPOINT as a Hub repository: the Hugging Face cache.")
-@click.option("--prefer", type=click.Choice(["accuracy", "speed"]), default="accuracy", show_default=True,
-              help="What the recommendation weighs first once a path runs and keeps the drafter: the measured "
-                   "error, or the speed class.")
+@click.option("--prefer", type=click.Choice(["balanced", "accuracy", "speed"]), default="balanced", show_default=True,
+              help="What the recommendation weighs once a path runs and keeps the drafter. balanced: the accuracy "
+                   "tier (the source's weights exactly, activations of 8 bits or more), then the speed class, then "
+                   "the measured error; accuracy: the measured error first; speed: the speed class first.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @verbosity_options
 @reports_errors

@@ -10,7 +10,9 @@ real files as they are."""
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -193,15 +195,15 @@ def test_opt_in_backends_are_listed_with_flags_and_packages_and_weighed_like_pat
     b12x = path_named(a, "as it is (mxfp4), with --moe-backend b12x")
     assert b12x["opt_in"] and b12x["runs"] and b12x["flags"] == "--moe-backend b12x"
     assert b12x["packages"] == B12X["packages"] and "needs package b12x==0.3.1, not in vLLM's requirements" in b12x["gives_up"]
-    # accuracy first: the exact weight-only source stays; the W4A8 opt-in is named as the faster way
+    # the source's weights kept and 8-bit activations either way: the faster class wins, and among the two
+    # W4A8 backends the one whose packages the engine's requirements bring; no conversion
     r = a["recommendation"]
-    assert r["choice"] == "as it is (mxfp4)" and "faster: as it is (mxfp4), with --moe-backend flashinfer_cutlass" in r["verdict"]
-    # speed first: an opt-in W4A8 of the source beats converting to NVFP4 (W4A4, larger error); among the
-    # two, the one whose packages the engine brings
-    fast = answer(flash, "vllm==0.34.0", prefer="speed")["recommendation"]
-    assert fast["choice"] == "as it is (mxfp4), with --moe-backend flashinfer_cutlass" and fast["command"] == ""
-    assert fast["verdict"].startswith(f"do not convert: {flash} runs as it is, serve with --moe-backend flashinfer_cutlass")
-    assert "W4A8: activations in FP8" in fast["gives_up"]
+    assert r["choice"] == "as it is (mxfp4), with --moe-backend flashinfer_cutlass" and r["command"] == ""
+    assert r["verdict"].startswith(f"do not convert: {flash} runs as it is, serve with --moe-backend flashinfer_cutlass")
+    assert "W4A8: activations in FP8" in r["gives_up"]
+    # the measured error first: the exact weight-only default stays, and the verdict names the faster way
+    exact = answer(flash, "vllm==0.34.0", prefer="accuracy")["recommendation"]
+    assert exact["choice"] == "as it is (mxfp4)" and "; faster: as it is (mxfp4), with --moe-backend" in exact["verdict"]
     text = format_advice({"checkpoint": flash, "model": "m", "source_format": "mxfp4", "mtp_format": None,
                           "basis": "b", "dims": {"intermediate": 2048, "experts": {"n": 256}}, "answers": [a]})
     assert "b12x==0.3.1 (NOT in the engine's requirements)" in text
@@ -288,7 +290,7 @@ def test_cli_json_carries_the_fields_the_text_shows(flash):
     a = result["answers"][0]
     assert {"outcome", "runs", "drafter_kept", "gives_up", "packages", "opt_in"} <= set(a["paths"][0])
     assert {"upgrade", "scope", "what_was_checked", "at_full_scale", "published"} <= set(a)
-    assert a["recommendation"]["outcome"] == RUNS and a["recommendation"]["weighed"] == ["runs", "drafter", "accuracy", "speed"]
+    assert a["recommendation"]["outcome"] == RUNS and a["recommendation"]["weighed"] == ["runs", "drafter", "tier", "speed", "error"]
     fig = a["published"][0]
     assert fig["source"].startswith("https://github.com/sgl-project/sglang/issues/40877")
     text = format_advice(result)
@@ -315,3 +317,19 @@ def test_the_real_release_history_answers(flash):
             assert engines.version_key(a["upgrade"]["release"]) > engines.version_key(version), spec
             assert a["recommendation"]["verdict"].startswith(f"upgrade {engines.release_data(name, version)['label']}")
     assert all(a["status"] == "does not serve" for a in answers[len(specs):])
+
+
+def test_the_readme_example_is_what_advise_prints(flash):
+    """README's advise example, on the real layout, is advise's own output for each command shown."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("$ requant advise v4-layout", 1)[1].split("```", 1)[0]
+    runs = [("requant advise v4-layout" + chunk).split("\n", 1) for chunk in block.split("$ requant advise v4-layout")]
+    assert len(runs) >= 3
+    for command, shown in runs:
+        args = shlex.split(command)[3:]
+        with Checkpoint.open(flash) as ck:
+            result = advise(ck, [args[args.index("--engine") + 1]], args[args.index("--gpu") + 1],
+                            tp=int(args[args.index("--tp") + 1]), errors=measured_errors())
+        printed = format_advice(result).replace(flash, "v4-layout").splitlines()
+        for line in shown.strip("\n").splitlines():
+            assert line in printed, (command, line)
