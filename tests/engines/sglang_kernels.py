@@ -210,7 +210,7 @@ def arithmetic(method: str, backend: str, gpu: str) -> tuple[str, str | None, tu
         sm120_triton, ev = marlin_mxfp4(gpu)[1:]
         if sm120_triton:
             return "MXFP4 dequant + GEMV (W4A16), fused Triton SM120 fallback (no Marlin)", None, (), ev
-        return "MXFP4 weight-only (W4A16), Marlin", None, (), []
+        return "MXFP4 weight-only (W4A16), Marlin", None, (), ev
     if method == "Fp8MoEMethod":
         f8, tu = src(q + "fp8.py"), src("layers/moe/moe_runner/triton_utils/fused_moe.py")
         return ("none: the MXFP4 bytes go to the Triton FP8 W8A8 block path, which has no FP4 path "
@@ -252,14 +252,14 @@ def marlin_mxfp4(gpu: str) -> tuple[str, bool, list[str]]:
     test = lambda node: eval(compile(ast.Expression(node.test), f"sglang/{SRT}{MARLIN_MXFP4}", "eval"), ns)  # noqa: E731
     ifs = [n for n in fn.body if isinstance(n, ast.If)]
     guard = next(n for n in ifs if any(isinstance(r, ast.Raise) for r in n.body) and "sm90" in ast.unparse(n.test))
-    sm120 = next((n for n in ifs if '"sm120_triton"' in ast.unparse(n)), None)
+    sm120 = next((n for n in ifs if "sm120_triton" in ast.unparse(n)), None)
     src = wheels.source("sglang", SRT + MARLIN_MXFP4)
     evidence = [sg_ev(MARLIN_MXFP4, (guard.lineno, guard.end_lineno))]
     if test(guard):
         message = ast.literal_eval(ast.unparse(guard.body[0].exc.args[0])) if guard.body[0].exc.args else ""
         return f"RuntimeError: {message}", False, evidence
     if sm120 is not None and test(sm120):
-        return "", True, evidence + [sg_ev(MARLIN_MXFP4, _lines_of(src, "# SM120: use Triton fused dequant+GEMV", "mxfp4_moe_forward_triton,"))]
+        return "", True, evidence + [sg_ev(MARLIN_MXFP4, _lines_of(src, "# SM120: use Triton fused dequant", "mxfp4_moe_forward_triton,"))]
     return "", False, evidence
 
 
