@@ -245,13 +245,13 @@ def selection_release(version: str) -> tuple[dict, list, dict]:
                 "self.is_fp4_experts = detected"))
     generated["w4a16"] = {gpu: dict(cell, engine_answer=None) for gpu, cell in generated["w4a16"].items()}   # read, not run
     if not facts["nvfp4"]:
-        generated["nvfp4"] = {gpu: not_served(version, facts["fp4_detection"]) for gpu in K.GPUS}
+        generated["nvfp4"] = {gpu: not_served(facts["fp4_detection"]) for gpu in K.GPUS}
     return generated, tp, facts
 
 
-def not_served(version: str, evidence: str) -> dict:
+def not_served(evidence: str) -> dict:
     """The cell of an output format a release has no config for (NVFP4 before 0.5.14)."""
-    what = (f"not served: SGLang {version} has no hybrid FP8+NVFP4 config, so the output's Fp8Config reads the NVFP4 "
+    what = ("not served: this release has no hybrid FP8+NVFP4 config, so the output's Fp8Config reads the NVFP4 "
             "experts as MXFP4 ones (from the engine's code, not run)")
     return {"method": "none (not served)", "backend": what, "runs": False, "arithmetic": "", "speed": "none", "mode": "",
             "selects": {"default": "auto"}, "mtp": {"method": "none (not served)", "backend": "auto", "runs": False},

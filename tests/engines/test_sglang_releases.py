@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import types
 
 import pytest
 
@@ -156,3 +157,17 @@ def test_the_files_start_at_the_first_release_that_serves_dsv4_and_chain_to_the_
     for older, newer in zip(known, known[1:]):
         if older in SELECTION:
             assert json.loads(engines._release_files()["sglang"][older].read_text())["base"] == newer
+
+
+def test_the_sm120_user_case_across_releases():
+    """8x RTX PRO 6000 with the unconverted source, as the files (held above to each release's code)
+    state it: W4A8 on FP4 tensor cores with its MTP block by default first in 0.5.19; before, no
+    MXFP4 default runs on sm_120, 0.5.16-0.5.18 run W4A8 only with --moe-runner-backend flashinfer_mxfp4,
+    0.5.13-0.5.15 only weight-only with --moe-runner-backend marlin, and 0.5.12 has no MXFP4 path there."""
+    by_release = {v: engines.rules_for(types.SimpleNamespace(name="deepseek_v4"), "sglang", v).kernel("mxfp4", "sm_120")
+                  for v in engines.releases("sglang")}
+    w4a8_default = [v for v, k in by_release.items() if k.runs and k.speed == "fp4-tensor-cores" and k.mtp_path["runs"]]
+    assert w4a8_default[0] == "0.5.19" and w4a8_default == [v for v in by_release if engines.version_key(v) >= (0, 5, 19)]
+    fixes = {v: k.fix_flags for v, k in by_release.items() if not k.runs}
+    assert fixes == {"0.5.12": "", **{f"0.5.{n}": "--moe-runner-backend marlin" for n in (13, 14, 15)},
+                     **{f"0.5.{n}": "--moe-runner-backend flashinfer_mxfp4" for n in (16, 17, 18)}}
