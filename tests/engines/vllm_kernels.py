@@ -232,7 +232,7 @@ def derive() -> dict[str, dict[str, dict]]:
 # code the tier does not run, so none of its prose was held to it) also gets its `backend` prose
 # and `evidence` from here, and every release its fix where the default does not run.
 GENERATED = ("runs", "arithmetic", "speed", "mode", "selects", "opt_in", "fix", "fix_flags", "fix_kernel")
-SELECTION_GENERATED = GENERATED + ("backend", "evidence")
+SELECTION_GENERATED = GENERATED + ("backend", "evidence", "note")   # note: none (a base's would be stale)
 _CONDITIONS = {"no_flashinfer": "FlashInfer is not usable", "no_humming": "humming-kernels is not importable",
                "deep_gemm": "deep_gemm is installed"}
 _RANK = {"fp4-tensor-cores": 0, "weight-only": 1, "fallback": 2, "none": 3}
@@ -293,6 +293,7 @@ def expected(derived: dict, data: dict) -> dict[str, dict[str, dict[str, dict]]]
                 if scope == "selection":
                     cell["backend"] = backend_prose(fmt, cell["selects"])
                     cell["evidence"] = [selector_evidence(fmt)]
+                    cell["note"] = ""
                 want = {k: cell[k] for k in fields}
                 drafter = (rules.get("formats", {}).get(fmt) or {}).get("mtp_experts")
                 if drafter and drafter != fmt and drafter in derived and cells.get(gpu):

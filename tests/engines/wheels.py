@@ -126,10 +126,10 @@ def _slim(full: Path, slim_path: Path) -> None:
 
 
 def fetch(engine: str) -> Path | None:
-    """The wheel of `engine`'s release in use (see `wheel`); slim for a release requant has
-    selection-scope rules for."""
+    """The wheel of `engine`'s release in use (see `wheel`); slim for a vLLM release requant has
+    selection-scope rules for (its selection tier reads Python sources and METADATA only)."""
     release = version(engine)
-    return wheel(engine, release, slim=release in _rules.releases(engine, scope="selection"))
+    return wheel(engine, release, slim=engine == "vllm" and release in _rules.releases(engine, scope="selection"))
 
 
 @lru_cache(maxsize=None)
