@@ -334,17 +334,18 @@ def _error_key(p: PathVerdict) -> str:
 # -- a release against the others -------------------------------------------------------------------
 
 def upgrade(model: ModelSpec, engine: EngineRules, source_fmt: str, gpu: str, here: PathVerdict | None,
-            has_drafter: bool) -> dict | None:
+            has_drafter: bool, judge) -> dict | None:
     """The first release after `engine`'s whose default path for the checkpoint as it is reaches
-    the best (drafter kept, speed class) any release with rules reaches, where that is better than
-    `here` (the path chosen on this release; None where it does not serve the model): computed over
-    the release files, never typed."""
+    the best (drafter kept, speed class) any later release with rules reaches, where that is better
+    than `here` (the path chosen on this release; None where it does not serve the model), and the
+    first release where a backend the user asks for reaches it, if earlier: computed over the release
+    files, never typed. `judge(rules, candidate)`: that release's PathVerdict (its TP rules included)."""
     def score(path: PathVerdict | None) -> tuple:
         if path is None or not path.runs:
             return (True, SPEED_RANK["none"])
         return (has_drafter and path.drafter_kept is False, SPEED_RANK[path.speed])
 
-    found = []
+    by_default, opted = [], []
     for version in engines.releases(engine.name):
         if engines.version_key(version) <= engines.version_key(engine.version):
             continue
@@ -354,25 +355,27 @@ def upgrade(model: ModelSpec, engine: EngineRules, source_fmt: str, gpu: str, he
             continue
         if not rules.has_kernel_rules(source_fmt):
             continue
-        serving = rules.serving(source_fmt, gpu)
-        if serving.starts and not serving.flags:
-            mtp = serving.kernel.mtp_path
-            path = PathVerdict(Candidate("as it is", source_fmt), {"chosen": asdict(serving.kernel)},
-                               mtp if has_drafter else None, RUNS, "", serving.kernel.speed)
-            found.append((score(path), version, rules, serving.kernel))
-    if not found:
+        as_is = Candidate("as it is", source_fmt)
+        path = judge(rules, as_is)
+        (opted if path.flags else by_default).append((score(path), version, path))   # flags: the user asks for it
+        opted += [(score(p), version, p) for p in (judge(rules, c) for c in opted_in(as_is, rules, gpu))]
+    if not by_default or min(s for s, *_ in by_default) >= score(here):
         return None
-    best = min(s for s, *_ in found)
-    if best >= score(here):
-        return None
-    _, version, rules, kernel = next(f for f in found if f[0] == best)
-    drafting = f" with {_drafter_name(rules)}" if has_drafter else ""
-    speed = "on FP4 tensor cores" if kernel.speed == "fp4-tensor-cores" else f"({kernel.speed})"
-    text = (f"upgrade {rules.label_name} to {version}: the source then runs {kernel.arithmetic.split(':')[0]} {speed}"
-            f"{drafting}, no conversion")
-    return {"release": version, "text": text, "method": kernel.method, "backend": kernel.backend,
-            "arithmetic": kernel.arithmetic, "speed": kernel.speed, "drafter_kept": has_drafter or None,
-            "evidence": list(kernel.evidence[:3]), "scope": engines.release_scope(engine.name, version)}
+    best = min(s for s, *_ in by_default)
+    _, version, path = next(f for f in by_default if f[0] == best)
+    kernel = path.kernel["chosen"]
+    drafting = f" with {_drafter_name(engine)}" if has_drafter else ""
+    speed = "on FP4 tensor cores" if kernel["speed"] == "fp4-tensor-cores" else f"({kernel['speed']})"
+    text = (f"upgrade {engine.label_name} to {version}: the source then runs {kernel['arithmetic'].split(':')[0]} "
+            f"{speed}{drafting}, no conversion")
+    sooner = next((f for f in opted if f[0] == best and engines.version_key(f[1]) < engines.version_key(version)), None)
+    if sooner:
+        text += f" (from {sooner[1]} on, with {sooner[2].flags})"
+    return {"release": version, "text": text, "method": kernel["method"], "backend": kernel["backend"],
+            "arithmetic": kernel["arithmetic"], "speed": kernel["speed"], "drafter_kept": has_drafter or None,
+            "evidence": list(kernel["evidence"][:3]), "scope": engines.release_scope(engine.name, version),
+            "opt_in_from": {"release": sooner[1], "flags": sooner[2].flags,
+                            "evidence": list(sooner[2].kernel["chosen"]["evidence"][:2])} if sooner else None}
 
 
 def published(engine: str, family: str, gpu: str) -> list[dict]:
@@ -432,6 +435,11 @@ def _answer(checkpoint: str, model: ModelSpec, spec: str, source_fmt: str, mtp_f
     head = {"engine": name, "release": version, "chosen_as": how, "gpu": gpu, "gpu_family": GPU_FAMILIES[gpu],
             "tp": tp, "ep": ep, "published": published(name, model.name, gpu)}
     has_drafter = mtp_fmt is not None
+
+    def judge(rules: EngineRules, cand: Candidate, at: Dims = dims) -> PathVerdict:   # a release's verdict on a path
+        mtp_as = mtp_fmt if not cand.convert else rules.mtp_format(cand.fmt)
+        return judge_path(cand, model, rules, gpu, blocks, mtp_as, tp, ep, at)
+
     try:
         rules = model.engine(name, version)
     except UnsupportedError as e:   # no rules of this engine for the model: not checked, never "does not start"
@@ -440,7 +448,7 @@ def _answer(checkpoint: str, model: ModelSpec, spec: str, source_fmt: str, mtp_f
                                           "command": "", "flags": "", "env": "", "gives_up": [], "reasons": []}}
     first = engines.first_serving(name, model.name)
     if first and engines.version_key(engines.release_of(version)[0]) < engines.version_key(first):
-        lead = upgrade(model, rules, source_fmt, gpu, None, has_drafter)
+        lead = upgrade(model, rules, source_fmt, gpu, None, has_drafter, judge)
         verdict = f"{rules.release_label} does not serve DeepSeek-V4 (first release that does: {first})"
         return head | {"status": "does not serve", "checked": False, "caveat": verdict, "paths": [], "upgrade": lead,
                        "recommendation": {"verdict": verdict + (f"; {lead['text']}" if lead else ""),
@@ -448,12 +456,10 @@ def _answer(checkpoint: str, model: ModelSpec, spec: str, source_fmt: str, mtp_f
                                           "env": "", "gives_up": [], "reasons": []}}
     paths = []
     for cand in candidates(checkpoint, source_fmt, rules):
-        mtp_as = mtp_fmt if not cand.convert else rules.mtp_format(cand.fmt)
-        for each in (cand, *opted_in(cand, rules, gpu)):
-            paths.append(judge_path(each, model, rules, gpu, blocks, mtp_as, tp, ep, dims))
+        paths += [judge(rules, each) for each in (cand, *opted_in(cand, rules, gpu))]
     recommendation = recommend(paths, errors, rules, checkpoint, weigh)
     chosen = next(p for p in paths if p.candidate.label == recommendation["choice"])
-    lead = upgrade(model, rules, source_fmt, gpu, chosen, has_drafter)
+    lead = upgrade(model, rules, source_fmt, gpu, chosen, has_drafter, judge)
     scope = engines.release_scope(name, rules.checked_version)
     status = "checked" if rules.checked else NOT_CHECKED
     if lead:
@@ -462,9 +468,7 @@ def _answer(checkpoint: str, model: ModelSpec, spec: str, source_fmt: str, mtp_f
         recommendation["verdict"] = (f"{rules.caveat}; by those rules, hedged: {recommendation['verdict']}")
     at_full = {}
     for named_model, full in full_scale_dims(model, dims).items():
-        judged = [judge_path(p.candidate, model, rules, gpu, blocks,
-                             mtp_fmt if not p.candidate.convert else rules.mtp_format(p.candidate.fmt), tp, ep, full)
-                  for p in paths]
+        judged = [judge(rules, p.candidate, full) for p in paths]
         other = recommend(judged, errors, rules, checkpoint, weigh)
         if other["choice"] != recommendation["choice"] or other["outcome"] != recommendation["outcome"]:
             at_full[named_model] = {"dims": asdict(full), "verdict": other["verdict"]}
@@ -521,6 +525,9 @@ def format_advice(result: dict) -> str:
         if a.get("upgrade") and a["upgrade"]["evidence"]:
             lines.append(f"     upgrade evidence ({a['upgrade']['release']}, {FROM_CODE}): "
                          + "; ".join(a["upgrade"]["evidence"]))
+            sooner = a["upgrade"]["opt_in_from"]
+            if sooner:
+                lines.append(f"     {sooner['release']} with {sooner['flags']} ({FROM_CODE}): " + "; ".join(sooner["evidence"]))
         for named, other in (a.get("at_full_scale") or {}).items():
             lines.append(f"  NOTE: this checkpoint's dimensions are not {named}'s (moe_intermediate_size "
                          f"{other['dims']['intermediate']}); at those the answer is: {other['verdict']}")

@@ -143,6 +143,19 @@ def test_an_older_release_leads_with_the_first_upgrade_that_runs_the_source_fast
     assert answer(flash, "sglang==0.5.20")["upgrade"]["release"] == "0.5.23"
 
 
+def test_the_upgrade_names_the_first_release_that_runs_it_on_request(releases, flash):
+    """0.5.21 runs W4A8 with MTP only with a flag; 0.5.22 by default: the upgrade is to 0.5.22, and
+    says 0.5.21 does it when asked."""
+    kernel = {k: v for k, v in W4A8.items() if v is not None}
+    sglang_release(releases, "0.5.20", CUDA_CORES)
+    sglang_release(releases, "0.5.21", {**cell("Fp8MoEMethod", "auto: no FP4 path", "", "none", "bf16", False),
+                                        "fix_flags": "--moe-runner-backend flashinfer_mxfp4", "fix_kernel": kernel})
+    sglang_release(releases, "0.5.22", W4A8)
+    lead = answer(flash, "sglang==0.5.20")["upgrade"]
+    assert lead["release"] == "0.5.22" and lead["opt_in_from"]["release"] == "0.5.21"
+    assert lead["text"].endswith("no conversion (from 0.5.21 on, with --moe-runner-backend flashinfer_mxfp4)")
+
+
 def test_the_release_that_runs_the_source_best_gets_no_upgrade(releases, flash):
     sglang_release(releases, "0.5.20", CUDA_CORES)
     a = answer(flash, "sglang==0.5.23")
