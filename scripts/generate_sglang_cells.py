@@ -67,7 +67,8 @@ def checked(version: str, facts: dict) -> list[str]:
     return [
         f"MXFP4 source: the DeepSeek-V4 --moe-runner-backend auto default ({facts['override']}) and "
         "Fp8Config.get_quant_method's routed-experts branch (layers/quantization/fp8.py) executed from this release's "
-        "wheel for sm_80/90/100/120 and each explicit backend (tests/engines/sglang_selection.py)",
+        "wheel for sm_80/90/100/120 and each explicit backend (tests/engines/sglang_selection.py), with "
+        "Mxfp4MarlinMoEMethod's load-time platform check (layers/quantization/mxfp4_marlin_moe.py)",
         ("NVFP4 output: HybridFp8NvFp4Config.get_quant_method (main layers and the excluded NextN block) and "
          "ModelOptNvFp4FusedMoEMethod.__init__'s platform refusal executed" if facts["nvfp4"] else
          "NVFP4 output: not served (no HybridFp8NvFp4Config: requant's MIXED_PRECISION/NVFP4 config is not detected)"),
