@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
-from requant.diagnosis import path_problem
+from requant.io.diagnosis import path_problem
 from requant.errors import CheckpointError, RequantError
 from requant.card import recorded_engine
 from requant.io.checkpoint import Checkpoint

@@ -128,10 +128,3 @@ def marlin_weights(weights: dict, fused: list[list[str]]) -> tuple[dict, int]:
 def calibrated_input_scale(amax: float) -> float:
     """ModelOpt's calibrated input_scale for activations whose absolute maximum is amax."""
     return amax / (6.0 * engine_numerics.E4M3_MAX)
-
-
-def compare_paths(*args, **kwargs) -> dict:
-    """Every serving path of the source and of its in-memory conversions on the same layers and
-    inputs: see requant.serve_paths.compare_paths."""
-    from requant.serve_paths import compare_paths as run
-    return run(*args, **kwargs)

@@ -40,12 +40,15 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
 from requant.io.safetensors import PAGE, TensorInfo, open_direct, read_buffer_bytes, read_tensor, write_tensors
-from requant.plan import Plan
 from requant.targets import Stats, Unit
+
+if TYPE_CHECKING:   # a plan builds on verify, whose deep pass forks its workers here
+    from requant.plan import Plan
 
 _INHERITED: object = None   # what forked workers look their tasks up in (`forked_pool`)
 _COMPUTE_SLOTS = None       # a semaphore shared by a forked pool's processes (`compute_slot`), or None

@@ -15,7 +15,7 @@ from requant import engines
 from requant.card import serve_lines
 from requant.engines import table
 from requant.errors import UnsupportedError
-from requant.model import ModelSpec, load_recipes
+from requant.model import ModelSpec, default_model_name, load_recipes, named_models
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 DSV4 = next(r for r in load_recipes() if r.name == "deepseek_v4")
@@ -78,7 +78,7 @@ def test_verify_names_the_release_and_never_vouches_for_an_unchecked_one(tmp_pat
 def test_readme_engine_table_is_generated_from_the_release_data():
     text = README.read_text()
     start, end = text.index(table.BEGIN), text.index(table.END) + len(table.END)
-    assert text[start:end] == table.markdown(), "README's engine table is stale: python -m requant.engines.table"
+    assert text[start:end] == table.markdown(named_models()[default_model_name()][0]), "README's engine table is stale: python -m requant.engines.table"
 
 
 def test_card_drafts_only_where_the_mtp_block_has_a_kernel():

@@ -294,12 +294,22 @@ def scalar(t: torch.Tensor) -> float:
     return float(t.reshape(-1)[0].float())
 
 
+def _int4_from_mxfp4(*args, **kwargs):
+    """W4A16's data-free scale search from MXFP4, batched: ({name: (weight, scale)}, group_size,
+    scheme, device) -> {name: Encoded}. int4_search is imported on first use (its tables take a
+    fraction of a second to build) and builds on int4, so int4's codec cannot name it itself."""
+    from requant.formats import int4_search
+
+    return int4_search.encode_many(*args, **kwargs)
+
+
 def _register_builtin() -> None:
     # Identification order: the first codec whose parts match wins.
     from requant.formats import fp8_block, int4, mxfp4, nvfp4
 
     for module in (mxfp4, nvfp4, int4, fp8_block):
         register(module.CODEC)
+    int4.CODEC.encoders["mxfp4"] = _int4_from_mxfp4
 
 
 _register_builtin()

@@ -114,14 +114,6 @@ def value_problems(read, shape) -> list[formats.Problem]:
     return problems
 
 
-def _search_encoder(*args, **kwargs):
-    """The encoder from MXFP4 (int4_search.encode_many), imported on first use: int4_search
-    builds on this module."""
-    from requant.formats import int4_search
-
-    return int4_search.encode_many(*args, **kwargs)
-
-
 CODEC = formats.Codec(
     name="w4a16",
     elements="int4",
@@ -138,7 +130,5 @@ CODEC = formats.Codec(
     group_sizes=GROUP_SIZES,
     kernel_code=2,
     value_problems=value_problems,
-    # The data-free scale search, batched: ({name: (weight, scale)}, group_size, scheme, device)
-    # -> {name: Encoded}.
-    encoders={"mxfp4": _search_encoder},
+    # its encoder from MXFP4 (int4_search) builds on this module: formats/__init__ adds it
 )

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from requant.errors import CheckpointError, FormatError
-from requant.diagnosis import path_problem
+from requant.io.diagnosis import path_problem
 from requant.io.safetensors import Header, TensorInfo, open_direct, parse_header, read_header, read_tensor
 
 log = logging.getLogger(__name__)

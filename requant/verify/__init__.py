@@ -23,7 +23,7 @@ from requant import formats
 from requant.compute import torch_threads
 from requant.engines import NOT_CHECKED
 from requant.errors import RequantError
-from requant.diagnosis import path_problem, path_problem_line
+from requant.io.diagnosis import path_problem, path_problem_line
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from requant.model import ModelSpec
 from requant.verify.config_rules import check_config
@@ -48,7 +48,7 @@ def verify(path: str, deep: bool = False, source: str | None = None, progress: b
     --deep (default: CUDA when present).
 
     A path that is no checkpoint at all (missing, a file, an unfinished conversion) gets one
-    finding and a `diagnosis`, in the words `inspect` and `convert` use (requant.diagnosis)."""
+    finding and a `diagnosis`, in the words `inspect` and `convert` use (requant.io.diagnosis)."""
     problem = path_problem(path)
     if problem is not None:
         out = Findings()

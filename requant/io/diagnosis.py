@@ -1,6 +1,6 @@
 """Why a path is not a checkpoint at all, in the one set of words every command uses: a missing
 path, a file where a directory is wanted, or a directory holding an unfinished conversion (its
-journal, io/journal.py). `inspect`, `verify` and `convert` say these the same way."""
+journal, journal.py). `inspect`, `verify` and `convert` say these the same way."""
 
 from __future__ import annotations
 
