@@ -3,6 +3,7 @@ is fixed before any tensor data is read."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -10,7 +11,7 @@ from requant import formats, sources
 from requant.experts import ExpertIndex
 from requant.errors import FormatError, UnsupportedCheckpoint, UnsupportedError
 from requant.io.checkpoint import Checkpoint
-from requant.io.safetensors import TensorSpec, encode_header
+from requant.io.safetensors import Header, TensorSpec, encode_header
 from requant.model import Expert, ModelSpec
 from requant.targets import Options, Target, Unit, get_target
 
@@ -19,15 +20,50 @@ from requant.targets import Options, Target, Unit, get_target
 class ShardPlan:
     name: str
     units: list[Unit]
+    # The source's file where it is this shard's output as it is (whole_file_output): whatever
+    # its header's layout, nothing is written for it; None: requant writes the shard.
+    source_file: Header | None = None
 
     @property
     def specs(self) -> list[TensorSpec]:
         return [s for u in self.units for s in u.outputs]
 
     @property
+    def header(self) -> bytes:
+        """The output file's header bytes (length prefix included)."""
+        return self.source_file.raw if self.source_file else encode_header(self.specs)[0]
+
+    @property
     def file_size(self) -> int:
-        header, _ = encode_header(self.specs)
-        return len(header) + sum(s.nbytes for s in self.specs)
+        if self.source_file:
+            return self.source_file.file_size
+        return len(self.header) + sum(s.nbytes for s in self.specs)
+
+
+def whole_file_output(header: Header, units: list[Unit]) -> bool:
+    """Whether a source shard's file, as it is, is the output shard these units plan: each tensor
+    passes through under its own name, dtype and shape (none renamed, converted, dropped or added),
+    the tensors fill the data from its first byte to the file's end without a gap (requant reads
+    gaps; safetensors 0.8 refuses them), and loaders take its __metadata__ as they take requant's
+    own. How its header is laid out (key order, spacing, padding, other __metadata__ keys) does not
+    matter: the index and config.json requant writes name only the tensors."""
+    if any(u.encode is not None for u in units):
+        return False
+    planned = [(u.inputs, u.outputs) for u in units]
+    if planned != [([name], [info.spec]) for name, info in header.tensors.items()]:
+        return False
+    ends = [header.data_start] + [info.end for info in header.tensors.values()]
+    return (_loaders_take_metadata(header) and ends[-1] == header.file_size
+            and all(info.start == end for info, end in zip(header.tensors.values(), ends)))
+
+
+def _loaders_take_metadata(header: Header) -> bool:
+    """__metadata__ as requant writes it ({"format": "pt"}, other strings beside it allowed) or none
+    at all: safetensors refuses a value that is no string, and Transformers 4.57's load_state_dict
+    a __metadata__ without format pt/tf/flax/mlx, an empty one too (modeling_utils.py:487)."""
+    if header.metadata:
+        return header.metadata.get("format") == "pt" and all(isinstance(v, str) for v in header.metadata.values())
+    return json.loads(header.raw[8:]).get("__metadata__") is None   # absent or null, not {}
 
 
 @dataclass
@@ -125,7 +161,8 @@ def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: 
                 unit = target.plan_tensor(info.spec)
                 counts["passed through" if unit.encode is None else "rewritten"] += 1
                 units.append(unit)
-        shards.append(ShardPlan(shard_name, units))
+        header = source.headers[shard_name]
+        shards.append(ShardPlan(shard_name, units, header if whole_file_output(header, units) else None))
     plan = Plan(source, model, target, shards, blocks, found.name, counts, label=source.path, in_format=in_format,
                 experts=index)
     # verify's own checks on what this plan writes, before a byte is written: an output verify

@@ -13,7 +13,7 @@ from requant.convert.pipeline import Result
 
 def describe_plan(plan: Plan, dst: str | None, in_place: bool = False, source: str | None = None) -> dict:
     # the shards that keep the source's bytes: left where they are in place, else linked or copied whole
-    unchanged = [s for s in plan.shards if (untouched(s) if in_place else verbatim(plan, s))]
+    unchanged = [s for s in plan.shards if (untouched(s) if in_place else verbatim(s))]
     return {
         "source": source or plan.source.path,
         "source_format": plan.source_format,

@@ -17,7 +17,7 @@ from requant.errors import CheckpointError, FormatError, RequantError
 from requant.formats import mxfp4
 from requant.io import fsutil
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, read_json, resolve_inside
-from requant.io.safetensors import ShardWriter, encode_header, read_header
+from requant.io.safetensors import ShardWriter, read_header
 from requant.plan import Plan, ShardPlan
 from requant.targets import Stats
 from requant.targets.nvfp4 import HF_QUANT_CONFIG
@@ -42,19 +42,17 @@ def untouched(shard: ShardPlan) -> bool:
     return all(unit.encode is None for unit in shard.units)
 
 
-def verbatim(plan: Plan, shard: ShardPlan) -> bool:
-    """Whether a shard's output would be its source file byte for byte: it only passes tensors
-    through and the header written would be the source's own. A new directory then gets the
-    source's file itself (plan.verbatim_as: a hard link, or a copy)."""
-    header = plan.source.headers[shard.name]
-    return (untouched(shard) and header.file_size == shard.file_size
-            and header.raw == encode_header(shard.specs)[0])
+def verbatim(shard: ShardPlan) -> bool:
+    """Whether a shard's output is its source file as it is, whatever its header's layout
+    (plan.whole_file_output). A new directory then gets the source's file itself
+    (plan.verbatim_as: a hard link, or a copy)."""
+    return shard.source_file is not None
 
 
 def choose_verbatim_as(plan: Plan, dst: str | None, copy_all: bool = False) -> None:
     """How the verbatim shards reach `dst` (None: in place, where they stay): hard links where one
     can be made there (tried on one of them), else copies, and copies with `copy_all`."""
-    first = next((s.name for s in plan.shards if verbatim(plan, s)), None)
+    first = next((s.name for s in plan.shards if verbatim(s)), None)
     if dst is None:
         plan.verbatim_as = "keep"
     elif copy_all or first is None:
@@ -91,7 +89,7 @@ def write_shard(plan: Plan, shard: ShardPlan, target: str, encoders: Encoders, b
     source_path = source.reads[shard.name].path if shard.name in source.reads else source.shard_path(shard.name)
     check_unchanged(source_path, entry)
     fsutil.remove_quietly(partial)   # opened anew below, never written through (it could be a link)
-    if not in_place and verbatim(plan, shard):
+    if not in_place and verbatim(shard):
         return _place_verbatim(plan, shard, source_path, target, bar, entry, before_rename)
     writer = ShardWriter(partial, shard.specs)
     stats = Stats()
@@ -320,7 +318,7 @@ def space_needed(plan: Plan, in_place: bool, done: list[bool] | None = None) -> 
     left where they are (`untouched`), or hard-linked into a new directory, need nothing."""
     done = done or [False] * len(plan.shards)
     pending = [s for s, d in zip(plan.shards, done) if not d and not (in_place and untouched(s))
-               and not (not in_place and plan.verbatim_as == "link" and verbatim(plan, s))]
+               and not (not in_place and plan.verbatim_as == "link" and verbatim(s))]
     largest = max((s.file_size for s in pending), default=0)
     if not in_place:
         total = sum(s.file_size for s in pending)

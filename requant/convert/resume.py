@@ -13,7 +13,6 @@ from requant.errors import CheckpointError, RequantError
 from requant.io import hub as hub_lib
 from requant.io import journal
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, read_json
-from requant.io.safetensors import encode_header
 from requant.plan import ShardPlan
 from requant.targets import TARGETS, Options
 
@@ -134,11 +133,13 @@ def source_changes(old: dict, new: dict) -> list[str]:
 
 
 def shard_done(shard: ShardPlan, target: str, in_place: bool, entry: dict) -> bool:
-    """Whether the target already holds this shard's planned output. In place, a shard must be
-    either converted or still exactly its recorded source; one that only passes tensors through
-    is its own output there (outputs.untouched)."""
+    """Whether the target already holds this shard's planned output: its size and header bytes,
+    which for a shard whose output is the source's file (outputs.verbatim) are that file's, in
+    whatever layout: a hard link to it, or a whole copy (renamed to its name only once checked).
+    In place, a shard must be either converted or still exactly its recorded source; one that only
+    passes tensors through is its own output there (outputs.untouched)."""
     final = os.path.join(target, shard.name)
-    if journal.matches(final, shard.file_size, encode_header(shard.specs)[0]):
+    if journal.matches(final, shard.file_size, shard.header):
         return True
     if not in_place:
         return False
