@@ -15,6 +15,7 @@ import time
 import click
 
 from requant import __version__, formats
+from requant import engines
 from requant.engines import GPU_FAMILIES
 from requant.errors import (EXIT_BUG, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_SHORT_OF_SPACE, EXIT_USAGE, RequantError,
                             UsageError, describe_os_error)
@@ -30,11 +31,15 @@ INPUT_SCALE_HELP = (
 
 
 ENGINE_HELP = (
-    "Serving engine the output is laid out for, NAME or NAME==VERSION (e.g. vllm==0.34.0; default: "
+    "Serving engine the output is laid out for, NAME or NAME==VERSION "
+    f"(e.g. vllm=={engines.releases('vllm')[-1]}; default: "
     "the release installed here, else the newest requant has checked): engines disagree about the MTP "
     "block's experts (vLLM loads them as NVFP4, SGLang as MXFP4) and about W4A16's FP8 attention, so "
     "one directory cannot serve both. Default vllm."
 )
+
+# the vLLM releases whose Marlin takes one factor per layer from the largest block scale
+_LARGEST_RULE = engines.releases_with_marlin_rule("vllm", "largest")
 
 
 class EngineSpec(click.ParamType):
@@ -43,8 +48,6 @@ class EngineSpec(click.ParamType):
     name = "vllm|sglang[==VERSION]"
 
     def convert(self, value, param, ctx):
-        from requant import engines
-
         try:
             name, version = engines.parse_spec(value)
         except RequantError as e:
@@ -308,7 +311,8 @@ def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_sc
 @click.option("--scale-headroom", type=click.IntRange(0, 8), default=0, show_default=True,
               help="NVFP4: place the largest block scale at 2^(8-N) instead of 2^8, at the cost of an N-step "
                    "narrower lossless window, for an engine that caps block scales lower. No release requant "
-                   "has checked needs it (vLLM 0.31.0-0.34.0 derive Marlin's factor from the largest scale).")
+                   f"has checked needs it (vLLM {_LARGEST_RULE[0]}-{_LARGEST_RULE[-1]} derive Marlin's factor "
+                   "from the largest scale).")
 @click.option("--group-size", type=click.Choice(GROUP_SIZES), default=None,
               help="w4a16: K elements sharing one INT4 scale. 32 is the most accurate (about 3 dB over "
                    "128), 128 the smallest; Marlin runs all three. Default 128.")

@@ -28,7 +28,7 @@ MARLIN_FP4_FORMATS = (nvfp4.CODEC.name,)   # the expert formats engines serve th
 class EngineVerdict:
     engine: str
     version: str
-    label: str = ""               # "vLLM 0.34.0"
+    label: str = ""               # the engine and release, as EngineRules.label says it
     checked: bool = True          # False: requant has no rules checked against this release
     rules_version: str = ""       # the release whose rules were applied
     loads: bool | None = True     # None: not judged (no rules, or the checkpoint has errors of its own)

@@ -311,7 +311,7 @@ class ModelSpec:
         return None
 
     def engine(self, name: str | None = None, version: str | None = None) -> engines.EngineRules:
-        """The rules of serving engine `name` (`vllm` or `vllm==0.34.0`; None: the recipe's default
+        """The rules of serving engine `name` (`vllm` or `vllm==VERSION`; None: the recipe's default
         engine) at `version` (None: the release named, else installed here, else the newest checked)."""
         return engines.rules_for(self.recipe, name or engines.default_engine(self.recipe), version)
 

@@ -333,6 +333,13 @@ def releases(engine: str, scope: str | None = None) -> list[str]:
     return [v for v in found if scope is None or release_scope(engine, v) == scope]
 
 
+def releases_with_marlin_rule(engine: str, rule: str) -> list[str]:
+    """The releases of `engine`, oldest first, whose Marlin NVFP4 scale rule
+    (EngineRules.marlin_fp4_rule) is `rule` for some model family."""
+    return [v for v in releases(engine)
+            if any(m.get("marlin_fp4_scales") == rule for m in release_data(engine, v)["models"].values())]
+
+
 @lru_cache(maxsize=None)
 def release_scope(engine: str, version: str) -> str:
     """A release file's own "scope" (never its base's): what the tier checked for that release."""

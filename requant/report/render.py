@@ -138,8 +138,8 @@ def forward_table(forward: dict) -> tuple[list[str], list[list[str]]]:
 # What each serving mode computes, for the words above a table of the modes that ran.
 SERVED_MODE_WORDS = {
     "nvfp4-w4a4": "nvfp4-w4a4, Blackwell's NVFP4 activations under each input_scale policy",
-    "marlin-w4a16": "marlin-w4a16, vLLM 0.33.0's Marlin block-scale rule on Hopper and Ampere, which zeroes blocks "
-                    "far below the layer's largest",
+    "marlin-w4a16": "marlin-w4a16, vLLM's Marlin block-scale rule on Hopper and Ampere (its 'largest' rule), which "
+                    "zeroes blocks far below the layer's largest",
     "mxfp4-w4a8": "mxfp4-w4a8, MXFP4 weights with MXFP8 activations as SGLang runs them on Blackwell",
     "bf16": "bf16, the weights decoded exactly with BF16 activations",
 }

@@ -149,7 +149,7 @@ class W4A16Target(Target):
     # description ----------------------------------------------------------------------------
     def expert_target(self) -> str:
         """One regex matching the per-expert module names every engine of the recipe probes
-        (vLLM 0.33.0 `model.layers.L.ffn.experts.0.w1`, SGLang and older vLLM `...experts.0.gate_proj`)
+        (each release's probes in requant/engines: `model.layers.L.ffn.experts.0.w1` or `...experts.0.gate_proj`)
         and nothing else: shared experts and attention must stay in the FP8 group."""
         modules, names = set(), set()
         for engine in self.model.engine_names:
