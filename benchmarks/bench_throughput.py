@@ -43,9 +43,10 @@ WORKER_PROBE = """
 import resource, sys, torch
 from requant.io.checkpoint import Checkpoint
 from requant.plan import make_plan
+from requant.pools import _init_process
 from requant.targets import Options
 from requant.targets.w4a16 import W4A16Options
-from requant.workers import _init_process, encode_unit
+from requant.workers import encode_unit
 _init_process()
 plan = make_plan(Checkpoint.open(sys.argv[1]), "w4a16", Options(target=W4A16Options(group_size=32)))
 unit = next(u for s in plan.shards for u in s.units if u.encode is not None and len(u.inputs) == 6)
@@ -154,7 +155,8 @@ def encoder_experts_per_second(device: str, group: int, threads: int, per_thread
     CUDA graph, untimed)."""
     from requant import synth
     from requant.formats import int4_search
-    from requant.workers import _init_gpu_thread, worker_settings
+    from requant.pools import worker_settings
+    from requant.workers import _init_gpu_thread
 
     hidden, inter = 4096, 2048
     values = synth._Values(3, synth.HardCases())

@@ -31,7 +31,7 @@ def kernel_device(requested: str | None) -> str:
     return "cpu" if requested is None and interpreter else compute_device(requested)
 
 
-MAX_DEFAULT_WORKERS = 32   # W4A16: 48 processes (workers.io_spares) of ~400 MiB peak, under ~19 GiB
+MAX_DEFAULT_WORKERS = 32   # W4A16: 48 processes (pools.io_spares) of ~400 MiB peak, under ~19 GiB
 
 
 def default_workers() -> int:

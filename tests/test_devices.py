@@ -91,9 +91,9 @@ def _inside_compute_slot(seconds: float) -> tuple[float, float]:
     """(enter, leave) times of a task's stay in the pool's compute slot."""
     import time
 
-    from requant import workers
+    from requant import pools
 
-    with workers.compute_slot():
+    with pools.compute_slot():
         start = time.monotonic()
         time.sleep(seconds)
         return start, time.monotonic()
@@ -102,9 +102,9 @@ def _inside_compute_slot(seconds: float) -> tuple[float, float]:
 def test_a_forked_pool_computes_in_at_most_its_slots():
     """Two workers and a spare: three processes, two compute slots. No three tasks are ever inside
     a slot together, and two are (the slots are shared, not one per process)."""
-    from requant import workers
+    from requant import pools
 
-    with workers.forked_pool(2, None, spares=1) as pool:
+    with pools.forked_pool(2, None, spares=1) as pool:
         assert pool.processes == 3
         spans = list(pool.map(_inside_compute_slot, [0.2] * 8))
 
@@ -112,7 +112,7 @@ def test_a_forked_pool_computes_in_at_most_its_slots():
         return sum(a <= t < b for a, b in spans)
     starts = [a for a, _ in spans]
     assert max(inside(t) for t in starts) == 2
-    assert workers.compute_slot().__class__.__name__ == "nullcontext"   # the pool's slots went with it
+    assert pools.compute_slot().__class__.__name__ == "nullcontext"   # the pool's slots went with it
 
 
 def test_the_kernel_runs_where_triton_can_run_it(monkeypatch):

@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent / "requant"
 
 LAYERS = (
     # leaf helpers: errors, expression arithmetic, C helper loading, optional extras, where compute
-    # runs, measured path errors as data, the torch MoE reference, the recipe schema
-    ("foundation", ("errors", "expressions", "c_helpers", "extras", "compute", "paths", "moe", "recipe")),
+    # runs and the forked pools it runs in, measured path errors as data, the torch MoE reference,
+    # the recipe schema
+    ("foundation", ("errors", "expressions", "c_helpers", "extras", "compute", "pools", "paths", "moe", "recipe")),
     # pure numerics per format, and file I/O
     ("storage", ("formats", "io")),
     # per-release engine data and the fused-MoE kernel: both over formats, neither knows a model
@@ -37,12 +38,12 @@ LAYERS = (
     # model knowledge: recipes read through model.py, the layout readers, the expert index
     ("model", ("model", "sources", "experts")),
     # what one output is and how an engine runs it: targets, serving numerics, the card, the
-    # engine checks, the encoding pools, synthetic checkpoints
-    ("outputs", ("targets", "serve", "card", "engine_check", "workers", "synth")),
+    # engine checks, synthetic checkpoints
+    ("outputs", ("targets", "serve", "card", "engine_check", "synth")),
     # what reads a checkpoint and judges it
     ("checks", ("validate", "serve_paths", "report", "verify", "describe", "advise")),
-    # the conversion: planning, then the writer
-    ("pipeline", ("plan", "convert")),
+    # the conversion: planning, the encoders that run a plan, then the writer
+    ("pipeline", ("plan", "workers", "convert")),
     ("cli", ("cli", "__main__")),
 )
 

@@ -24,7 +24,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from requant import synth, workers
+from requant import pools, synth
 from requant.cli import cli
 from requant.errors import EXIT_INTERRUPTED, RequantError
 from requant.io import fsutil, journal
@@ -169,7 +169,7 @@ def _fork(child) -> int:
 
 def test_a_worker_whose_parent_is_already_gone_exits():
     """The parent may die between the fork and prctl: the worker sees it is not its parent's."""
-    pid = _fork(lambda: (workers.die_with_parent(os.getppid() + 10**6), time.sleep(30)))
+    pid = _fork(lambda: (pools.die_with_parent(os.getppid() + 10**6), time.sleep(30)))
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 1
 
@@ -179,8 +179,8 @@ def test_portable_watch_ends_a_worker_with_its_parent():
     r, w = os.pipe()
 
     def worker():
-        workers.sys.platform = "not-linux"     # no prctl: the portable watch
-        workers.die_with_parent(os.getppid())
+        pools.sys.platform = "not-linux"     # no prctl: the portable watch
+        pools.die_with_parent(os.getppid())
         os.write(w, f"{os.getpid()}\n".encode())
         time.sleep(30)
     mid = _fork(lambda: (_fork(worker), time.sleep(30)))   # forks the worker, then lives until killed
@@ -204,7 +204,7 @@ def test_portable_watch_ends_a_worker_with_its_parent():
 def test_forked_workers_do_not_hold_the_lock(tmp_path):
     """A worker forked while the lock is held must not keep it once the parent lets go."""
     lock = DirLock(str(tmp_path), exclusive=True, what="test")
-    pool = workers.forked_pool(1, None)
+    pool = pools.forked_pool(1, None)
     try:
         lock.release()
         again = DirLock(str(tmp_path), exclusive=True, what="test")   # the workers are still alive here

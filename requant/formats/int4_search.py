@@ -320,7 +320,7 @@ def _search_on_cpu(sources: dict[str, tuple[torch.Tensor, torch.Tensor]], args: 
     """_search's results on the CPU, tensor by tensor: in one C pass each (int4_search_c, the same
     bytes) where it is there and the search is coarse to fine; else the torch passes, in pieces of
     whole rows, about _CPU_PIECE_BLOCKS blocks each: a piece's intermediates (a few MiB) stay below
-    the sizes that malloc hands back to the kernel (workers.worker_settings; a full-size
+    the sizes that malloc hands back to the kernel (pools.worker_settings; a full-size
     projection's would reach 40 MiB), and a worker's peak memory stays small. Codes, scales and
     zero points concatenate; energy bins (whole numbers) add up exactly."""
     shapes, group_size, scheme, exhaustive = args

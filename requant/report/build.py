@@ -21,7 +21,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from requant import __version__, formats, workers as worker_pools
+from requant import __version__, formats, pools
 from requant.compute import compute_device, default_workers, torch_threads
 from requant.errors import UnsupportedCheckpoint
 from requant.experts import ExpertIndex, model_difference
@@ -84,7 +84,7 @@ def compare_unit(src: ExpertIndex, dst: ExpertIndex, a: Expert, b: Expert, proje
         pairs = zip(src.blocks[a.block].matrices(a, proj, ca), dst.blocks[b.block].matrices(b, proj, cb))
         read += [(e, proj, ca, ta, cb, tb) for (e, ta), (_, tb) in pairs]
     out: dict[int, dict[str, ErrorSums]] = {}
-    with worker_pools.compute_slot():   # the reads done: compare while another worker reads
+    with pools.compute_slot():   # the reads done: compare while another worker reads
         for e, proj, ca, ta, cb, tb in read:
             out.setdefault(e, {})[proj] = _compare(ca, ta, src.ck, a.parts[proj], cb, tb, dst.ck, b.parts[proj], device)
     return out
@@ -97,7 +97,7 @@ def _compare_item(context: tuple, key: tuple) -> dict:
 
 
 def _compare_forked(key: tuple) -> dict:
-    return _compare_item(worker_pools.inherited(), key)
+    return _compare_item(pools.inherited(), key)
 
 
 def _collect(per: dict, key: tuple, result: dict) -> None:
@@ -147,8 +147,8 @@ def build(src_path: str, dst_path: str, layers: str | None = None, workers: int 
         context = (src_index, dst_index, projections, device)
         with contextlib.ExitStack() as stack:
             if device == "cpu":   # forked before the progress bar starts its thread
-                # `workers` compare at once and spares read meanwhile (workers.compute_slot)
-                pool = stack.enter_context(worker_pools.forked_pool(workers, context, spares=_readers(workers)))
+                # `workers` compare at once and spares read meanwhile (pools.compute_slot)
+                pool = stack.enter_context(pools.forked_pool(workers, context, spares=_readers(workers)))
                 task = _compare_forked
             else:
                 pool = stack.enter_context(ThreadPoolExecutor(workers))

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from requant import formats, workers as worker_pools
+from requant import formats, pools
 from requant.compute import compute_device, default_workers
 from requant.errors import UnsupportedError
 from requant.experts import ExpertIndex
@@ -33,7 +33,7 @@ class DeepCompare:
         self.workers = default_workers()
         if self.device == "cpu":
             c_compare.available()   # the C comparison built before the workers fork, which share it
-            self.pool, self._task = worker_pools.forked_pool(self.workers, self), _measure_forked
+            self.pool, self._task = pools.forked_pool(self.workers, self), _measure_forked
         else:
             self.pool, self._task = ThreadPoolExecutor(self.workers), self._measure
         self.pending: deque = deque()
@@ -154,4 +154,4 @@ class DeepCompare:
 
 def _measure_forked(expert: Expert, readable: dict[str, str]) -> list[tuple]:
     """DeepCompare._measure in a worker forked by it."""
-    return worker_pools.inherited()._measure(expert, readable)
+    return pools.inherited()._measure(expert, readable)
