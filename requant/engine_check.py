@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from requant.engines import FROM_CODE, GPU_FAMILIES, EngineRules
+from requant.engines import FROM_CODE, GPU_FAMILIES, EngineRules, releases_with_marlin_rule
 from requant.formats import engine_numerics, nvfp4
 from requant.model import ModelSpec
 from requant.targets import w4a16
@@ -217,7 +217,8 @@ def _marlin_findings(rules: EngineRules, model: ModelSpec, spans, verdict: Engin
         elif rule == "unguarded" and (unheld := span.blocks_below(engine_numerics.MARLIN_MIN_SCALE)):
             found.append(("marlin-unguarded", f"{rules.label}: its Marlin NVFP4 MoE (--moe-runner-backend marlin on "
                           "sm_80/sm_90) passes block scales under 2^-6 to a scale format that cannot hold them (no "
-                          "guard in srt/layers/quantization/marlin_utils_fp4.py; vLLM 0.33.0 zeroes these): those "
+                          "guard in srt/layers/quantization/marlin_utils_fp4.py; vLLM from "
+                          f"{releases_with_marlin_rule('vllm', 'largest')[0]} zeroes these): those "
                           "blocks' weights decode wrongly", where,
                           f"{unheld} blocks, scales {span.min:g} .. {span.max:g}"))
     return found

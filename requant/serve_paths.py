@@ -51,7 +51,7 @@ POLICIES = ("written", "1.0", "calibrated")
 INT4_DEFAULT = ((32, "sym"), (128, "sym"))
 ENGINES = {
     "mxfp4:bf16": "reference; the MXFP4 source weight-only (SGLang sm_90 FlashInfer CUTLASS W4A16)",
-    "mxfp4:mxfp4-w4a8": "the MXFP4 source with MXFP8 activations (SGLang 0.5.23 sm_120 / sm_100 via FlashInfer)",
+    "mxfp4:mxfp4-w4a8": "the MXFP4 source with MXFP8 activations (SGLang sm_120 / sm_100 via FlashInfer)",
     "nvfp4:bf16": "NVFP4 conversion, weight-only, weights decoded exactly",
     "nvfp4:nvfp4-w4a4": "NVFP4 conversion on Blackwell FP4 tensor cores (NVFP4 activations)",
     "nvfp4:marlin-w4a16": "NVFP4 conversion through vLLM's Marlin (Hopper/Ampere)",
