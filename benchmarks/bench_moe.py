@@ -43,7 +43,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 from requant.formats import mxfp4, nvfp4  # noqa: E402
-from requant.formats.engine_numerics import fake_quantize_activations  # noqa: E402
+from requant.engines.numerics import fake_quantize_activations  # noqa: E402
 from requant.kernels import fused_moe as fm  # noqa: E402
 from requant.kernels._details import configs  # noqa: E402
 from requant.kernels._details.device import config_name  # noqa: E402

@@ -324,7 +324,7 @@ def _says(p: PathVerdict, errors: dict, engine: EngineRules, fastest: str) -> st
 
 
 def _error_key(p: PathVerdict) -> str:
-    """The path's name in requant.serve_paths.compare_paths: stored format, then the serving mode (W4A4 under
+    """The path's name in requant.engines.serve_paths.compare_paths: stored format, then the serving mode (W4A4 under
     the input_scale requant writes)."""
     mode = p.kernel.get("chosen", {}).get("mode", "")
     stored = f"{p.candidate.fmt}-g{p.candidate.group_size}-sym" if p.candidate.group_size else p.candidate.fmt

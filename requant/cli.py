@@ -19,7 +19,7 @@ from requant import engines
 from requant.engines import GPU_FAMILIES
 from requant.errors import (EXIT_BUG, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_SHORT_OF_SPACE, EXIT_USAGE, RequantError,
                             UsageError, describe_os_error)
-from requant.serve import HELP as SERVE_HELP
+from requant.engines.serve import HELP as SERVE_HELP
 from requant.targets import TARGETS
 
 INPUT_SCALE_HELP = (
@@ -561,7 +561,7 @@ def report(src, dst, out_dir, old_out_dir, layers, workers, device, no_forward, 
     exact scale blocks, SQNR, relative RMSE, max error, cosine, per projection, layer and overall."""
     from requant.report import html, make_report
     from requant.report.render import terminal
-    from requant.serve import parse_modes
+    from requant.engines.serve import parse_modes
 
     if out_dir and old_out_dir and out_dir != old_out_dir:
         raise UsageError("give the report directory once: --out-dir DIR")
@@ -618,7 +618,7 @@ def validate(src, dst, layers, tokens, device, activations, serve, as_json, quie
     routing agreement and the kernel's error against the torch reference, then DST as each serving
     mode computes it (--serve). Exits 1 when a layer is past its threshold or a serving mode gives
     non-finite output."""
-    from requant.serve import parse_modes
+    from requant.engines.serve import parse_modes
     from requant.validate import format_table, validate as run_validation
 
     result = run_validation(src, dst, layers, tokens, device, activations, progress=progress_shown(quiet),

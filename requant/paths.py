@@ -1,5 +1,5 @@
 """The layer error of each serving path as scripts/measure_paths.py measured it on a synthetic
-full-size DeepSeek-V4-Flash layer (requant.serve_paths.compare_paths): `advise` quotes it, since it reads
+full-size DeepSeek-V4-Flash layer (requant.engines.serve_paths.compare_paths): `advise` quotes it, since it reads
 no weights; `validate` and `report` measure the same paths on the checkpoint's own layers."""
 
 from __future__ import annotations

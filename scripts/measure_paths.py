@@ -1,4 +1,4 @@
-"""Measure every serving path (requant.serve_paths.compare_paths) on a synthetic full-size MoE layer, on
+"""Measure every serving path (requant.engines.serve_paths.compare_paths) on a synthetic full-size MoE layer, on
 the CPU, and write the per-path errors as JSON.
 
     python3 scripts/measure_paths.py OUT.json [--model deepseek-v4-flash] [--tokens 16]
@@ -27,7 +27,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from requant import synth  # noqa: E402
-from requant.serve_paths import compare_paths  # noqa: E402
+from requant.engines.serve_paths import compare_paths  # noqa: E402
 
 
 def main(argv=None) -> int:

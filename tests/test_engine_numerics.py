@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engines import wheels
-from requant.formats import engine_numerics as en
+from requant.engines import numerics as en
 from requant.formats.e2m1 import MAGNITUDES
 
 EMULATION = "vllm/model_executor/layers/quantization/utils/nvfp4_emulation_utils.py"

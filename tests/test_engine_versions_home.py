@@ -13,10 +13,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "requant"
 RELEASES = ROOT / "engines" / "releases"
 
-# Engine knowledge the review found outside requant/engines/ that is still to move there (issue 42,
-# item 4); each must still name a release, so an entry leaves with its move and the list only shrinks.
-NOT_MOVED_YET = ("formats/engine_numerics.py", "serve.py", "serve_paths.py", "engine_check.py")
-
 
 def versions() -> set[str]:
     return {path.stem.partition("-")[2] for path in RELEASES.glob("*.json")}
@@ -41,11 +37,8 @@ def naming(root: Path, found: set[str]) -> dict[str, list[str]]:
 
 def test_no_engine_release_named_outside_engines():
     assert len(versions()) > 10 and {"0.34.0", "0.5.23"} <= versions()
-    named = naming(ROOT, versions())
-    stray = {path: hits for path, hits in named.items() if path not in NOT_MOVED_YET}
+    stray = naming(ROOT, versions())
     assert not stray, f"engine releases named outside requant/engines/ (ask requant.engines): {stray}"
-    moved = [path for path in NOT_MOVED_YET if path not in named]
-    assert not moved, f"{moved} name no engine release any more: take them off NOT_MOVED_YET"
 
 
 def test_the_scan_finds_a_release(tmp_path):

@@ -19,7 +19,10 @@ knowledge in recipes read through model.py, engine knowledge per release in engi
 over them, the CLI thin on top) and what the code imports (model.ModelSpec asks engines for its
 recipe's rules, so engines sit below model and are handed the recipe). A module may import its own
 layer and the layers below; modules of one layer may import each other only without a circle.
-Every module must have a layer: a new top-level module is placed here on purpose.
+Every module must have a layer: a new top-level module is placed here on purpose. A module is placed
+by the longest prefix naming it, so engine knowledge that reads a model or a checkpoint lives under
+engines/ as the engines' named client (engines.check, engines.serve_paths) in the layer its imports
+put it, above the release data the rest of engines/ is.
 """
 
 from __future__ import annotations
@@ -36,15 +39,18 @@ LAYERS = (
     ("foundation", ("errors", "expressions", "c_helpers", "extras", "compute", "pools", "paths", "moe", "recipe")),
     # pure numerics per format, and file I/O
     ("storage", ("formats", "io")),
-    # per-release engine data and the fused-MoE kernel: both over formats, neither knows a model
+    # per-release engine data, the engines' numerics and serving modes, and the fused-MoE kernel:
+    # all over formats, none knows a model
     ("engines and kernels", ("engines", "kernels")),
     # model knowledge: recipes read through model.py, the layout readers, the expert index
     ("model", ("model", "sources", "experts")),
-    # what one output is and how an engine runs it: targets, serving numerics, the card, the
-    # engine checks, synthetic checkpoints
-    ("outputs", ("targets", "serve", "card", "engine_check", "synth")),
-    # what reads a checkpoint and judges it
-    ("checks", ("validate", "serve_paths", "report", "verify", "describe", "advise")),
+    # what one output is and how an engine runs it: targets, the card, the engine checks (engines'
+    # own client of model and targets: it judges a model's checkpoint by a release's rules),
+    # synthetic checkpoints
+    ("outputs", ("targets", "card", "engines.check", "synth")),
+    # what reads a checkpoint and judges it, engines.serve_paths with them: it runs a checkpoint's
+    # layer through validate's readers in every serving path
+    ("checks", ("validate", "engines.serve_paths", "report", "verify", "describe", "advise")),
     # the conversion: planning, the encoders that run a plan, then the writer
     ("pipeline", ("plan", "workers", "convert")),
     ("cli", ("cli", "__main__")),
@@ -109,13 +115,13 @@ def graph() -> dict[str, set[str]]:
 
 
 def layer_of(module: str) -> int | None:
+    """The layer of the longest prefix that names the module: engines.check sits above engines."""
     rest = module.removeprefix("requant.")
     if module == "requant":
         return 0
-    for index, (_, prefixes) in enumerate(LAYERS):
-        if any(rest == p or rest.startswith(p + ".") for p in prefixes):
-            return index
-    return None
+    named = [(len(p), index) for index, (_, prefixes) in enumerate(LAYERS) for p in prefixes
+             if rest == p or rest.startswith(p + ".")]
+    return max(named)[1] if named else None
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -198,3 +204,5 @@ def test_the_graph_sees_what_it_must():
     assert from_package == {"requant.pkg"}
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+    # the longest prefix places a module: the engines' clients sit above the release data
+    assert layer_of("requant.engines.check") > layer_of("requant.model") > layer_of("requant.engines.table")

@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="requant's kernel needs triton (Linux wheel
 from moe_fixtures import clamp_exercising_input, make_layer, nvfp4_dense, random_mxfp4  # noqa: E402
 from requant.errors import FormatError  # noqa: E402
 from requant.formats import mxfp4  # noqa: E402
-from requant.formats.engine_numerics import fake_quantize_activations  # noqa: E402
+from requant.engines.numerics import fake_quantize_activations  # noqa: E402
 from requant.kernels import fused_moe as fused_moe_module  # noqa: E402
 from requant.kernels._details import _kernels, launch, layout  # noqa: E402
 from requant.kernels._details.align import align_torch  # noqa: E402

@@ -1,4 +1,4 @@
-"""MXFP8 activation quantization (formats.engine_numerics, FlashInfer 0.7.2's mxfp8_quantize rule)
+"""MXFP8 activation quantization (engines.numerics, FlashInfer 0.7.2's mxfp8_quantize rule)
 against a straightforward torch quantizer written here from the rule's statement: per 32 values
 along K, scale 2^ceil(log2(amax / 448)) (E8M0, 2^-127 .. 2^127; a block whose amax / 448 is at
 most 2^-127 gets code 0 and quantizes to zeros), values / scale rounded to E4M3 (nearest, ties to
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from requant.formats import engine_numerics as en
+from requant.engines import numerics as en
 
 BLOCK = 32
 

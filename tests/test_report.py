@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from requant import serve
+from requant.engines import serve
 from requant.cli import cli
 from requant.compute import kernel_device
 from requant.convert import convert

@@ -1,4 +1,4 @@
-"""serve_paths.compare_paths on a small synthetic checkpoint: plausible ordering, agreement with validate
+"""engines.serve_paths.compare_paths on a small synthetic checkpoint: plausible ordering, agreement with validate
 on a real conversion, and the W4A8 path against a plain dequant-and-matmul recomputation."""
 
 import math
@@ -8,7 +8,7 @@ import torch
 
 from requant import synth
 from requant.convert import convert
-from requant.serve_paths import compare_paths
+from requant.engines.serve_paths import compare_paths
 from requant.targets import Options
 
 DIMS = synth.Dims(layers=3, experts=8, hidden=256, intermediate=128)

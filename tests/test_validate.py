@@ -143,7 +143,7 @@ def test_serving_modes(tmp_path, kernel):
 
 def test_serve_defaults_and_names():
     from requant.errors import RequantError
-    from requant.serve import default_modes, parse_modes
+    from requant.engines.serve import default_modes, parse_modes
     assert default_modes("nvfp4", (10, 0)) == ["nvfp4-w4a4"]
     assert default_modes("nvfp4", (9, 0)) == ["marlin-w4a16"]
     assert default_modes("nvfp4", None) == ["nvfp4-w4a4", "marlin-w4a16"]

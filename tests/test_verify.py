@@ -17,7 +17,7 @@ from requant.io.checkpoint import Checkpoint
 from requant.io.safetensors import save_file
 from requant.synth import Dims, HardCases, write_checkpoint
 from requant.targets import TARGETS, Options
-from requant.engine_check import marlin_flush_threshold
+from requant.engines.check import marlin_flush_threshold
 from requant.verify import verify
 from tests.factory import converted_pair
 

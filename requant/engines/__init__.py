@@ -78,7 +78,7 @@ class Kernel:
     selects: dict[str, str] | None = None   # install condition -> the engine's backend name (its enum)
     arithmetic: str = ""  # what the GEMMs compute with, e.g. "W4A8: MXFP4 weights x MXFP8 activations"
     speed: str = ""       # a SPEED_CLASSES key
-    mode: str = ""        # the serving mode (requant.serve) that emulates this arithmetic
+    mode: str = ""        # the serving mode (requant.engines.serve) that emulates this arithmetic
     mtp: dict | None = None   # the MTP/NextN block's experts where they differ: method, backend, runs, ...
     evidence: tuple[str, ...] = ()   # "<file>:<lines>" of the release (and its kernel library) checked
     engine_answer: dict | None = None   # what the release's own code answered, as the tier records it

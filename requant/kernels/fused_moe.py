@@ -35,7 +35,7 @@ import torch
 import triton
 
 from requant.errors import FormatError
-from requant.formats.engine_numerics import fake_quantize_activations
+from requant.engines.numerics import fake_quantize_activations
 from requant.kernels._details import _kernels
 from requant.kernels._details.align import ALIGN_PAIRS, align_torch, max_blocks
 from requant.kernels._details.configs import ACTIVATION_CODES, KernelConfig, Problem, SwiGLU, launch_config

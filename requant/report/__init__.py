@@ -1,7 +1,7 @@
 """requant report: the accuracy difference between two checkpoints of the same model.
 
 `make_report` compares every routed expert (weights.py, build.py), adds requant validate's
-MoE-forward comparison and serve_paths.compare_paths' serving-path comparison of the source, and writes report.json, report.md,
+MoE-forward comparison and engines.serve_paths.compare_paths' serving-path comparison of the source, and writes report.json, report.md,
 report.html and the PNG plots into one directory. Schema: docs/report-schema.md.
 """
 
@@ -59,10 +59,10 @@ PATHS_EXPERTS = 32
 
 
 def paths_section(src: str, blocks: list[str], tokens: int = PATHS_TOKENS, experts: int | None = PATHS_EXPERTS) -> dict:
-    """serve_paths.compare_paths on the source's first selected layer: the source as each engine runs it
+    """engines.serve_paths.compare_paths on the source's first selected layer: the source as each engine runs it
     against each conversion requant could write (made in memory), on the same inputs."""
     from requant.errors import UnsupportedError
-    from requant.serve_paths import compare_paths
+    from requant.engines.serve_paths import compare_paths
 
     chosen = blocks[:1]
     try:

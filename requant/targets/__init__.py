@@ -17,7 +17,7 @@ from requant.errors import FormatError, RequantError, UnsupportedError
 from requant.experts import ExpertIndex
 from requant.io.checkpoint import Checkpoint
 from requant.io.safetensors import TensorSpec
-from requant.serve import calibrated_input_scale
+from requant.engines.serve import calibrated_input_scale
 from requant.model import MAIN_KIND, Expert, ModelSpec
 
 PRODUCER = {"name": "requant", "version": __version__}

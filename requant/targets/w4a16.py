@@ -30,7 +30,7 @@ DEFAULT_GROUP = 128
 DEFAULT_SCHEME = "sym"
 ACCURACY_KEY = "requant_accuracy"   # inside quantization_config; no loader reads it
 # What quantization_config says of W4A16 experts (docs/formats.md, W4A16 config.json), written by
-# W4A16Target.config and checked by W4A16Target.check_config and the engine rules (engine_check).
+# W4A16Target.config and checked by W4A16Target.check_config and the engine rules (engines/check.py).
 QUANT_METHOD = "compressed-tensors"
 STATUS = "compressed"
 PACKED = "pack-quantized"            # the INT4 group's format; SGLang also needs it at the top level
@@ -212,7 +212,7 @@ class W4A16Target(Target):
             out.add("error", "config-groups", "config_groups has no 4-bit int weight group for the experts",
                     CONFIG_NAME)
             return
-        # Which engine probes reach these groups is each engine's rule (engine_check); here, the
+        # Which engine probes reach these groups is each engine's rule (engines/check.py); here, the
         # groups themselves.
         expected = int4_weights(DEFAULT_GROUP, DEFAULT_SCHEME)
         for group in groups.values():

@@ -5,7 +5,7 @@ On a GPU both layers' routed experts go through requant's fused-MoE kernel, each
 format (no full-precision copy of the experts is made); the router and the shared expert run in
 torch. Per layer this reports the converted layer's error against the source layer, the routing
 agreement, and the kernel's own error against the plain torch reference on the source layer;
-then, for each serving mode (serve.py), the error of the converted layer computed as that engine
+then, for each serving mode (engines/serve.py), the error of the converted layer computed as that engine
 computes it (W4A4 activations under each input_scale policy, Marlin's scale rule) against the same
 source output; and the source itself as W4A8 engines compute MXFP4 experts (MXFP8 activations,
 `mxfp4-w4a8`, side "source"), against its own exact path. Those MXFP8 runs are torch (moe.py) on

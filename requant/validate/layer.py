@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from requant import formats, serve
+from requant import formats
+from requant.engines import serve
 from requant.compute import default_workers
 from requant.errors import RequantError
 from requant.moe import MoEConfig, expert_forward, route, routed_experts_variants

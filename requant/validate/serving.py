@@ -9,11 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from requant import serve
+from requant.engines import numerics, serve
 from requant.compute import default_workers
 from requant.errors import UnsupportedError
 from requant.extras import require
-from requant.formats import engine_numerics
 from requant.moe import routed_experts_variants
 from requant.validate.side import ROLES, LayerExperts, Side, fused_roles, layer_scales, reference_layer, \
     written_input_scales
@@ -48,14 +47,14 @@ def run_kernel(fm, x, ids, weights, layer: LayerExperts, cfg, **kwargs) -> torch
 def w4a4_inputs(x: torch.Tensor, scales: tuple[float, float]):
     """(x, intermediate hook) of the torch reference for W4A4 under (w1/w3, w2) input scales."""
     a13, a2 = scales
-    quantize = engine_numerics.fake_quantize_activations
+    quantize = numerics.fake_quantize_activations
     return quantize(x, a13), lambda h: quantize(h.bfloat16(), a2).float()
 
 
 def w4a8_inputs(x: torch.Tensor):
     """(x, intermediate hook) of the torch reference for W4A8: both GEMM inputs quantized to MXFP8
     (the w2 input after BF16 rounding, as FlashInfer's activation kernel does)."""
-    quantize = engine_numerics.fake_quantize_mxfp8
+    quantize = numerics.fake_quantize_mxfp8
     return quantize(x), lambda h: quantize(h.bfloat16())
 
 
@@ -104,9 +103,9 @@ class Runner:
         # Marlin's factor spans the layer: every expert's scales are read (not their weights), then
         # the experts the tokens chose are decoded with the blocks it flushes zeroed.
         scales = layer_scales(self.side, self.block, self.fmt)
-        histograms = {r: engine_numerics.scale_histogram(s) for r, s in scales.items()}
+        histograms = {r: numerics.scale_histogram(s) for r, s in scales.items()}
         factors = serve.marlin_factors(histograms, fused_roles(self.side))
-        flushed = sum(engine_numerics.marlin_flushed_blocks(histograms[r], factors[r]) for r in ROLES)
+        flushed = sum(numerics.marlin_flushed_blocks(histograms[r], factors[r]) for r in ROLES)
         if not flushed:
             return self.y_bf16, 0
         stored = reference_layer(self.side, self.block, self.fmt)

@@ -1,6 +1,6 @@
 """How config.json (and hf_quant_config.json) dispatch the routed experts: each output format's
 target checks the configuration it writes (Target.check_config, beside its writer). Which engine
-probes reach which config group is each engine's own rule (engine_check)."""
+probes reach which config group is each engine's own rule (engines/check.py)."""
 
 from __future__ import annotations
 

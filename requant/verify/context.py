@@ -8,7 +8,7 @@ import functools
 import os
 from dataclasses import dataclass, field
 
-from requant.engine_check import MarlinSpan
+from requant.engines.check import MarlinSpan
 from requant.experts import ExpertIndex
 from requant.formats import Codec
 from requant.io.checkpoint import Checkpoint, read_json

@@ -1,12 +1,12 @@
 """verify's side of engine judging: which engines to judge by, and each verdict's problems as
-findings of the right severity (the rules themselves are engine_check's)."""
+findings of the right severity (the rules themselves are engines/check.py's)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
 from requant import card, engines
-from requant.engine_check import EngineVerdict, judge
+from requant.engines.check import EngineVerdict, judge
 from requant.errors import UnsupportedError
 from requant.verify.context import Context, Layout, Observed
 

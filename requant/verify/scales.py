@@ -6,7 +6,7 @@ scales, group sizes)."""
 from __future__ import annotations
 
 from requant import formats
-from requant.engine_check import MARLIN_FP4_FORMATS, MarlinSpan
+from requant.engines.check import MARLIN_FP4_FORMATS, MarlinSpan
 from requant.formats import Codec
 from requant.model import Expert, ModelSpec
 from requant.verify.context import Context, Observed

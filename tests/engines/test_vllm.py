@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from requant import synth
-from requant.engine_check import marlin_flush_threshold
+from requant.engines.check import marlin_flush_threshold
 from requant.formats import mxfp4
 from requant.model import ModelSpec
 from requant.targets import Options
@@ -169,7 +169,7 @@ E4M3_POSITIVE = torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3f
 @pytest.mark.parametrize("largest", [448.0, 256.0, 240.0, 64.0, 1.0, 2.0 ** -3])
 def test_marlin_flush_matches_requant_prediction(largest):
     """One layer's block scales: every E4M3 value up to `largest`. vLLM's Marlin preparation zeroes
-    exactly those below requant.engine_check.marlin_flush_threshold(largest)."""
+    exactly those below requant.engines.check.marlin_flush_threshold(largest)."""
     scales = E4M3_POSITIVE[E4M3_POSITIVE <= largest]
     # one scale per group of 4 columns, so the column permutation inside a group changes nothing
     layer = scales.repeat_interleave(4).view(1, -1).to(torch.bfloat16)

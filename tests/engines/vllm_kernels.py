@@ -30,7 +30,7 @@ from . import wheels
 CAPS = {gpu: int(gpu.removeprefix("sm_")) for gpu in vllm.GPUS}
 FORMATS = ("mxfp4", "nvfp4", "w4a16")
 
-# What a backend computes, per expert format: (arithmetic, speed class, requant.serve mode).
+# What a backend computes, per expert format: (arithmetic, speed class, requant.engines.serve mode).
 _NV_W4A4 = ("W4A4: NVFP4 weights x NVFP4 activations (quantized under input_scale)", "fp4-tensor-cores", "nvfp4-w4a4")
 _NV_W4A16 = ("W4A16: NVFP4 weights dequantized to BF16 (Marlin's scale rule)", "weight-only", "marlin-w4a16")
 _MX_W4A8 = ("W4A8: MXFP4 weights x MXFP8 activations", "fp4-tensor-cores", "mxfp4-w4a8")

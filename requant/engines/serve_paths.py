@@ -6,7 +6,7 @@ Paths (name `weights:mode[:policy]`):
 - `mxfp4:bf16`: the source decoded exactly, BF16 activations. This is the reference (error 0 by
   definition): Hopper's weight-only W4A16 on the source (SGLang sm_90, FlashInfer CUTLASS).
 - `mxfp4:mxfp4-w4a8`: the source as stored, both GEMM inputs quantized to MXFP8 (SGLang on sm_120 /
-  sm_100 through FlashInfer; engine_numerics.fake_quantize_mxfp8).
+  sm_100 through FlashInfer; numerics.fake_quantize_mxfp8).
 - `nvfp4:bf16`: the NVFP4 cast (formats.nvfp4, w1/w3 sharing one global scale as convert writes
   them) decoded exactly: equal to the reference unless blocks fall below E4M3's window.
 - `nvfp4:nvfp4-w4a4:<policy>`: the cast with NVFP4 activations under input_scale `written` (the
@@ -39,10 +39,11 @@ import torch
 
 from requant.compute import default_workers, torch_threads
 from requant.errors import RequantError, UnsupportedError
-from requant.formats import engine_numerics as en, int4, int4_search, mxfp4, nvfp4
+from requant.engines import numerics as en
+from requant.formats import int4, int4_search, mxfp4, nvfp4
 from requant.io.checkpoint import Checkpoint
 from requant.moe import MoEConfig, expert_forward, route
-from requant.serve import calibrated_input_scale
+from requant.engines.serve import calibrated_input_scale
 
 MX, NV, W4 = mxfp4.CODEC.name, nvfp4.CODEC.name, int4.CODEC.name   # the weights each path stores
 

@@ -4,7 +4,7 @@ validate and report run the converted layer once per requested mode and compare 
 source's own reference path (its weights decoded exactly, BF16 activations):
 
 - `nvfp4-w4a4`: Blackwell's FP4 tensor cores. Weights as stored; each GEMM input quantized to NVFP4
-  under the layer's input_scale (formats.engine_numerics), once per input_scale policy:
+  under the layer's input_scale (engines.numerics), once per input_scale policy:
   `written` (the checkpoint's), `1.0` (NVIDIA's calibration-free constant) and, given real MoE
   inputs, `calibrated` (their absolute maximum / (6 * 448), ModelOpt's rule; the w2 input's range
   comes from the source's reference pass). It is calibrated on the very tokens it is then judged
@@ -13,14 +13,14 @@ source's own reference path (its weights decoded exactly, BF16 activations):
   pass its fp16 rule, which zeroes blocks far below the layer's largest. MXFP4 and INT4 scales
   reach Marlin unchanged, so for them this is `bf16`.
 - `mxfp4-w4a8`: MXFP4 weights as stored, each GEMM input quantized to MXFP8 (E4M3, one E8M0
-  scale per 32 along K, exponent rounded up: formats.engine_numerics): SGLang 0.5.23 serving the
+  scale per 32 along K, exponent rounded up: engines.numerics): SGLang 0.5.23 serving the
   unconverted MXFP4 source on Blackwell (sm_120: FlashInfer's CUTLASS MXFP8 x MXFP4 MoE; sm_100:
   FlashInfer's TRT-LLM MXFP4 x MXFP8 MoE). It applies to MXFP4 experts, i.e. to the source: validate
   runs it on the source side (ServingResult.side "source"), against the same reference.
 - `bf16`: the weights decoded exactly, BF16 activations: the weight-only comparison validate's
   verdict rests on (Hopper's W4A16 on the MXFP4 source is this too).
 
-`compare_paths` (serve_paths.py) runs every path, source and in-memory conversions, on one layer.
+`compare_paths` (engines/serve_paths.py) runs every path, source and in-memory conversions, on one layer.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from dataclasses import replace
 
 from requant.errors import RequantError
 from requant import formats
-from requant.formats import engine_numerics, mxfp4
+from requant.engines import numerics
+from requant.formats import mxfp4
 
 MODES = ("nvfp4-w4a4", "marlin-w4a16", "mxfp4-w4a8", "bf16")
 W4A8 = "mxfp4-w4a8"
@@ -96,14 +97,14 @@ def marlin_factors(histograms: dict, fused: list[list[str]]) -> dict[str, float]
     over all experts together (`fused`: the model's, e.g. DeepSeek-V4's w1 and w3 as w13), one for
     each other."""
     groups = fused + [[p] for p in histograms if not any(p in g for g in fused)]
-    return {p: engine_numerics.marlin_scale_factor(sum(histograms[q] for q in group))
+    return {p: numerics.marlin_scale_factor(sum(histograms[q] for q in group))
             for group in groups for p in group}
 
 
 def marlin_served(w, factor: float):
     """(w with the block scales Marlin zeroes under `factor` set to 0, how many): ExpertWeights, or
     the kernel's KernelWeights, whose weights keep their layout."""
-    scale, flushed = engine_numerics.marlin_flush(w.scale, factor)
+    scale, flushed = numerics.marlin_flush(w.scale, factor)
     return replace(w, scale=scale), flushed
 
 
@@ -117,7 +118,7 @@ def marlin_weights(weights: dict, fused: list[list[str]]) -> tuple[dict, int]:
     as `marlin_served` takes them)."""
     if not rescaled_by_marlin(next(iter(weights.values())).format):
         return weights, 0
-    factors = marlin_factors({p: engine_numerics.scale_histogram(w.scale) for p, w in weights.items()}, fused)
+    factors = marlin_factors({p: numerics.scale_histogram(w.scale) for p, w in weights.items()}, fused)
     out, flushed = {}, 0
     for p, w in weights.items():
         out[p], n = marlin_served(w, factors[p])
@@ -127,4 +128,4 @@ def marlin_weights(weights: dict, fused: list[list[str]]) -> tuple[dict, int]:
 
 def calibrated_input_scale(amax: float) -> float:
     """ModelOpt's calibrated input_scale for activations whose absolute maximum is amax."""
-    return amax / (6.0 * engine_numerics.E4M3_MAX)
+    return amax / (6.0 * numerics.E4M3_MAX)

@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from requant.engines import FROM_CODE, GPU_FAMILIES, EngineRules, releases_with_marlin_rule
-from requant.formats import engine_numerics, nvfp4
+from requant.engines import numerics
+from requant.formats import nvfp4
 from requant.model import ModelSpec
 from requant.targets import w4a16
 
@@ -50,7 +51,7 @@ class MarlinSpan:
         projection, most of verify's time on an NVFP4 checkpoint)."""
         if scales.dtype not in (torch.uint8, torch.float8_e4m3fn):
             scales = scales.to(torch.float8_e4m3fn)
-        self.histogram += engine_numerics.scale_histogram(scales)
+        self.histogram += numerics.scale_histogram(scales)
 
     def _positive(self) -> list[tuple[float, int]]:
         """(value, blocks) of every positive scale some block holds, in increasing value (E4M3's
@@ -80,8 +81,8 @@ class MarlinSpan:
 
 def marlin_flush_threshold(layer_max: float) -> float:
     """Block scales below this are zero in vLLM 0.33.0's NVFP4 Marlin MoE (bf16 activations): a
-    block survives iff scale * factor >= 2^-6 (formats/engine_numerics.py has the rule)."""
-    return engine_numerics.MARLIN_MIN_SCALE / engine_numerics.marlin_factor(layer_max)
+    block survives iff scale * factor >= 2^-6 (formats/numerics.py has the rule)."""
+    return numerics.MARLIN_MIN_SCALE / numerics.marlin_factor(layer_max)
 
 
 def target_matches(target: str, name: str) -> bool:
@@ -214,7 +215,7 @@ def _marlin_findings(rules: EngineRules, model: ModelSpec, spans, verdict: Engin
                               "sm_80, or sm_90 without humming-kernels or with --moe-backend marlin) block scales 15 or "
                               "more octaves below the layer's largest are flushed to zero",
                               where, f"{flushed} blocks, scales {span.min:g} .. {span.max:g}"))
-        elif rule == "unguarded" and (unheld := span.blocks_below(engine_numerics.MARLIN_MIN_SCALE)):
+        elif rule == "unguarded" and (unheld := span.blocks_below(numerics.MARLIN_MIN_SCALE)):
             found.append(("marlin-unguarded", f"{rules.label}: its Marlin NVFP4 MoE (--moe-runner-backend marlin on "
                           "sm_80/sm_90) passes block scales under 2^-6 to a scale format that cannot hold them (no "
                           "guard in srt/layers/quantization/marlin_utils_fp4.py; vLLM from "
