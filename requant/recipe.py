@@ -6,9 +6,9 @@ misspelt key can never be silently ignored. Fields marked `doc` are prose for pe
 evidence); every other field is read by requant (tests/test_recipe_schema.py holds both to it).
 
 A recipe may start from another (`base`): the base's JSON with this file's keys merged over it
-(objects merge key by key, anything else replaces), so a release that changes a few facts of a
-family states only those. Detection and named models are not inherited; a named model may extend
-one of the base (`extends`), stating only the dimensions it adds or changes.
+(objects merge key by key, anything else replaces; a base may have its own), so a release that
+changes a few facts of a family states only those. Detection and named models are not inherited; a
+named model may extend one of the base (`extends`), stating only the dimensions it adds or changes.
 """
 
 from __future__ import annotations
@@ -319,19 +319,27 @@ def _extend(entry, base_models: dict, name: str):
     return {**entry, "dims": {**base_models[entry["extends"]]["dims"], **entry.get("dims", {})}}
 
 
+def _resolved(raw, bases: dict[str, dict], chain: tuple[str, ...]):
+    """`raw` with its `base` merged under it, that base resolved first (a base may have its own)."""
+    if not isinstance(raw, dict) or "base" not in raw:
+        return raw
+    name = raw["base"]
+    if name not in bases:
+        raise ValueError(f"base: no recipe file {name!r} (have: {', '.join(sorted(bases))})")
+    if name in chain:
+        raise ValueError(f"base: {' -> '.join(chain + (name,))} is a circle")
+    base = _resolved(bases[name], bases, chain + (name,))
+    data = _merge({k: v for k, v in base.items() if k not in _OWN}, raw)
+    data["models"] = {model: _extend(entry, base.get("models", {}), model)
+                      for model, entry in raw.get("models", {}).items()}
+    return data
+
+
 def parse(raw: dict, file: str, bases: dict[str, dict]) -> Recipe:
     """A recipe from its parsed JSON (`bases`: other recipe files' JSON by file name, for `base`);
     RecipeError naming `file` and the key when it does not fit the schema."""
     try:
-        data = raw
-        if isinstance(raw, dict) and "base" in raw:
-            if raw["base"] not in bases:
-                raise ValueError(f"base: no recipe file {raw['base']!r} (have: {', '.join(sorted(bases))})")
-            base = bases[raw["base"]]
-            data = _merge({k: v for k, v in base.items() if k not in _OWN}, raw)
-            data["models"] = {name: _extend(entry, base.get("models", {}), name)
-                              for name, entry in raw.get("models", {}).items()}
-        recipe = _build_dataclass(Recipe, data, "")
+        recipe = _build_dataclass(Recipe, _resolved(raw, bases, (file,)), "")
         _check_recipe(recipe)
     except ValueError as e:
         raise RecipeError(f"recipe {file}: {e}") from None

@@ -492,3 +492,94 @@ def test_resumed_in_place_and_hub_conversions_are_the_uninterrupted_one(checkpoi
         assert output_tree(hub) == clean
     finally:
         server.shutdown()
+
+
+# DeepSeek-V4-Flash-Vision-Exp ---------------------------------------------------------------------
+
+VISION = "deepseek-v4-flash-vision-exp"
+
+
+def test_vision_exp_full_scale_is_the_published_index():
+    """The counts third-party checkers record of the release's index at 86f746b3, all exact (the
+    recipe's source): tensors by group, total_size, and the vision group's BF16 bytes in shard 1."""
+    shards = synth.layout(synth.Dims(VISION, full_scale=True))
+    names = [s.name for specs in shards for s in specs]
+    vision = [s for s in shards[0] if s.name != "embed.weight"]
+    assert len(shards) == 48 and len(names) == 72_633
+    assert sum(s.nbytes for specs in shards for s in specs) == 167_811_372_792
+    assert sum(n.startswith("mtp.") for n in names) == 4_708
+    assert len(vision) == 267 and {s.dtype for s in vision} == {"BF16"}
+    assert sum(s.nbytes for s in vision) == 932_786_176
+    t = _layout(VISION)
+    # an image-token bias on every MoE layer and drafter stage; gate.bias on the hash layers too
+    assert sum(n.endswith(".ffn.gate.bias_vl") for n in names) == 43 + 3
+    assert t["layers.0.ffn.gate.bias"][:2] == ("F32", (256,)) and "layers.0.ffn.gate.tid2eid" in t
+    assert t["mtp.2.ffn.gate.bias_vl"][:2] == ("F32", (256,))
+    assert t["image_pad"][:2] == ("BF16", (4096,)) and t["aligner.w1.weight"][:2] == ("BF16", (4096, 9216))
+    # the rest is 0731's layout, tensor for tensor
+    base = _layout("deepseek-v4-flash-0731")
+    extra = set(t) - set(base)
+    assert set(base) <= set(t) and all(t[n][:2] == base[n][:2] for n in base)
+    assert extra == {s.name for s in vision} | {n for n in t if n.endswith(".bias_vl")} | \
+        {f"layers.{i}.ffn.gate.bias" for i in range(3)}
+
+
+def test_vision_exp_config_keeps_the_text_architecture_and_flat_vision_keys():
+    config = synth.make_config(synth.Dims(VISION, full_scale=True))
+    assert config["architectures"] == ["DeepseekV4ForCausalLM"] and config["model_type"] == "deepseek_v4"
+    assert {k: config[k] for k in ("hidden_size", "num_hidden_layers", "vision_n_layers", "vision_dim",
+                                   "vision_n_heads", "vision_max_n_token", "num_nextn_predict_layers",
+                                   "dspark_block_size")} == {
+        "hidden_size": 4096, "num_hidden_layers": 43, "vision_n_layers": 32, "vision_dim": 1024,
+        "vision_n_heads": 16, "vision_max_n_token": 384, "num_nextn_predict_layers": 3, "dspark_block_size": 5}
+    assert ModelSpec.for_config(config, names=list(_layout(VISION))).model_name == VISION
+
+
+def test_vision_exp_is_told_apart_from_0731():
+    """vision_n_layers and the vision tensors make a Vision-Exp checkpoint; either without the other
+    is refused in one line naming what was seen."""
+    config, names = _config(VISION), _names(VISION)
+    assert ModelSpec.for_config(config, names=names).recipe is named_models()[VISION][0]
+    assert ModelSpec.for_config(_config("deepseek-v4-flash-0731"),
+                                names=_names("deepseek-v4-flash-0731")).name == "deepseek_v4_dspark"
+    text_only = [n for n in names if not n.startswith(("vision.", "aligner.", "image_"))]
+    with pytest.raises(UnsupportedCheckpoint) as e:
+        ModelSpec.for_config(config, "vx/config.json", text_only)
+    assert "\n" not in str(e.value) and str(e.value).startswith(
+        "vx/config.json: model_type 'deepseek_v4', architectures ['DeepseekV4ForCausalLM'] is no kind of checkpoint")
+    # the nearest recipe names what it lacks: the vision tensors, or (0731's) a vision_n_layers it forbids
+    assert str(e.value).endswith(("no tensor matches ^vision\\.patch_embed\\.proj\\.weight$",
+                                  "but config.json has vision_n_layers"))
+    without_key = {k: v for k, v in config.items() if k != "vision_n_layers"}
+    with pytest.raises(UnsupportedCheckpoint, match="config.json lacks vision_n_layers|tensor vision.* is not one"):
+        ModelSpec.for_config(without_key, names=names)
+
+
+def test_vision_exp_small_synthesizes_and_convert_names_the_missing_engine_rules(tmp_path):
+    """A small Vision-Exp checkpoint is detected as itself; no engine release has rules for it yet
+    (the tier has not run either engine's vision loader), so convert refuses in one line and writes
+    nothing."""
+    src = str(tmp_path / "vx")
+    result = run_cli("synth", src, "--model", VISION)
+    assert result.returncode == 0, result.stderr
+    with Checkpoint.open(src) as ck:
+        assert ModelSpec.for_checkpoint(ck).name == "deepseek_v4_vision"
+        assert sum(n.startswith("vision.blocks.0.") for n in ck.names) == 8
+    result = run_cli("convert", src, str(tmp_path / "out"), "--out", "nvfp4")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "requant has no rules for deepseek_v4_vision models" in lines[0]
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_recipe_base_may_have_its_own_base_and_a_circle_is_refused():
+    from requant.recipe import RecipeError, parse
+    root = os.path.join(os.path.dirname(__file__), "..", "recipes")
+    raw = {f: json.load(open(os.path.join(root, f), encoding="utf-8"))
+           for f in ("deepseek_v4.json", "deepseek_v4_dspark.json", "deepseek_v4_vision.json")}
+    recipe = parse(raw["deepseek_v4_vision.json"], "deepseek_v4_vision.json", raw)
+    assert recipe.router == parse(raw["deepseek_v4.json"], "deepseek_v4.json", raw).router
+    looped = {**raw, "deepseek_v4.json": {**raw["deepseek_v4.json"], "base": "deepseek_v4_vision.json"}}
+    with pytest.raises(RecipeError, match="deepseek_v4_vision.json -> deepseek_v4_dspark.json -> deepseek_v4.json "
+                                          "-> deepseek_v4_vision.json is a circle"):
+        parse(raw["deepseek_v4_vision.json"], "deepseek_v4_vision.json", looped)
