@@ -161,9 +161,9 @@ def check(fmt, ws, gen, tokens, cfg=None, activation_scales=None, oai=False):
     if oai:
         biases = tuple((torch.randn(E, n, generator=gen, device="cuda") * 0.3).bfloat16() for n in (I, I, H))
         act = OAI
-        kwargs = dict(activation=OAI.kind, swiglu_limit=OAI.limit, swiglu_alpha=OAI.alpha,
-                      b1=biases[0], b3=biases[1], b2=biases[2])
-    y = fm.fused_moe(x, ids, weights, w1, w3, w2, config=cfg, activation_scales=activation_scales, **kwargs)
+        kwargs = dict(b1=biases[0], b3=biases[1], b2=biases[2])
+    y = fm.fused_moe(x, ids, weights, w1, w3, w2, activation=act, config=cfg, activation_scales=activation_scales,
+                     **kwargs)
     expert = lambda e: (dense(w1, e), dense(w3, e), dense(w2, e), *(b[e] for b in biases))  # noqa: E731
     if activation_scales:
         a13, a2 = activation_scales
@@ -227,7 +227,7 @@ def inspect_asm(prepared, fmt, gen, results):
             a, sorted_ids, block_expert = fm.prepare(x, ids, E, cfg.block_m, torch.bfloat16)
             h = torch.empty(64 * TOP_K, I, device="cuda", dtype=torch.bfloat16)
             k = launch(a, TOP_K, w1, w3, h, sorted_ids, block_expert, None, 64 * TOP_K, torch.bfloat16, cfg,
-                       fm.SwiGLU(limit=LIMIT))
+                       SWIGLU)
             ptx = k.asm["ptx"]
             print(f"{cfg}: wgmma in ptx: {'wgmma.mma_async' in ptx}; regs {k.n_regs} spills {k.n_spills}", flush=True)
             results["asm"].append({"config": cfg.to_dict(), "wgmma": "wgmma.mma_async" in ptx, "n_regs": k.n_regs,
@@ -246,7 +246,7 @@ def tune(formats, tokens_list, prepared, device, path):
             x = torch.randn(tokens, H, device="cuda").bfloat16()
             for cfg in tune_configs(tokens, w1.kernel_code):
                 try:
-                    t = graph_time(lambda: fm.fused_moe(x, ids, rw, w1, w3, w2, config=cfg), rep=100)
+                    t = graph_time(lambda: fm.fused_moe(x, ids, rw, w1, w3, w2, activation=SWIGLU, config=cfg), rep=100)
                 except Exception as e:  # a config that does not compile or fit is skipped, not fatal
                     print(f"  {f} {tokens} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
@@ -347,14 +347,14 @@ def main():
             ids, rw = routing(tokens)
             x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
             cfg = configs.launch_config(problem(f), tokens, device)  # what fused_moe picks on this device
-            t_full = graph_time(lambda: fm.fused_moe(x, ids, rw, w1, w3, w2, config=cfg))
+            t_full = graph_time(lambda: fm.fused_moe(x, ids, rw, w1, w3, w2, activation=SWIGLU, config=cfg))
             a, sorted_ids, block_expert = fm.prepare(x, ids, E, cfg.block_m, torch.bfloat16)
             rwf = rw.flatten().contiguous()
             pairs = tokens * TOP_K
 
             def gemms():  # the two GEMMs (with split-K's SwiGLU of the partials), no prologue, no top-k sum
                 h = fm.gate_up(a, TOP_K, w1, w3, sorted_ids, block_expert, pairs, torch.bfloat16, cfg,
-                               fm.SwiGLU(limit=LIMIT))
+                               SWIGLU)
                 fm.down(h, w2, sorted_ids, block_expert, rwf, pairs, torch.bfloat16, cfg)
             row(f, tokens, cfg.to_dict(), t_full, graph_time(gemms), layer_bytes(weights[f], ids))
 
@@ -371,9 +371,10 @@ def main():
             for tokens in tokens_list:
                 ids, rw = routing(tokens)
                 x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
+                # the compared file is an earlier fused_moe, whose activation defaulted to SWIGLU
                 t_full = graph_time(lambda: other.fused_moe(x, ids, rw, w1, w3, w2, compute_dtype=compute))
                 same = None if compute != torch.bfloat16 else bool(torch.equal(
-                    other.fused_moe(x, ids, rw, w1, w3, w2), fm.fused_moe(x, ids, rw, *prepared[fmt])))
+                    other.fused_moe(x, ids, rw, w1, w3, w2), fm.fused_moe(x, ids, rw, *prepared[fmt], activation=SWIGLU)))
                 row(f"{f} (compared)", tokens, None, t_full, None, layer_bytes(weights[fmt], ids), bitwise_equal=same)
     save()
     print(f"results: {out_path}")

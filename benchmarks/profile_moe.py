@@ -40,7 +40,7 @@ def main():
     cfg = configs.launch_config(bench_moe.problem(args.format), args.tokens, device_config_name(x.device))
     print(f"{args.format} {args.tokens} tokens: {cfg}", flush=True)
     for _ in range(args.iters):
-        fm.fused_moe(x, ids, rw, w1, w3, w2, config=cfg)
+        fm.fused_moe(x, ids, rw, w1, w3, w2, activation=bench_moe.SWIGLU, config=cfg)
     torch.cuda.synchronize()
 
 

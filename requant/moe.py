@@ -34,6 +34,12 @@ class Activation:
     limit: float
     alpha: float | None = None   # swiglu_oai's sigmoid slope
 
+    def __post_init__(self):
+        if self.kind not in _ACTIVATIONS:
+            raise UnsupportedError(f"activation {self.kind!r} has no torch reference (known: {', '.join(_ACTIVATIONS)})")
+        if (self.kind == "swiglu_oai") != (self.alpha is not None):
+            raise ValueError(f"activation {self.kind!r}: alpha is swiglu_oai's sigmoid slope, given with it and only then")
+
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return _ACTIVATIONS[self.kind][0](self, gate, up)
 
@@ -62,8 +68,6 @@ _ACTIVATIONS = {
 
 def activation(spec: dict) -> Activation:
     """An Activation from the recipe's description (model.ModelSpec.activation())."""
-    if spec["kind"] not in _ACTIVATIONS:
-        raise UnsupportedError(f"activation {spec['kind']!r} has no torch reference (known: {', '.join(_ACTIVATIONS)})")
     return Activation(**spec)
 
 

@@ -38,9 +38,10 @@ def test_gpu_kernel_matches_reference(fmt, group, compute, tokens):
     ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
     weights = torch.rand(tokens, TOP_K, generator=gen) * 1.5
     x = clamp_exercising_input(tokens, HIDDEN, d1, LIMIT, gen)
-    ref = routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), Activation("swiglu_clamp", LIMIT))
+    act = Activation("swiglu_clamp", LIMIT)
+    ref = routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), act)
     y = fm.fused_moe(x.cuda(), ids.cuda(), weights.cuda(), w1.to("cuda"), w3.to("cuda"), w2.to("cuda"),
-                     swiglu_limit=LIMIT, compute_dtype=compute).cpu()
+                     activation=act, compute_dtype=compute).cpu()
     assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
     rel = float((y.float() - ref).norm() / ref.norm())
     assert rel < 1e-2, (fmt, compute, tokens, rel)

@@ -9,6 +9,7 @@ to near zero, where FP32 summation noise dominates.
 import os
 import zlib
 from dataclasses import replace
+from types import SimpleNamespace
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
@@ -17,7 +18,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="requant's kernel needs triton (Linux wheels only): pip install 'requant[gpu]'")
 from moe_fixtures import clamp_exercising_input, make_layer, nvfp4_dense, random_mxfp4  # noqa: E402
-from requant.errors import FormatError  # noqa: E402
+from requant.errors import FormatError, UnsupportedError  # noqa: E402
 from requant.formats import mxfp4  # noqa: E402
 from requant.engines.numerics import fake_quantize_activations  # noqa: E402
 from requant.kernels import fused_moe as fused_moe_module  # noqa: E402
@@ -42,7 +43,7 @@ def run_case(fmt, ids, weights, gen, group=32, hidden=HIDDEN, inter=INTER, wrap=
     (w1, d1), (w3, d3), (w2, d2) = make_layer(fmt, EXPERTS, hidden, inter, gen, group=group)
     w1, w3, w2 = (wrap(w, gen) for w in (w1, w3, w2))
     x = clamp_exercising_input(ids.shape[0], hidden, d1, LIMIT, gen)
-    y = fused_moe(x, ids, weights, w1, w3, w2, swiglu_limit=LIMIT, config=config)
+    y = fused_moe(x, ids, weights, w1, w3, w2, activation=SWIGLU, config=config)
     ref = routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), SWIGLU)
     clamped = (torch.einsum("th,eih->tei", x.float(), d3).abs() > LIMIT).float().mean()
     return y, ref, clamped
@@ -84,7 +85,7 @@ def test_scales_by_hand_or_pipelined_agree(fmt, group, hidden, scales):
     cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1)
     kw1, kw3 = (fused_moe_module.kernel_weights(w) for w in (w1, w3))
     assert launch.launch_scales(cfg, kw1, kw3)[0] == getattr(layout, scales)
-    outs = [fused_moe(x, ids, weights, w1, w3, w2, config=replace(cfg, pipelined_scales=p)) for p in (True, False)]
+    outs = [fused_moe(x, ids, weights, w1, w3, w2, activation=SWIGLU, config=replace(cfg, pipelined_scales=p)) for p in (True, False)]
     assert torch.equal(outs[0], outs[1])
 
 
@@ -156,7 +157,7 @@ def test_w1_and_w3_global_scales_are_separate(apart):
     ids, weights = random_routing(9, 2, gen)
     x = (torch.randn(9, HIDDEN, generator=gen) * 0.05).bfloat16()
     cfg = replace(default_config(18, EXPERTS), gate_up_apart=apart)
-    y = fused_moe(x, ids, weights, w1, w3, w2, config=cfg)
+    y = fused_moe(x, ids, weights, w1, w3, w2, activation=SWIGLU, config=cfg)
     assert_matches(y, routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), SWIGLU))
     shared_scale = d3 * (w1.global_scale / w3.global_scale)[:, None, None]
     wrong = routed_experts(x, ids, weights, lambda e: (d1[e], shared_scale[e], d2[e]), SWIGLU)
@@ -282,7 +283,7 @@ def test_w4a4_emulation_quantizes_both_gemm_inputs():
     scales = (0.004, 0.002)
     # Split K for w1/w3 too: the intermediate then leaves the split-K SwiGLU in natural column order.
     cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=2)
-    y = fused_moe(x, ids, weights, w1, w3, w2, activation_scales=scales, config=cfg)
+    y = fused_moe(x, ids, weights, w1, w3, w2, activation=SWIGLU, activation_scales=scales, config=cfg)
     quantize = lambda t, s: fake_quantize_activations(t.bfloat16(), s).float()  # noqa: E731
     ref = routed_experts(quantize(x, scales[0]), ids, weights, lambda e: (d1[e], d3[e], d2[e]), SWIGLU,
                          intermediate=lambda h: quantize(h, scales[1]))
@@ -302,7 +303,7 @@ def test_split_k_matches_reference():
     ids, weights = torch.tensor([[0, 2], [2, 1]]), torch.rand(2, 2, generator=gen)
     x = (torch.randn(2, hidden, generator=gen) * 0.05).bfloat16()
     cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=4)
-    y = fused_moe(x, ids, weights, w1, w3, w2, config=cfg)
+    y = fused_moe(x, ids, weights, w1, w3, w2, activation=SWIGLU, config=cfg)
     assert_matches(y, routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), SWIGLU))
 
 
@@ -324,7 +325,7 @@ def test_down_config_of_its_own(monkeypatch):
         seen.append((args[3] is None, args[10]))  # (the down GEMM: no w3, its config)
         return launch_one(*args, **kwargs)
     monkeypatch.setattr(fused_moe_module, "launch", spy)
-    y = fused_moe(x, ids, weights, w1, w3, w2, config=cfg)
+    y = fused_moe(x, ids, weights, w1, w3, w2, activation=SWIGLU, config=cfg)
     assert seen == [(False, cfg), (True, down)]
     assert_matches(y, routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), SWIGLU))
     with pytest.raises(ValueError, match="block_m=16"):
@@ -357,11 +358,11 @@ def test_scale_after_dot_matches_reference(fmt, group, split, apart, monkeypatch
                 return kernel[grid](*args, **kwargs)
             return run
     monkeypatch.setattr(_kernels, "moe_gemm_kernel", Spy())
-    y = fused_moe(x, ids, weights, w1, w3, w2, swiglu_limit=LIMIT, config=cfg)
+    y = fused_moe(x, ids, weights, w1, w3, w2, activation=SWIGLU, config=cfg)
     assert row_scales == [True, True]
     assert_matches(y, routed_experts(x, ids, weights, lambda e: (d1[e], d3[e], d2[e]), SWIGLU))
     (n1, _), (n3, _), (n2, _) = make_layer("nvfp4-any", EXPERTS, hidden, inter, gen)
-    fused_moe(x, ids, weights, n1, n3, n2, config=cfg)
+    fused_moe(x, ids, weights, n1, n3, n2, activation=SWIGLU, config=cfg)
     assert row_scales[2:] == [False, False]
 
 
@@ -424,8 +425,8 @@ def test_fused_interleaved_gate_up_with_biases(kind, split, hidden, inter, apart
     w3 = ExpertWeights("mxfp4", p13[:, 1::2], s13[:, 1::2])
     w2 = ExpertWeights("mxfp4", p2, s2)
     cfg = KernelConfig(16, 64, 128, num_warps=4, num_stages=1, split_k=split, gate_up_apart=apart)
-    alpha = 1.702 if kind == "swiglu_oai" else None
-    y = fused_moe(x, ids, weights, w1, w3, w2, swiglu_limit=limit, activation=kind, swiglu_alpha=alpha,
+    act = Activation(kind, limit, 1.702 if kind == "swiglu_oai" else None)
+    y = fused_moe(x, ids, weights, w1, w3, w2, activation=act,
                   b1=b13[:, 0::2], b3=b13[:, 1::2], b2=b2, config=cfg)
     expect = lambda **wrong: gated_experts(x, ids, weights, d13, b13, d2, b2, limit, kind=kind, **wrong)  # noqa: E731
     ref = expect()
@@ -444,15 +445,20 @@ def test_activation_arguments_are_checked():
     gen = torch.Generator().manual_seed(13)
     (w1, _), (w3, _), (w2, _) = make_layer("mxfp4", EXPERTS, HIDDEN, INTER, gen)
     x, ids, weights = torch.randn(2, HIDDEN).bfloat16(), torch.tensor([[0], [1]]), torch.ones(2, 1)
-    with pytest.raises(ValueError, match="swiglu_alpha"):
-        fused_moe(x, ids, weights, w1, w3, w2, swiglu_alpha=1.702)
-    with pytest.raises(ValueError, match="swiglu_alpha"):
-        fused_moe(x, ids, weights, w1, w3, w2, activation="swiglu_oai")
-    with pytest.raises(ValueError, match="unknown activation"):
-        fused_moe(x, ids, weights, w1, w3, w2, activation="gelu")
+    with pytest.raises(TypeError, match="activation"):   # no model's activation by default
+        fused_moe(x, ids, weights, w1, w3, w2)
+    with pytest.raises(ValueError, match="alpha"):
+        Activation("swiglu_clamp", LIMIT, 1.702)
+    with pytest.raises(ValueError, match="alpha"):
+        Activation("swiglu_oai", LIMIT)
+    with pytest.raises(UnsupportedError, match="no torch reference"):
+        Activation("gelu", LIMIT)
+    # a kind the reference might learn before the kernel does
+    with pytest.raises(UnsupportedError, match="the kernel fuses no activation 'gelu'"):
+        fused_moe(x, ids, weights, w1, w3, w2, activation=SimpleNamespace(kind="gelu", limit=LIMIT, alpha=None))
     with pytest.raises(FormatError, match="b1 and b3"):
-        fused_moe(x, ids, weights, w1, w3, w2, b1=torch.zeros(EXPERTS, INTER))
+        fused_moe(x, ids, weights, w1, w3, w2, activation=SWIGLU, b1=torch.zeros(EXPERTS, INTER))
     with pytest.raises(FormatError, match="b2 must be"):
-        fused_moe(x, ids, weights, w1, w3, w2, b2=torch.zeros(EXPERTS, INTER))
+        fused_moe(x, ids, weights, w1, w3, w2, activation=SWIGLU, b2=torch.zeros(EXPERTS, INTER))
     with pytest.raises(ValueError, match="compute dtype torch.float16 is not one of"):
-        fused_moe(x, ids, weights, w1, w3, w2, compute_dtype=torch.float16)
+        fused_moe(x, ids, weights, w1, w3, w2, activation=SWIGLU, compute_dtype=torch.float16)

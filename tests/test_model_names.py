@@ -20,7 +20,6 @@ HOME = {"model.py", "recipe.py", "sources.py"}
 EXPLAINED = {
     # error messages that name the model a rule is about, for the person reading them
     ("engines/check.py", "its DeepSeek-V4 model has no other FP8-block attention path"),
-    ("kernels/fused_moe.py", "swiglu_alpha is the gpt-oss activation's sigmoid slope"),
     ("targets/nvfp4.py", "vLLM and SGLang dispatch DeepSeek-V4 NVFP4"),
     ("targets/nvfp4.py", "SGLang reads the NVFP4 details of DeepSeek-V4"),
 }

@@ -16,7 +16,7 @@ fill the 64-row M dimension.
 Pairs (token, k) are sorted by expert and padded per expert to the M tile (`moe_align`), as
 serving engines do. Four launches: one prepares the GEMMs' inputs (`prepare`: the align and the
 activations' cast and column order), then w1/w3 with their biases and the gated activation fused
-(`SwiGLU`: DeepSeek's clamped SwiGLU or gpt-oss's), w2 with its bias and the routing weight, and
+(the recipe's, a `requant.moe.Activation`), w2 with its bias and the routing weight, and
 the top-k sum (`topk_sum`). Where K is split (one token's default) or w1 and w3 are computed by
 separate programs (`KernelConfig.gate_up_apart`), a fifth launch gates their FP32 partials. On
 Hopper and later the launches are chained by programmatic dependent launch (`launch.chains`), so each
@@ -34,17 +34,18 @@ from __future__ import annotations
 import torch
 import triton
 
-from requant.errors import FormatError
+from requant.errors import FormatError, UnsupportedError
 from requant.engines.numerics import fake_quantize_activations
 from requant.kernels._details import _kernels
 from requant.kernels._details.align import ALIGN_PAIRS, align_torch, max_blocks
-from requant.kernels._details.configs import ACTIVATION_CODES, KernelConfig, Problem, SwiGLU, launch_config
+from requant.kernels._details.configs import ACTIVATION_CODES, KernelConfig, Problem, launch_config
 from requant.kernels._details.configs import default_config  # noqa: F401 (callers' name for the built-in rule)
 from requant.kernels._details.device import device_config_name, interpreting
-from requant.kernels._details.launch import TL_DTYPES, chained, chains, launch, split
+from requant.kernels._details.launch import TL_DTYPES, activation_args, chained, chains, launch, split
 from requant.kernels._details.layout import K_STEP, K_TILE, kernel_weights, padded_k, permute_k
 from requant.kernels._details.layout import KernelWeights  # noqa: F401 (what kernel_weights makes)
 from requant.kernels.weights import ExpertWeights
+from requant.moe import Activation
 
 
 def fits(hidden_size: int, intermediate_size: int) -> bool:
@@ -109,8 +110,8 @@ def gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act
     launch(a, top_k, w1, w3, part, sorted_ids, block_expert, None, pairs, compute, cfg, act, b1, b3)
     block = 1024
     _kernels.swiglu_partials_kernel[(pairs, triton.cdiv(h.shape[1], block))](
-        part, part.stride(0), part.stride(1), h, h.stride(0), w1.n, ACTIVATION=ACTIVATION_CODES[act.kind],
-        LIMIT=float(act.limit), ALPHA=float(act.alpha), SPLIT_K=slices, PERM_OUT=perm_out, BLOCK_K=cfg.block_k,
+        part, part.stride(0), part.stride(1), h, h.stride(0), w1.n, **activation_args(act),
+        SPLIT_K=slices, PERM_OUT=perm_out, BLOCK_K=cfg.block_k,
         BLOCK=block, num_warps=4, **chained(part))
     return h
 
@@ -139,8 +140,7 @@ def _check_biases(b1, b3, b2, w1, w2):
 
 
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-              w1: ExpertWeights, w3: ExpertWeights, w2: ExpertWeights, *, swiglu_limit: float = 10.0,
-              activation: str = "swiglu_clamp", swiglu_alpha: float | None = None,
+              w1: ExpertWeights, w3: ExpertWeights, w2: ExpertWeights, *, activation: Activation,
               b1: torch.Tensor | None = None, b3: torch.Tensor | None = None, b2: torch.Tensor | None = None,
               compute_dtype: torch.dtype | None = None, config: KernelConfig | None = None,
               activation_scales: tuple[float, float] | None = None) -> torch.Tensor:
@@ -148,8 +148,9 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 
     x: [T, H] activations; topk_ids: [T, top_k] expert indices; topk_weights: [T, top_k] routing
     weights. w1 (gate), w3 (up): N = intermediate, K = H; w2 (down): N = H, K = intermediate.
-    activation: "swiglu_clamp" (DeepSeek-V4: silu(min(g, L)) * clamp(u, -L, L)) or "swiglu_oai"
-    (gpt-oss: (clamp(u, -L, L) + 1) * g' * sigmoid(swiglu_alpha * g'), g' = min(g, L)), L = swiglu_limit.
+    activation: the model's gated activation as its recipe defines it (model.ModelSpec.activation(),
+    built by requant.moe.activation), no default: kind "swiglu_clamp" (silu(min(g, L)) * clamp(u, -L, L))
+    or "swiglu_oai" ((clamp(u, -L, L) + 1) * g' * sigmoid(alpha * g'), g' = min(g, L)), L = its limit.
     b1, b3: [E, I] and b2: [E, H] per-expert biases (any float dtype, any strides), optional; b2 is
     added before the routing weight multiplies the expert's output.
     gpt-oss's fused, interleaved gate/up (rows 2i gate, 2i+1 up): pass row views,
@@ -174,17 +175,15 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         raise FormatError(f"expert shapes w1 [{w1.experts}, {w1.n}, {w1.k}] w2 [{w2.experts}, {w2.n}, {w2.k}] "
                           f"do not fit hidden size {hidden}")
     _check_biases(b1, b3, b2, w1, w2)
-    if (activation == "swiglu_oai") != (swiglu_alpha is not None):
-        raise ValueError("swiglu_alpha is the gpt-oss activation's sigmoid slope: give it with "
-                         "activation='swiglu_oai' and only then")
-    act = SwiGLU(activation, swiglu_limit, 1.0 if swiglu_alpha is None else swiglu_alpha)
+    if activation.kind not in ACTIVATION_CODES:
+        raise UnsupportedError(f"the kernel fuses no activation {activation.kind!r} (it has: {', '.join(ACTIVATION_CODES)})")
     problem = Problem(w1.format, w1.group, w1.experts, hidden, w1.n, top_k)
     cfg = config or launch_config(problem, tokens, device_config_name(x.device))
     if activation_scales is not None:
         x = fake_quantize_activations(x.bfloat16(), activation_scales[0])
     a, sorted_ids, block_expert = prepare(x, topk_ids, w1.experts, cfg.block_m, compute)
     quantize_h = activation_scales is not None  # in the natural column order, then permuted here
-    h = gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, act, b1, b3,
+    h = gate_up(a, top_k, w1, w3, sorted_ids, block_expert, pairs, compute, cfg, activation, b1, b3,
                 perm_out=not quantize_h)
     if quantize_h:
         h = permute_k(fake_quantize_activations(h.bfloat16(), activation_scales[1]).to(compute), cfg.block_k)

@@ -39,9 +39,7 @@ def run_kernel(fm, x, ids, weights, layer: LayerExperts, cfg, **kwargs) -> torch
     """The routed experts through requant's kernel, with the recipe's activation and the biases, in
     the kernel's default compute dtype (the same for every format, so that a lossless conversion
     compares equal)."""
-    act = cfg.activation
-    return fm.fused_moe(x, ids, weights, *layer.weights, swiglu_limit=act.limit, activation=act.kind,
-                        swiglu_alpha=act.alpha, **layer.kernel_biases(), **kwargs)
+    return fm.fused_moe(x, ids, weights, *layer.weights, activation=cfg.activation, **layer.kernel_biases(), **kwargs)
 
 
 def w4a4_inputs(x: torch.Tensor, scales: tuple[float, float]):

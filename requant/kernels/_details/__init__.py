@@ -2,7 +2,7 @@
 
 - `device`: facts about the device a launch runs on (interpreter, programmatic dependent launch,
   the name its launch configs are filed under). No triton.
-- `configs`: `KernelConfig`, `SwiGLU` and the launch-config lookup (per-device JSON in
+- `configs`: `KernelConfig`, the activation codes and the launch-config lookup (per-device JSON in
   `requant/kernels/configs/`, then the built-in rule). No triton.
 - `align`: sorting (token, k) pairs by expert and padding them to the M tile, in torch. No triton.
 - `layout`: the weights' and activations' layout in the kernel (bit permutation of the words,

@@ -1,4 +1,4 @@
-"""Launch configs: what a launch is given (`KernelConfig`, `SwiGLU`) and which config a layer's
+"""Launch configs: what a launch is given (`KernelConfig`) and which config a layer's
 launch takes (`launch_config`). No triton.
 
 Lookup, in order (documented in docs/kernel-notes.md, "Launch configs"):
@@ -26,6 +26,7 @@ from requant.kernels._details.device import interpreting
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
+# The kernel's code for each activation kind it fuses (requant.moe.Activation, built from the recipe).
 ACTIVATION_CODES = {"swiglu_clamp": 0, "swiglu_oai": 1}
 
 
@@ -73,22 +74,6 @@ class KernelConfig:
             raise ValueError(f"unknown launch-config keys {sorted(set(d) - known)}")
         down = d.get("down")
         return cls(**{**d, "down": None if down is None else cls.from_dict(down)})
-
-
-@dataclass(frozen=True)
-class SwiGLU:
-    """The gated activation between the two GEMMs, gate g and up u clamped by `limit` first
-    (g from above, u on both sides):
-    "swiglu_clamp" (DeepSeek-V4): silu(g) * u;
-    "swiglu_oai" (gpt-oss): (u + 1) * g * sigmoid(alpha * g)."""
-
-    kind: str = "swiglu_clamp"
-    limit: float = 10.0
-    alpha: float = 1.0  # swiglu_oai only
-
-    def __post_init__(self):
-        if self.kind not in ACTIVATION_CODES:
-            raise ValueError(f"unknown activation {self.kind!r}; expected one of {sorted(ACTIVATION_CODES)}")
 
 
 @dataclass(frozen=True)

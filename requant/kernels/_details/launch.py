@@ -8,13 +8,22 @@ import triton.language as tl
 
 from requant.errors import FormatError
 from requant.kernels._details import _kernels
-from requant.kernels._details.configs import ACTIVATION_CODES, KernelConfig, SwiGLU
+from requant.kernels._details.configs import ACTIVATION_CODES, KernelConfig
 from requant.kernels._details.device import chains_launches, interpreting
 from requant.kernels._details.layout import (K_STEP, K_TILE, ROW_PAD, SCALES_BLOCKS, SCALES_ROWS, SCALES_WORDS,
                                              TILE_ROWS, KernelWeights, cdiv, padded_k, row_scaled, scale_layout,
                                              scale_words)
+from requant.moe import Activation
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
+
+
+def activation_args(act: Activation | None) -> dict:
+    """The kernels' activation constants for `act`; None (w2's launch, which gates nothing): zeros."""
+    if act is None:
+        return dict(ACTIVATION=0, LIMIT=0.0, ALPHA=0.0)
+    return dict(ACTIVATION=ACTIVATION_CODES[act.kind], LIMIT=float(act.limit),
+                ALPHA=0.0 if act.alpha is None else float(act.alpha))
 
 
 def chains(t: torch.Tensor) -> bool:
@@ -50,7 +59,7 @@ def launch_scales(cfg: KernelConfig, w: KernelWeights, w3: KernelWeights):
 def launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pairs, compute, cfg, act,
            bias=None, bias3=None, perm_out=False, routing_ready=False):
     """One GEMM launch; `out` is [pairs, N], or when split (`split`) or w1/w3 apart FP32 partials
-    [S, pairs, N] ([S, 2, pairs, N] for w1/w3). `act` (a SwiGLU) is fused after w1/w3 unless
+    [S, pairs, N] ([S, 2, pairs, N] for w1/w3). `act` (requant.moe.Activation) is fused after w1/w3 unless
     split or apart. routing_ready: sorted_ids, block_expert and route_w were written before the
     launch that precedes this one, so under programmatic dependent launch its programs read them
     (and the global scales) before they wait for that launch: w2's, after w1/w3."""
@@ -74,7 +83,6 @@ def launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pair
     zp, zp3 = (w.zero_point, w3.zero_point) if w.zero_point is not None else (dummy, dummy)
     gs, gs3 = (w.global_scale, w3.global_scale) if w.global_scale is not None else (dummy, dummy)
     b, b3 = (bias, bias3 if gated else bias) if bias is not None else (dummy, dummy)
-    act = act or SwiGLU()
     slices = split(cfg, w.k)
     apart = gated and cfg.gate_up_apart
     partials = slices > 1 or apart   # FP32 partials [S, pairs, N] ([S, 2, pairs, N] for w1/w3)
@@ -93,8 +101,7 @@ def launch(a, a_row_div, w, w3, out, sorted_ids, block_expert, route_w, num_pair
         num_pairs, w.n, w.k,
         A_ROW_DIV=a_row_div, FMT=w.kernel_code, GROUP=w.group, HAS_ZP=w.zero_point is not None,
         HAS_GLOBAL=w.global_scale is not None, HAS_BIAS=bias is not None, GATED=gated and not apart,
-        ROUTE_WEIGHT=route_w is not None, ACTIVATION=ACTIVATION_CODES[act.kind], LIMIT=float(act.limit),
-        ALPHA=float(act.alpha), COMPUTE=TL_DTYPES[compute], ASM=compute != torch.float32,
+        ROUTE_WEIGHT=route_w is not None, **activation_args(act), COMPUTE=TL_DTYPES[compute], ASM=compute != torch.float32,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", PERM_OUT=perm_out,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=slices,
         EVEN_K=w.k % cfg.block_k == 0, APART=apart,
