@@ -1,6 +1,7 @@
-"""The converted layer recomputed as serving engines compute it (serve.MODES): requant's kernel
-where it runs, else the torch reference, with W4A4 activations under each input_scale policy,
-Marlin's scale rule, or MXFP8 activations."""
+"""The converted layer recomputed as serving engines compute it: requant's kernel where it runs,
+else the torch reference, with W4A4 activations under each input_scale policy, Marlin's scale rule,
+or MXFP8 activations. validate's client of requant.engines: the modes and their numbers are
+engines/serve.py's and engines/numerics.py's; this module only runs a layer through them."""
 
 from __future__ import annotations
 
