@@ -300,10 +300,12 @@ def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_sc
 @click.option("--model", "model_name", type=click.Choice(_model_names()), default=None,
               help="The named model SRC is; default: detected from config.json and the tensor names. A model of "
                    "another kind than the checkpoint's is refused.")
-@click.option("--mtp", type=click.Choice(["keep", "convert"]), default=None,
-              help="keep: the MTP block's experts stay MXFP4 (as in NVIDIA's release); convert: them too. "
-                   "Default: what --engine loads them as (vllm: convert; sglang: keep). A choice the engine "
-                   "would load as garbage is refused unless --force.")
+@click.option("--drafter", "--mtp", "mtp", type=click.Choice(["keep", "convert"]), default=None,
+              help="The drafter's (MTP block's or DSpark stages') routed experts. keep: they stay MXFP4, listed "
+                   "in the output's ignore; convert: they become --out's format as the main experts do, ignore "
+                   "leaving them out. "
+                   "Default: what --engine's release loads them as (requant.engines: formats.<fmt>.mtp_experts). "
+                   "A choice the release would load wrongly is refused unless --force. --mtp is the same option.")
 @click.option("--force", is_flag=True, help="Write a layout that --engine would load wrongly or cannot serve (MTP "
               "experts in the other format than it loads them as, or an output format that release cannot serve "
               "for the model); the card and requant.json record why.")

@@ -134,8 +134,8 @@ class Target:
         source's routed experts."""
         has_drafter = bool(experts.drafter_blocks())
         if self.options.mtp and not has_drafter:
-            raise UnsupportedError(f"--mtp {self.options.mtp}: {self.source.path} has no MTP block "
-                                   f"({self.model.name}); leave --mtp out")
+            raise UnsupportedError(f"--drafter {self.options.mtp}: {self.source.path} has no drafter (MTP block "
+                                   f"or DSpark stages) with routed experts ({self.model.name}); leave --drafter out")
         self.forced_problems = self._engine_problems(has_drafter)
         if self.forced_problems and not self.options.force:
             raise UnsupportedError(f"{self.forced_problems[0]} (--force writes it anyway)")

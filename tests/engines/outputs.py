@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from requant import synth
-from requant.convert import convert
+from requant.convert import convert, plan_conversion
+from requant.errors import UnsupportedError
 from requant.targets import Options
 
 # the shape the start-up and kernel-table tests use: one hash-routed layer, one compressed one, MTP
@@ -34,10 +35,47 @@ def dspark_source_and_outputs(root: Path, model: str, engine: str, version: str,
                               outputs: dict[str, tuple[str, Options]],
                               w4a16_outputs: dict[str, tuple[str, Options]]) -> dict[str, str]:
     """source_and_outputs of DSPARK_MODELS[model], with `w4a16_outputs` only where `engine` `version`'s
-    rules serve W4A16 for it (V4.1's refuse it)."""
+    rules serve W4A16 for it (V4.1's refuse it), and drafter_mode_outputs."""
     dims = DSPARK_MODELS[model]
     served = dims.spec.engine(engine, version).refusal("w4a16") is None
-    return source_and_outputs(root, dims, seed, {**outputs, **(w4a16_outputs if served else {})})
+    return source_and_outputs(root, dims, seed, {**outputs, **(w4a16_outputs if served else {}),
+                                                 **drafter_mode_outputs(dims, engine, version)})
+
+
+# convert --drafter: the modes that re-encode nothing but the drafter's routed experts
+DRAFTER_MODES = ("keep", "convert")
+DRAFTER_MODE_CASES = [(fmt, mode) for fmt in ("nvfp4", "w4a16") for mode in DRAFTER_MODES]
+
+
+def drafter_written(fmt: str, mode: str) -> str:
+    """The format the drafter's experts are written in by --out `fmt` --drafter `mode` (an MXFP4 source)."""
+    return fmt if mode == "convert" else "mxfp4"
+
+
+def drafter_mode_name(fmt: str, mode: str) -> str:
+    return f"{fmt}-drafter-{mode}"
+
+
+def drafter_mode_options(engine: str, version: str, mode: str) -> Options:
+    return Options(engine=f"{engine}=={version}", mtp=mode)
+
+
+def drafter_mode_outputs(dims: synth.Dims, engine: str, version: str) -> dict[str, tuple[str, Options]]:
+    """One output per (format, drafter mode) that `engine` `version`'s rules let convert write without
+    --force; the tier checks that convert refuses the others in one line."""
+    rules = dims.spec.engine(engine, version)
+    return {drafter_mode_name(fmt, mode): (fmt, drafter_mode_options(engine, version, mode))
+            for fmt, mode in DRAFTER_MODE_CASES
+            if rules.refusal(fmt) is None and rules.mtp_loads(fmt, drafter_written(fmt, mode))}
+
+
+def drafter_mode_refusal(src: str, engine: str, version: str, fmt: str, mode: str) -> str:
+    """The one-line message convert's planning refuses --out `fmt` --drafter `mode` with."""
+    try:
+        plan_conversion(src, fmt, drafter_mode_options(engine, version, mode))
+    except UnsupportedError as refused:
+        return str(refused)
+    raise AssertionError(f"--out {fmt} --drafter {mode} for {engine} {version} was planned, not refused")
 
 
 def per_format(engine: str) -> dict[str, tuple[str, Options]]:

@@ -27,7 +27,8 @@ if not wheels.available("sglang"):
                 allow_module_level=True)
 
 from tests.engines import sglang_kernels as K  # noqa: E402
-from tests.engines.outputs import DSPARK_MODELS, dspark_source_and_outputs  # noqa: E402
+from tests.engines.outputs import (DRAFTER_MODE_CASES, DSPARK_MODELS, drafter_mode_name,  # noqa: E402
+                                   drafter_mode_refusal, drafter_written, dspark_source_and_outputs)
 from tests.engines.sglang_harness import hf_config, reset, sglang_load_report  # noqa: E402
 from tests.engines.sglang_startup import sglang_accepts  # noqa: E402
 
@@ -104,6 +105,25 @@ def modelled_part(problem: str) -> str:
         rest = [n for n in names if not any(part in n for part in V41_UNMODELLED)]
         return f"parameters left at their initial values: {rest}" if rest else ""
     return "" if any(part in problem for part in V41_UNMODELLED) else problem
+
+
+@pytest.mark.parametrize("fmt,mode", DRAFTER_MODE_CASES)
+def test_each_drafter_mode_loads_with_the_rules_method_or_is_refused(ckpts, fmt, mode):
+    """convert --drafter keep|convert per output format: where this release's rules allow the mode,
+    each stage's experts get the draft method the rules' kernel cell names and the drafter loads
+    without a finding; where they do not, convert refuses it in one line."""
+    rules, written = rules_of(ckpts["mxfp4"]), drafter_written(fmt, mode)
+    name = drafter_mode_name(fmt, mode)
+    if name not in ckpts:
+        message = drafter_mode_refusal(ckpts["mxfp4"], "sglang", VERSION, fmt, mode)
+        assert "\n" not in message and (rules.refusal(fmt) or not rules.mtp_loads(fmt, written)), message
+        return
+    assert rules.mtp_format(fmt) == written
+    report = sglang_load_report(ckpts[name], "sm_100")
+    stages = {p: m for p, m in report.methods.items() if p.startswith("stages.")}
+    assert len(stages) == len(hf_config(ckpts[name])["dspark_target_layer_ids"])
+    assert set(stages.values()) == {rules.kernel(fmt, "sm_100").mtp_path["method"]}, stages
+    assert drafter_problems(report) == [], drafter_problems(report)
 
 
 def test_converted_stages_are_skipped(ckpts):

@@ -26,7 +26,8 @@ if not wheels.available("vllm"):
                 allow_module_level=True)
 
 from . import vllm_harness as vllm  # noqa: E402
-from .outputs import DSPARK_MODELS, dspark_source_and_outputs, with_ignore  # noqa: E402
+from .outputs import (DRAFTER_MODE_CASES, DSPARK_MODELS, drafter_mode_name, drafter_mode_refusal,  # noqa: E402
+                      drafter_written, dspark_source_and_outputs, with_ignore)
 from .vllm_startup import vllm_accepts  # noqa: E402
 
 VERSION = wheels.version("vllm")
@@ -116,6 +117,28 @@ def test_kept_stages_outside_ignore_load_as_garbage(ckpts, tmp_path):
     for stage in range(3):
         assert f"mtp.{stage}: w13_weight_scale_2 never written" in "\n".join(problems), stage
     assert rules(vllm.Checkpoint(ckpts["vllm-nvfp4"])).mtp_format_for("nvfp4", "mtp.0", ["*.attn.*"]) == "nvfp4"
+
+
+@pytest.mark.parametrize("fmt,mode", DRAFTER_MODE_CASES)
+def test_each_drafter_mode_loads_with_the_rules_method_or_is_refused(ckpts, fmt, mode):
+    """convert --drafter keep|convert per output format: where this release's rules allow the mode,
+    every tensor loads and each stage's experts, written as the mode says, get the method the rules
+    name for the stage given the output's ignore; where they do not, convert refuses it in one line."""
+    rule, written = rules(vllm.Checkpoint(ckpts["mxfp4"])), drafter_written(fmt, mode)
+    name = drafter_mode_name(fmt, mode)
+    if name not in ckpts:
+        message = drafter_mode_refusal(ckpts["mxfp4"], "vllm", VERSION, fmt, mode)
+        assert "\n" not in message and (rule.refusal(fmt) or not rule.mtp_loads(fmt, written)), message
+        return
+    assert vllm.vllm_load_report(ckpts[name]) == []
+    ckpt = vllm.Checkpoint(ckpts[name])
+    dispatch, ignore = vllm.dispatch(ckpt), ckpt.quant.get("ignore")
+    stages = [(b, p) for b, p in vllm.expert_blocks(ckpt) if b.startswith("mtp.")]
+    assert len(stages) == vllm.dspark_stage_count(ckpt)
+    for block, prefix in stages:
+        assert ckpt.expert_format(block) == written == rule.mtp_format_for(fmt, block, ignore), block
+        for gpu in vllm.GPUS:
+            assert type(dispatch.moe(prefix)).__name__ == rule.kernel(written, gpu).method, (block, gpu)
 
 
 # ------------------------------------------------------------------------------------- W4A16
