@@ -449,7 +449,7 @@ def _answer(checkpoint: str, model: ModelSpec, spec: str, source_fmt: str, mtp_f
     first = engines.first_serving(name, model.name)
     if first and engines.version_key(engines.release_of(version)[0]) < engines.version_key(first):
         lead = upgrade(model, rules, source_fmt, gpu, None, has_drafter, judge)
-        verdict = f"{rules.release_label} does not serve DeepSeek-V4 (first release that does: {first})"
+        verdict = f"{rules.release_label} does not serve {model.model_name or model.name} models (first release that does: {first})"
         return head | {"status": "does not serve", "checked": False, "caveat": verdict, "paths": [], "upgrade": lead,
                        "recommendation": {"verdict": verdict + (f"; {lead['text']}" if lead else ""),
                                           "outcome": DOES_NOT_START, "choice": None, "command": "", "flags": "",

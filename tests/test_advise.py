@@ -169,7 +169,7 @@ def test_a_release_before_the_first_that_serves_the_model(releases, flash):
     sglang_release(releases, "0.5.22", W4A8)
     a = answer(flash, "sglang==0.5.9")
     assert a["paths"] == [] and a["status"] == "does not serve"
-    assert a["recommendation"]["verdict"] == ("SGLang 0.5.9 does not serve DeepSeek-V4 (first release that does: "
+    assert a["recommendation"]["verdict"] == ("SGLang 0.5.9 does not serve deepseek-v4-flash models (first release that does: "
                                               "0.5.20); upgrade SGLang to 0.5.22: the source then runs W4A8 on FP4 "
                                               "tensor cores with MTP, no conversion")
 

@@ -431,15 +431,13 @@ def release_of(version: str) -> tuple[str, str]:
     return release, f"{version} is {kind}" + (f", local version {m[3]}" if m[3] else "") + f"; taken as {release}"
 
 
-# The families whose first release file is the engine's first release serving them (the release
-# files start at each engine's first DeepSeek-V4 release).
-FIRST_FILE_FAMILIES = ("deepseek_v4",)
-
-
 def first_serving(engine: str, family: str) -> str | None:
-    """The engine's first release serving model `family`, where requant knows it (None: unknown)."""
+    """The engine's first release serving model `family`, where requant knows it (None: unknown).
+    An engine's release files start at its first release serving the families its oldest file has
+    rules for (the tier holds this: the release before has no model file for them); a family first
+    named by a later file has no known first release, since older files may just not cover it."""
     known = releases(engine)
-    if known and family.startswith(FIRST_FILE_FAMILIES):
+    if known and family in release_data(engine, known[0])["models"]:
         return known[0]
     return None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import re
+import zipfile
 
 import pytest
 
@@ -191,3 +192,17 @@ def test_w4a8_opt_ins_of_the_source_on_sm_120():
                                                         "extra": "b12x"}]
     assert w4a8["--moe-backend flashinfer_cutlass"]["packages"][0] == {
         "name": "flashinfer-python", "spec": "==0.7.3", "in_requirements": True}
+
+
+def test_the_files_start_at_the_first_release_that_serves_dsv4():
+    """advise's "does not serve" (engines.first_serving) rests on this: the oldest vLLM file is the
+    first release with DeepSeek-V4's model files, and the release before it has none."""
+    first = engines.releases("vllm")[0]
+    before = {"0.20.0": "0.19.1"}.get(first)
+    assert before, f"the oldest vLLM file is {first}: name the release before it here"
+    for version, serves in ((first, True), (before, False)):
+        path = wheels.wheel("vllm", version, slim=True)
+        if path is None:
+            pytest.skip(f"vllm=={version} wheel not available in {wheels.CACHE}")
+        with zipfile.ZipFile(path) as wheel_zip:
+            assert any(re.search(r"vllm/model_executor/models/deepseek_v4", n) for n in wheel_zip.namelist()) == serves
