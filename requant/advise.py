@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from requant import engines, formats
 from requant.engines import (DOES_NOT_START, FROM_CODE, GPU_FAMILIES, NOT_CHECKED, RUNS, SPEED_CLASSES, WRONG_RESULT,
                              EngineRules, Kernel)
+from requant.engines.check import drafter_loads
 from requant.errors import UnsupportedCheckpoint, UnsupportedError
 from requant.experts import Block, ExpertIndex
 from requant.io.checkpoint import Checkpoint
@@ -77,8 +78,9 @@ class PathVerdict:
 
     @property
     def drafter_kept(self) -> bool | None:
-        """Whether the drafter still drafts; None where the checkpoint has none."""
-        return None if self.mtp is None else bool(self.mtp.get("runs"))
+        """Whether the drafter still drafts (a kernel, and its experts loaded in the format they are
+        stored in); None where the checkpoint has none."""
+        return None if self.mtp is None else bool(self.mtp.get("runs")) and self.mtp.get("outcome") != WRONG_RESULT
 
     @property
     def env(self) -> str:
@@ -152,9 +154,12 @@ _KERNEL_FIELDS = {f.name for f in fields(Kernel)}
 
 
 def judge_path(candidate: Candidate, model: ModelSpec, engine: EngineRules, gpu: str, blocks: list[Block],
-               mtp_fmt: str | None, tp: int, ep: int, dims: Dims) -> PathVerdict:
+               mtp_fmt: str | None, tp: int, ep: int, dims: Dims, drafter: tuple[str, str] | None = None) -> PathVerdict:
     """What `engine` does with `candidate` on `gpu`, from its rules; `blocks`: the checkpoint's
-    blocks of routed experts; `dims`: the dimensions to judge at."""
+    blocks of routed experts; `dims`: the dimensions to judge at; `drafter`: for the checkpoint as
+    it is, (stored, loaded): the format a drafter block's experts are stored in and the one this
+    release loads them in (engines.check.drafter_loads, verify's rule), None for an output requant
+    would write (its drafter is what the release expects)."""
     has_mtp = any(not b.main for b in blocks)
     if not engine.has_kernel_rules(candidate.fmt):
         return PathVerdict(candidate, {}, None, NOT_CHECKED, "", "none",
@@ -173,8 +178,8 @@ def judge_path(candidate: Candidate, model: ModelSpec, engine: EngineRules, gpu:
         outcome = DOES_NOT_START
     mtp = None
     if has_mtp:
-        mtp = chosen.mtp_path
-        if mtp_fmt and mtp_fmt != candidate.fmt and not chosen.mtp:
+        mtp = _drafter_path(engine, candidate.fmt, gpu, chosen, drafter)
+        if mtp_fmt and mtp_fmt != candidate.fmt and not chosen.mtp and "note" not in mtp:
             mtp["note"] = f"its experts stay {mtp_fmt.upper()}"
     for worse, text in tp_problems(model, engine, candidate, gpu, tp, ep, blocks, dims, chosen.method):
         problems.append(text)
@@ -184,6 +189,24 @@ def judge_path(candidate: Candidate, model: ModelSpec, engine: EngineRules, gpu:
 
 
 _OUTCOME_RANK = {name: i for i, name in enumerate(engines.OUTCOMES)}
+
+
+def _drafter_path(engine: EngineRules, fmt: str, gpu: str, chosen: Kernel, drafter: tuple[str, str] | None) -> dict:
+    """What the drafter's experts get: the chosen kernel's MTP path, unless the release loads them
+    in another format than the one its rules' MTP path is for (an ignore list that names or omits
+    them), then that format's path on `gpu`; outcome "starts, wrong result" where that format is not
+    the one they are stored in (garbage drafts)."""
+    mtp = chosen.mtp_path
+    if drafter is None:
+        return mtp | {"outcome": RUNS} if mtp["runs"] else mtp
+    stored, loaded = drafter
+    if loaded != engine.mtp_format(fmt) and engine.has_kernel_rules(loaded) and gpu in engine.data["kernels"][loaded]:
+        # the main layers' path of that format: its kernel entry's own `mtp` is for the default layout
+        mtp = replace(engine.kernel(loaded, gpu), mtp=None).mtp_path | {"note": f"its experts load as {loaded.upper()} here"}
+    if stored != loaded:
+        return mtp | {"outcome": WRONG_RESULT, "note": f"its experts are {stored.upper()} but {engine.release_label} "
+                      f"loads them as {loaded.upper()}: garbage drafts ({engine.mtp_evidence(fmt)})"}
+    return mtp | {"outcome": RUNS} if mtp["runs"] else mtp
 
 
 def tp_problems(model: ModelSpec, engine: EngineRules, candidate: Candidate, gpu: str, tp: int, ep: int,
@@ -257,7 +280,7 @@ def costs(p: PathVerdict, errors: dict, engine: EngineRules, fastest: str = "fp4
         return [p.outcome]
     found = []
     if p.drafter_kept is False:
-        found.append(f"loses {_drafter_name(engine)} drafting")
+        found.append(DRAFTS_GARBAGE if p.mtp.get("outcome") == WRONG_RESULT else f"loses {_drafter_name(engine)} drafting")
     arithmetic = p.kernel["chosen"].get("arithmetic", "")
     if arithmetic.startswith("W4A4"):
         found.append("W4A4: activations in FP4")
@@ -273,6 +296,9 @@ def costs(p: PathVerdict, errors: dict, engine: EngineRules, fastest: str = "fp4
     for package in p.packages_missing:
         found.append(f"needs package {package['name']}{package.get('spec', '')}, not in {engine.label_name}'s requirements")
     return found
+
+
+DRAFTS_GARBAGE = "drafter drafts garbage: serve without speculative decoding, or convert with --drafter keep"
 
 
 def _drafter_name(engine: EngineRules) -> str:
@@ -420,7 +446,7 @@ def advise(ck: Checkpoint, engine_specs: list[str], gpu: str, tp: int = 1, ep: i
     mtp_fmt = index.blocks[mtp_blocks[0]].codec if mtp_blocks else None
     blocks = list(index.blocks.values())
     dims = checkpoint_dims(model, blocks)
-    answers = [_answer(ck.path, model, spec, source.name, mtp_fmt.name if mtp_fmt else None, blocks, gpu, tp, ep,
+    answers = [_answer(ck.path, ck.config, model, spec, source.name, mtp_fmt.name if mtp_fmt else None, blocks, gpu, tp, ep,
                        dims, errors, PREFER[prefer])
                for spec in engine_specs or model.engine_names]
     return {"checkpoint": ck.path, "model": model.model_name or model.name, "source_format": source.name,
@@ -428,8 +454,8 @@ def advise(ck: Checkpoint, engine_specs: list[str], gpu: str, tp: int = 1, ep: i
             "dims": asdict(dims), "answers": answers}
 
 
-def _answer(checkpoint: str, model: ModelSpec, spec: str, source_fmt: str, mtp_fmt: str | None, blocks: list[Block],
-            gpu: str, tp: int, ep: int, dims: Dims, errors: dict, weigh: tuple[str, ...]) -> dict:
+def _answer(checkpoint: str, config: dict, model: ModelSpec, spec: str, source_fmt: str, mtp_fmt: str | None,
+            blocks: list[Block], gpu: str, tp: int, ep: int, dims: Dims, errors: dict, weigh: tuple[str, ...]) -> dict:
     name, named = engines.parse_spec(spec)
     version, how = (named, "named") if named else engines.resolve(name)[1:]
     head = {"engine": name, "release": version, "chosen_as": how, "gpu": gpu, "gpu_family": GPU_FAMILIES[gpu],
@@ -437,8 +463,11 @@ def _answer(checkpoint: str, model: ModelSpec, spec: str, source_fmt: str, mtp_f
     has_drafter = mtp_fmt is not None
 
     def judge(rules: EngineRules, cand: Candidate, at: Dims = dims) -> PathVerdict:   # a release's verdict on a path
-        mtp_as = mtp_fmt if not cand.convert else rules.mtp_format(cand.fmt)
-        return judge_path(cand, model, rules, gpu, blocks, mtp_as, tp, ep, at)
+        if cand.convert:   # what requant would write: the drafter format the release expects
+            return judge_path(cand, model, rules, gpu, blocks, rules.mtp_format(cand.fmt), tp, ep, at)
+        loads = drafter_loads(rules, model, config, {b.name: b.codec.name for b in blocks if b.codec}, source_fmt)
+        worst = next((each for each in loads.values() if each[0] != each[1]), next(iter(loads.values()), None))
+        return judge_path(cand, model, rules, gpu, blocks, mtp_fmt, tp, ep, at, worst)
 
     try:
         rules = model.engine(name, version)
@@ -560,7 +589,8 @@ def _format_path(lines: list[str], p: dict) -> None:
         lines.append(f"      without flags: {p['auto']['backend']}")
     if p["mtp"]:
         m = p["mtp"]
-        lines.append(f"      drafter:     {m['method']}: {m['backend']}" + ("" if m.get("runs", True)
+        lines.append(f"      drafter:     {m['method']}: {m['backend']}"
+                     + (f" ({WRONG_RESULT})" if m.get("outcome") == WRONG_RESULT else "" if m.get("runs", True)
                      else " (no kernel here: serve without speculative decoding)") + (f"; {m['note']}" if m.get("note") else ""))
     if p["layer_error"]:
         e = p["layer_error"]

@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from requant import synth
-from requant.advise import advise
+from requant.advise import DRAFTS_GARBAGE, advise
 from requant.convert import convert
+from requant.engines import RUNS, WRONG_RESULT
 from requant.io.checkpoint import Checkpoint
 from requant.model import ModelSpec
 from requant.targets import Options
@@ -138,18 +139,38 @@ def test_an_older_release_without_dspark_rules_is_not_checked_not_passed(publish
     assert not result["ok"] and [f["code"] for f in result["findings"] if f["severity"] == "error"] == ["mtp-format"]
 
 
+@pytest.mark.parametrize("release", RELEASES)
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_advise_reads_each_layout_and_runs_it_as_it_is(published, name):
-    """advise on each repack: the drafter's format read from its tensors, the layout runs as it is on
-    both engines' loader releases, and SGLang names its MXFP4 method for the drafter (its stages and
-    NextN block are always MXFP4 there). advise's drafter line does not yet follow vLLM's ignore rule
-    nor flag SGLang's refusal of a cast drafter, which verify does (docs/models section 8.3)."""
+def test_advise_judges_the_drafter_as_verify_does(published, name, release):
+    """advise on each repack as it is: the drafter's method is the one for the format verify's rule
+    says the release loads it in (vLLM: quantization_config.ignore; SGLang: always MXFP4), and where
+    that is not the stored format (verify's mtp-format error) the drafter starts with a wrong result
+    and the costs say so; the main layers run either way."""
     _, dst = published[name]
     with Checkpoint.open(dst) as ck:
-        answer = advise(ck, ["vllm==0.34.0", "sglang==0.5.23"], "sm_100")
+        answer = advise(ck, [release], "sm_100")
+        rules = ModelSpec.for_checkpoint(ck).engine(*release.split("=="))
+    (engine,) = answer["answers"]
     assert answer["source_format"] == "nvfp4" and answer["mtp_format"] == _drafter_format(dst)
-    for engine in answer["answers"]:
-        as_is = next(p for p in engine["paths"] if p["path"].startswith("as it is") and not p["flags"])
-        assert engine["status"] == "checked" and as_is["outcome"] == "runs", (engine["engine"], as_is)
-        if engine["engine"] == "sglang":
-            assert as_is["mtp"]["method"].startswith("Mxfp4"), as_is["mtp"]
+    as_is = next(p for p in engine["paths"] if p["path"] == "as it is (nvfp4)")
+    garbage = "mtp-format" in [f["code"] for f in verify(dst, engine=release, progress=False)["findings"]]
+    loaded = {rules.mtp_format_for("nvfp4", b, _quantization(dst)["ignore"]) for b in ("mtp.0",)}
+    assert engine["status"] == "checked" and as_is["outcome"] == RUNS, as_is
+    assert as_is["mtp"]["method"].startswith("Mxfp4" if loaded == {"mxfp4"} else "ModelOptNvFp4"), as_is["mtp"]
+    assert (as_is["mtp"]["outcome"] == WRONG_RESULT) == garbage and as_is["drafter_kept"] == (not garbage)
+    assert (DRAFTS_GARBAGE in as_is["gives_up"]) == garbage, as_is["gives_up"]
+
+
+def test_advise_names_the_two_drafters_section_8_3_found(published):
+    """docs/models/deepseek-v4-family.md 8.3: V4-Flash-NVFP4 lists mtp.* in ignore, so vLLM 0.34.0
+    gives its MTP experts Mxfp4MoEMethod; SGLang loads the cast DSpark drafter as MXFP4."""
+    with Checkpoint.open(published["V4-Flash-NVFP4"][1]) as ck:
+        (vllm,) = advise(ck, ["vllm==0.34.0"], "sm_100")["answers"]
+    as_is = next(p for p in vllm["paths"] if p["path"] == "as it is (nvfp4)")
+    assert as_is["mtp"]["method"] == "Mxfp4MoEMethod" and as_is["drafter_kept"]
+    with Checkpoint.open(published["0813-nvfp4-DSpark"][1]) as ck:
+        (sglang,) = advise(ck, ["sglang==0.5.23"], "sm_100")["answers"]
+    as_is = next(p for p in sglang["paths"] if p["path"] == "as it is (nvfp4)")
+    assert as_is["mtp"]["outcome"] == WRONG_RESULT and "loads them as MXFP4" in as_is["mtp"]["note"]
+    if sglang["recommendation"]["choice"] == as_is["path"]:
+        assert DRAFTS_GARBAGE in sglang["recommendation"]["verdict"]

@@ -134,6 +134,21 @@ def fp8_linear_problems(rules: EngineRules, qc: dict, scale_names: set[str]) -> 
     return problems
 
 
+def drafter_loads(rules: EngineRules, model: ModelSpec, config: dict, formats_by_block: dict[str, str],
+                  dominant: str) -> dict[str, tuple[str, str]]:
+    """MTP/drafter block -> (the format its experts are stored in, the format this release loads
+    them in), for a checkpoint whose main experts are `dominant`: the release's per-block rule,
+    given the checkpoint's quantization_config.ignore (`EngineRules.mtp_format_for`). Blocks the
+    rules say nothing of are left out."""
+    ignore = (config.get("quantization_config") or {}).get("ignore")
+    found = {}
+    for block, fmt in formats_by_block.items():
+        loaded = rules.mtp_format_for(dominant, block, ignore) if model.is_mtp(block) else None
+        if loaded:
+            found[block] = (fmt, loaded)
+    return found
+
+
 def judge(rules: EngineRules, model: ModelSpec, config: dict, formats_by_block: dict[str, str], dominant: str,
           spans: dict[tuple[str, str], MarlinSpan], gpu: str | None,
           fp8_scale_names: set[str] = frozenset()) -> tuple[EngineVerdict, list[tuple]]:
@@ -150,10 +165,8 @@ def judge(rules: EngineRules, model: ModelSpec, config: dict, formats_by_block: 
     refusal = rules.refusal(dominant)
     if refusal:
         problem("engine-unsupported", f"cannot serve {dominant} experts: {refusal}")
-    ignore = (config.get("quantization_config") or {}).get("ignore")
-    for block, fmt in formats_by_block.items():
-        expected_mtp = rules.mtp_format_for(dominant, block, ignore)
-        if model.is_mtp(block) and expected_mtp and fmt != expected_mtp:
+    for block, (fmt, expected_mtp) in drafter_loads(rules, model, config, formats_by_block, dominant).items():
+        if fmt != expected_mtp:
             problem("mtp-format", f"loads the MTP block's experts as {expected_mtp.upper()} but they are "
                     f"{fmt.upper()}: no error, garbage drafts ({rules.mtp_evidence(dominant)}); "
                     f"reconvert with --engine {rules.name}", model.experts_module(block))
