@@ -301,7 +301,7 @@ def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_sc
               help="The named model SRC is; default: detected from config.json and the tensor names. A model of "
                    "another kind than the checkpoint's is refused.")
 @click.option("--drafter", "--mtp", "mtp", type=click.Choice(["keep", "convert"]), default=None,
-              help="The drafter's (MTP block's or DSpark stages') routed experts. keep: they stay MXFP4, listed "
+              help="The drafter's routed experts (its MTP block or draft stages). keep: they stay MXFP4, listed "
                    "in the output's ignore; convert: they become --out's format as the main experts do, ignore "
                    "leaving them out. "
                    "Default: what --engine's release loads them as (requant.engines: formats.<fmt>.mtp_experts). "
