@@ -448,7 +448,7 @@ def advise(ck: Checkpoint, engine_specs: list[str], gpu: str, tp: int = 1, ep: i
     dims = checkpoint_dims(model, blocks)
     answers = [_answer(ck.path, ck.config, model, spec, source.name, mtp_fmt.name if mtp_fmt else None, blocks, gpu, tp, ep,
                        dims, errors, PREFER[prefer])
-               for spec in engine_specs or model.engine_names]
+               for spec in engine_specs or model.engine_names or engines.engine_names()]   # none: each "not checked"
     return {"checkpoint": ck.path, "model": model.model_name or model.name, "source_format": source.name,
             "mtp_format": mtp_fmt.name if mtp_fmt else None, "basis": FROM_CODE,
             "dims": asdict(dims), "answers": answers}

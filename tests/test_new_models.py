@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from requant import synth
+from requant.advise import advise, format_advice
 from requant.convert import convert, plan_conversion
 from requant.describe import inspect_checkpoint
+from requant.engines import NOT_CHECKED
 from requant.errors import UnsupportedCheckpoint
 from requant.io.checkpoint import Checkpoint
 from requant.model import ModelSpec, named_models
@@ -570,6 +572,29 @@ def test_vision_exp_small_synthesizes_and_convert_names_the_missing_engine_rules
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert "requant has no rules for deepseek_v4_vision models" in lines[0]
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_vision_exp_without_engine_rules_is_not_checked_by_verify_or_advise(tmp_path):
+    """No engine release has rules for Vision-Exp: verify says so per engine (a warning, "not
+    checked"), not "no engine loads it" with no warning behind it; advise answers each engine with
+    "not checked" and the reason instead of printing only its header."""
+    src = str(tmp_path / "vx")
+    synth.write_checkpoint(src, synth.Dims(VISION), seed=3)
+    result = verify(src, progress=False)
+    found = [(f["severity"], f["code"]) for f in result["findings"] if f["severity"] != "info"]
+    assert result["ok"] and found == [("warning", "no-engine-rules")] * 2, result["findings"]
+    for name in ("vllm", "sglang"):
+        assert result["engines"][name]["checked"] is False and result["engines"][name]["loads"] is None
+        message = next(f["message"] for f in result["findings"] if f["examples"] == [name])
+        assert message.startswith("not checked: ") and "no rules for deepseek_v4_vision models in any" in message
+    with Checkpoint.open(src) as ck:
+        answer = advise(ck, [], "sm_100")
+    assert sorted(a["engine"] for a in answer["answers"]) == ["sglang", "vllm"]
+    text = format_advice(answer).splitlines()
+    for a in answer["answers"]:
+        verdict = a["recommendation"]["verdict"]
+        assert a["status"] == NOT_CHECKED and verdict.startswith("not checked: ") and "deepseek_v4_vision" in verdict
+        assert f"  => {verdict}" in text
 
 
 def test_a_recipe_base_may_have_its_own_base_and_a_circle_is_refused():

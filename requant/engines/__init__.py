@@ -485,8 +485,10 @@ def rules_for(recipe: dict, engine: str, version: str | None = None) -> EngineRu
     data = release_data(name, checked)
     family = recipe.name
     if family not in data["models"]:
-        raise UnsupportedError(f"{data['label']} {checked}: requant has no rules for {family} models "
-                               f"(it has: {', '.join(data['models'])})")
+        anywhere = any(family in release_data(name, v)["models"] for v in releases(name))
+        raise UnsupportedError(f"{data['label']} {checked}: requant has no rules for {family} models"
+                               + ("" if anywhere else f" in any {data['label']} release")
+                               + f" (it has: {', '.join(data['models'])})")
     release, build_note = release_of(version)
     if release == checked:
         version = checked

@@ -22,22 +22,24 @@ def judge_engines(ctx: Context, layout: Layout, seen: Observed, engine: str | No
     model, out = ctx.model, ctx.out
     made_for = _made_for(ctx) or {}
     if engine:
-        try:
-            judged = [model.engine(engine)]
-        except UnsupportedError as e:   # no rules of that release for this model: said, not a usage error
-            name, version = engines.parse_spec(engine)
-            out.add("warning", "no-engine-rules", f"{engines.NOT_CHECKED}: {e}", name)
-            verdict = EngineVerdict(name, version or "", name, checked=False, loads=None)
-            return {name: asdict(verdict) | {"no_rules": str(e)}}
+        asked = [(engine, None)]
     elif made_for.get("name") in model.engine_names:
         # the release it was made for, unless another release of that engine is installed here
         name = made_for["name"]
-        judged = [model.engine(name, None if engines.installed_version(name) else made_for.get("version"))]
-    else:
-        judged = [model.engine(name) for name in model.engine_names]
-    strict = len(judged) == 1
+        asked = [(name, None if engines.installed_version(name) else made_for.get("version"))]
+    else:   # every engine with rules for the model; with none, every engine, each then "not checked"
+        asked = [(name, None) for name in model.engine_names or engines.engine_names()]
+    strict = len(asked) == 1
+    judged, verdicts = [], {}
+    for spec, version in asked:
+        try:
+            judged.append(model.engine(spec, version))
+        except UnsupportedError as e:   # no rules of that release for this model: said, not a usage error
+            name, named = engines.parse_spec(spec)
+            out.add("warning", "no-engine-rules", f"{engines.NOT_CHECKED}: {e}", name)
+            verdict = EngineVerdict(name, named or version or "", name, checked=False, loads=None)
+            verdicts[name] = asdict(verdict) | {"no_rules": str(e)}
     scale_names = fp8_linear_scale_names(ctx)
-    verdicts = {}
     for rules in judged:
         verdict, found = judge(rules, model, ctx.ck.config, layout.formats_by_block, layout.main.name,
                                seen.spans, gpu, scale_names)
@@ -51,7 +53,7 @@ def judge_engines(ctx: Context, layout: Layout, seen: Observed, engine: str | No
             severity = ("info" if code in _INFO_CODES else "warning" if code in _WARNING_CODES
                         else "error" if strict else "warning")
             out.add(severity, code, message, where, detail)
-    if not strict and not any(v["loads"] for v in verdicts.values()):
+    if not strict and judged and not any(verdicts[rules.name]["loads"] for rules in judged):
         out.add("error", "no-engine", "no engine release requant knows loads this checkpoint correctly (see the "
                 "warnings above)")
     return verdicts
