@@ -454,6 +454,14 @@ def advise(ck: Checkpoint, engine_specs: list[str], gpu: str, tp: int = 1, ep: i
             "dims": asdict(dims), "answers": answers}
 
 
+def _without_paths(status: str, caveat: str, verdict: str, outcome: str, lead: dict | None) -> dict:
+    """An answer with no path to judge (no rules for the model, or a release before the first that
+    serves it): its status and caveat, and a recommendation that chooses nothing."""
+    return {"status": status, "checked": False, "caveat": caveat, "paths": [], "upgrade": lead,
+            "recommendation": {"verdict": verdict, "outcome": outcome, "choice": None, "command": "", "flags": "",
+                               "env": "", "gives_up": [], "reasons": []}}
+
+
 def _answer(checkpoint: str, config: dict, model: ModelSpec, spec: str, source_fmt: str, mtp_fmt: str | None,
             blocks: list[Block], gpu: str, tp: int, ep: int, dims: Dims, errors: dict, weigh: tuple[str, ...]) -> dict:
     name, named = engines.parse_spec(spec)
@@ -472,17 +480,13 @@ def _answer(checkpoint: str, config: dict, model: ModelSpec, spec: str, source_f
     try:
         rules = model.engine(name, version)
     except UnsupportedError as e:   # no rules of this engine for the model: not checked, never "does not start"
-        return head | {"status": NOT_CHECKED, "checked": False, "caveat": str(e), "paths": [], "upgrade": None,
-                       "recommendation": {"verdict": f"{NOT_CHECKED}: {e}", "outcome": NOT_CHECKED, "choice": None,
-                                          "command": "", "flags": "", "env": "", "gives_up": [], "reasons": []}}
+        return head | _without_paths(NOT_CHECKED, str(e), f"{NOT_CHECKED}: {e}", NOT_CHECKED, None)
     first = engines.first_serving(name, model.name)
     if first and engines.version_key(engines.release_of(version)[0]) < engines.version_key(first):
         lead = upgrade(model, rules, source_fmt, gpu, None, has_drafter, judge)
         verdict = f"{rules.release_label} does not serve {model.model_name or model.name} models (first release that does: {first})"
-        return head | {"status": "does not serve", "checked": False, "caveat": verdict, "paths": [], "upgrade": lead,
-                       "recommendation": {"verdict": verdict + (f"; {lead['text']}" if lead else ""),
-                                          "outcome": DOES_NOT_START, "choice": None, "command": "", "flags": "",
-                                          "env": "", "gives_up": [], "reasons": []}}
+        return head | _without_paths("does not serve", verdict, verdict + (f"; {lead['text']}" if lead else ""),
+                                     DOES_NOT_START, lead)
     paths = []
     for cand in candidates(checkpoint, source_fmt, rules):
         paths += [judge(rules, each) for each in (cand, *opted_in(cand, rules, gpu))]
