@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import difflib
 import hashlib
+import importlib
+import logging
 import os
 import re
 import struct
@@ -23,8 +25,10 @@ from requant.errors import CheckpointError, RequantError
 from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, read_json, resolve_inside, shard_names_of
 from requant.io.safetensors import MAX_HEADER_BYTES, Header, parse_header
 
+log = logging.getLogger(__name__)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_DOWNLOAD_TRIES = 3
 HUB_PREFIX = "hf://"   # names a Hub repository explicitly, even where a local folder shares its owner's name
 _TRUE = ("1", "ON", "YES", "TRUE")
 
@@ -94,24 +98,32 @@ def _hub_error(what: str, e: BaseException) -> RequantError:
     return RequantError(f"{what} failed: {_first_line(e)}")
 
 
+def _http_errors() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(any failure, failure to connect or a connection broken off) of the HTTP client this
+    huggingface_hub raises from: httpx in its 1.x, httpx2 from 2.0 (pyproject asks for >= 1.0)."""
+    import huggingface_hub
+
+    client = importlib.import_module("httpx" if huggingface_hub.__version__.startswith("1.") else "httpx2")
+    return (client.HTTPError,), (client.TransportError,)
+
+
 def call(what: str, fn):
     """Run a huggingface_hub call; its failures become one-line RequantErrors."""
-    import httpx2
-
+    any_failure, _ = _http_errors()
     try:
         return fn()
     except RequantError:
         raise
-    except (OSError, ValueError, httpx2.HTTPError) as e:   # HfHubHTTPError is an OSError
+    except (OSError, ValueError, *any_failure) as e:   # HfHubHTTPError is an OSError
         raise _hub_error(what, e) from None
 
 
 def _unreachable(e: BaseException) -> bool:
     """A failure to reach the Hub at all (no network, DNS, refused), as opposed to its answer."""
-    import httpx2
     from huggingface_hub.errors import OfflineModeIsEnabled
 
-    return isinstance(e, (httpx2.TransportError, OfflineModeIsEnabled, ConnectionError))
+    _, no_connection = _http_errors()
+    return isinstance(e, (*no_connection, OfflineModeIsEnabled, ConnectionError))
 
 
 @contextlib.contextmanager
@@ -150,11 +162,10 @@ class HubSource:
         if offline():
             self._from_cache(revision, "HF_HUB_OFFLINE is set")
             return
-        import httpx2
-
+        any_failure, _ = _http_errors()
         try:
             info = HfApi(**_endpoint()).model_info(repo, revision=revision, token=token)
-        except (OSError, ValueError, httpx2.HTTPError) as e:
+        except (OSError, ValueError, *any_failure) as e:
             if not _unreachable(e):
                 raise _hub_error(f"{self.not_local}looking up {repo} on the Hub", e) from None
             self._from_cache(revision, f"the Hub is unreachable ({_first_line(e)})")
@@ -251,9 +262,20 @@ class HubSource:
         from huggingface_hub import hf_hub_download
 
         target = resolve_inside(staging, name)
-        path = call(f"downloading {self.repo}/{name}", lambda: hf_hub_download(
-            self.repo, name, revision=self.commit, local_dir=staging, cache_dir=self.cache_dir, token=self.token,
-            **_endpoint()))
+
+        def download():
+            # A download that breaks off is resumed from its partial file; some huggingface_hub
+            # releases do that themselves, others raise.
+            for attempt in range(1, _DOWNLOAD_TRIES + 1):
+                try:
+                    return hf_hub_download(self.repo, name, revision=self.commit, local_dir=staging,
+                                           cache_dir=self.cache_dir, token=self.token, **_endpoint())
+                except Exception as e:
+                    if attempt == _DOWNLOAD_TRIES or not _unreachable(e):
+                        raise
+                    log.info("download of %s/%s broke off (%s): resuming, try %d of %d", self.repo, name,
+                             _first_line(e), attempt + 1, _DOWNLOAD_TRIES)
+        path = call(f"downloading {self.repo}/{name}", download)
         if os.path.realpath(path) != os.path.realpath(target):
             raise CheckpointError("download landed outside the staging folder", file=path)
         etag = self._metadata(name).etag or "" if name.endswith(".safetensors") else ""
@@ -273,8 +295,7 @@ def upload(folder: str, repo: str, token: str | None = None, private: bool = Fal
     """Upload a finished conversion (every file in `folder` but hidden ones) to Hub repository
     `repo`, creating it if needed; returns the commit URL (or the repository's, where the client
     does not say). Resumable: run again after a failure and files the Hub already holds are not
-    sent again (huggingface_hub's large-folder upload where this client has it, else its folder
-    upload, which resumes the same way)."""
+    sent again (huggingface_hub's folder upload: the Hub answers which large files it holds)."""
     from huggingface_hub import HfApi
     from huggingface_hub.utils import disable_progress_bars
 
@@ -287,12 +308,8 @@ def upload(folder: str, repo: str, token: str | None = None, private: bool = Fal
     api = HfApi(token=token, **_endpoint())
     call(f"creating {repo}", lambda: api.create_repo(repo, private=private, exist_ok=True))
     ignore = [".*", "**/.*"]   # journals, caches, editor files
-    large = getattr(api, "upload_large_folder", None)
     what = f"uploading {folder} to {repo} (run the same command again to resume)"
     try:
-        if large is not None:
-            call(what, lambda: large(repo, folder, repo_type="model", ignore_patterns=ignore, private=private))
-            return f"{api.endpoint}/{repo}"
         info = call(what, lambda: api.upload_folder(
             repo_id=repo, folder_path=folder, ignore_patterns=ignore,
             commit_message=message or f"requant: upload {os.path.basename(os.path.abspath(folder))}"))
