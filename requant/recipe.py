@@ -6,9 +6,12 @@ misspelt key can never be silently ignored. Fields marked `doc` are prose for pe
 evidence); every other field is read by requant (tests/test_recipe_schema.py holds both to it).
 
 A recipe may start from another (`base`): the base's JSON with this file's keys merged over it
-(objects merge key by key, anything else replaces; a base may have its own), so a release that
-changes a few facts of a family states only those. Detection and named models are not inherited; a
-named model may extend one of the base (`extends`), stating only the dimensions it adds or changes.
+(objects merge key by key, a null deletes the base's key, anything else replaces; a base may have
+its own), so a release that changes a few facts of a family states only those. A null where the
+base has no such key is refused (it deletes nothing, so it is most likely misspelt); a null inside
+an object the base lacks is a value, kept as written (a file template may hold one). Detection and
+named models are not inherited; a named model may extend one of the base (`extends`), stating only
+the dimensions it adds or changes.
 """
 
 from __future__ import annotations
@@ -299,11 +302,21 @@ def _build_dataclass(cls, value, where: str):
     return built
 
 
-def _merge(base, patch):
-    """`patch` over `base`: objects key by key, anything else replaced."""
-    if isinstance(base, dict) and isinstance(patch, dict):
-        return {**base, **{k: _merge(base[k], v) if k in base else v for k, v in patch.items()}}
-    return patch
+def _merge(base, patch, where: str = ""):
+    """`patch` over `base`: objects key by key, a null deleting the base's key, anything else replaced.
+    A null for a key the base lacks deletes nothing: refused, as a misspelt key would go unnoticed."""
+    if not (isinstance(base, dict) and isinstance(patch, dict)):
+        return patch
+    merged = dict(base)
+    for k, v in patch.items():
+        path = f"{where}.{k}" if where else k
+        if v is None and k not in base:
+            raise ValueError(f"{path}: null deletes a key of the base, which has no such key here")
+        if v is None:
+            del merged[k]
+        else:
+            merged[k] = _merge(base[k], v, path) if k in base else v
+    return merged
 
 
 # What a recipe never takes from its base: how its checkpoints are told apart, and its named models.

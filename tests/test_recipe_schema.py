@@ -148,6 +148,61 @@ def test_a_recipe_with_a_base_states_only_what_it_changes():
         parse({k: v for k, v in raw.items() if k != "detect"}, "variant.json", {"deepseek_v4.json": _deepseek()})
 
 
+def _variant(**keys) -> dict:
+    return {"base": "deepseek_v4.json", "name": "variant", "detect": {"model_type": "variant", "architectures": ["V"]},
+            "models": {}, **keys}
+
+
+def test_a_null_deletes_the_base_s_key():
+    raw = _variant(router={"tensors": {"token_table": None}},
+                   outputs={"w4a16": {"ignore": None, "evidence": None, "refused": "not established"}},
+                   synth={"files": {"config.json": {"num_hash_layers": None, "vision_config": {"max_wh_ratio": None}},
+                                    "inference/config.json": None}})
+    recipe = parse(raw, "variant.json", {"deepseek_v4.json": _deepseek()})
+    base = parse(_deepseek(), "deepseek_v4.json", {})
+    assert "token_table" in base.router.tensors and set(recipe.router.tensors) == set(base.router.tensors) - {"token_table"}
+    assert base.outputs["w4a16"].ignore and recipe.outputs["w4a16"].ignore == []   # deleted: the schema's default
+    assert recipe.outputs["w4a16"].refused == "not established"
+    files = recipe.synth.files
+    assert "num_hash_layers" in base.synth.files["config.json"] and "num_hash_layers" not in files["config.json"]
+    assert set(files) == set(base.synth.files) - {"inference/config.json"}
+    # inside an object the base lacks a null is a value, as a file template may hold one
+    assert files["config.json"]["vision_config"] == {"max_wh_ratio": None}
+
+
+@pytest.mark.parametrize("keys, where", [
+    ({"router": {"tensors": {"token_tabel": None}}}, "router.tensors.token_tabel"),
+    ({"synth": {"files": {"config.json": {"num_hash_layer": None}}}}, "synth.files.config.json.num_hash_layer"),
+    ({"stacked_parts": None}, "stacked_parts"),
+])
+def test_a_null_for_a_key_the_base_lacks_is_refused_in_one_line(keys, where):
+    """It deletes nothing, so it is most likely a misspelt key that would leave the base's in place."""
+    with pytest.raises(RecipeError) as e:
+        parse(_variant(**keys), "variant.json", {"deepseek_v4.json": _deepseek()})
+    assert str(e.value) == f"recipe variant.json: {where}: null deletes a key of the base, which has no such key here"
+
+
+def _repeated(base: dict, own: dict, path: str = "") -> list[str]:
+    """Keys of `own` whose value is the base's at the same path."""
+    found = []
+    for k, v in own.items():
+        if k in base and base[k] == v:
+            found.append(path + k)
+        elif k in base and isinstance(v, dict) and isinstance(base[k], dict):
+            found += _repeated(base[k], v, f"{path}{k}.")
+    return found
+
+
+def test_a_recipe_with_a_base_repeats_none_of_its_values():
+    raw = _raw()
+    for name, data in raw.items():
+        if "base" in data:
+            base = schema._resolved(raw[data["base"]], raw, (data["base"],))
+            inherited = {k: v for k, v in base.items() if k not in schema._OWN}
+            assert _repeated(inherited, data) == [], name
+    assert _repeated({"a": {"b": 1, "c": 2}, "d": [1]}, {"a": {"b": 1, "c": 3}, "d": [1]}) == ["a.b", "d"]
+
+
 def test_loading_refuses_a_broken_recipe_file_in_one_line(tmp_path, monkeypatch):
     """A recipe directory with a misspelt key: loading says which file and key, in one line."""
     for name, raw in _raw().items():
