@@ -437,7 +437,7 @@ def advise(ck: Checkpoint, engine_specs: list[str], gpu: str, tp: int = 1, ep: i
     """The answer for checkpoint `ck` (headers and config only) on each engine release and `gpu`."""
     engines.check_gpu(gpu)
     errors = errors or {}
-    model = ModelSpec.for_checkpoint(ck)
+    model = ModelSpec.for_checkpoint(ck, identify=True)
     index = ExpertIndex(model, ck)
     source = index.main_codec
     if source is None:

@@ -25,9 +25,9 @@ def inspect_checkpoint(path: str) -> dict:
                 by_dtype[info.spec.dtype][0] += 1
                 by_dtype[info.spec.dtype][1] += info.nbytes
         try:
-            model = ModelSpec.for_checkpoint(ck)
-        except RequantError:
-            model = None
+            model, no_recipe = ModelSpec.for_checkpoint(ck, identify=True), None
+        except RequantError as e:
+            model, no_recipe = None, str(e)
         index = ExpertIndex(model, ck) if model else None
         blocks, drafter_blocks = defaultdict(set), defaultdict(set)
         for block in index.blocks.values() if index else ():
@@ -41,6 +41,7 @@ def inspect_checkpoint(path: str) -> dict:
             "path": os.path.abspath(path),
             "model_type": ck.config.get("model_type"),
             "recipe": model.name if model else None,
+            "no_recipe": no_recipe,   # why none is read
             "model": model.model_name if model else None,
             "expert_format": main.name if main else None,
             "expert_blocks_by_format": {fmt: len(b) for fmt, b in sorted(blocks.items())},
@@ -85,6 +86,8 @@ def format_report(info: dict) -> str:
         f"shards         {info['shards']}  tensors {info['tensors']:,}",
         f"bytes          tensor data {info['tensor_bytes']:,}; shard file sizes {info['file_bytes']:,}",
     ]
+    if info["no_recipe"]:
+        lines.insert(2, f"no recipe      {info['no_recipe']}")
     if info["index_total_size"] is not None and info["index_total_size"] != info["tensor_bytes"]:
         lines.append(f"WARNING        index total_size {info['index_total_size']:,} differs from the shards' tensor data")
     lines.append("dtypes")

@@ -23,6 +23,7 @@ from pathlib import Path
 from requant import engines, expressions, moe
 from requant.errors import FormatError, RequantError, UnsupportedCheckpoint, UnsupportedError
 from requant.formats.nvfp4 import CODEC as _NVFP4
+from requant.io import identity
 from requant.recipe import NamedModel, Recipe, parse
 
 MAIN_KIND = "layer"   # the recipe's block kind of the model's own layers; every other kind is a drafter's
@@ -157,6 +158,19 @@ def detect(config: dict, where: str = "config.json", names=None) -> Recipe:
     raise UnsupportedCheckpoint(f"{where}: {seen} has no recipe (supported: {known})")
 
 
+def refuse_unknown_revision(recipe: Recipe, where: str, seen: list[tuple[str, str]]) -> None:
+    """Refuse in one line a checkpoint that names itself (`seen`: (text, where it says so) pairs)
+    as one of the recipe's `unknown_revisions`, which no public config tells apart."""
+    for revision in recipe.unknown_revisions:
+        named = re.compile(rf"(?<![\w.]){re.escape(revision.name)}(?![\w.])", re.IGNORECASE)
+        for text, place in seen:
+            if named.search(text):
+                raise UnsupportedCheckpoint(
+                    f"{where}: {text[:120]} ({place}): no public config of {revision.name} was found "
+                    f"({revision.see}), so requant has no recipe for it; if it matches {revision.like}, "
+                    f"--model {revision.like} reads it as that")
+
+
 class ModelSpec:
     def __init__(self, recipe: Recipe, config: dict):
         self.recipe = recipe
@@ -176,11 +190,18 @@ class ModelSpec:
         return spec
 
     @classmethod
-    def for_checkpoint(cls, checkpoint, where: str | None = None, model: str | None = None) -> "ModelSpec":
+    def for_checkpoint(cls, checkpoint, where: str | None = None, model: str | None = None,
+                       identify: bool = False) -> "ModelSpec":
         """for_config() with the checkpoint's config.json and tensor names; `where` names the
-        checkpoint in messages (default: its path)."""
-        return cls.for_config(checkpoint.config, os.path.join(where or checkpoint.path, "config.json"),
+        checkpoint in messages (default: its path). `identify`: also refuse a checkpoint that names
+        itself a revision its recipe knows only by name, unless `model` says what to read it as."""
+        spec = cls.for_config(checkpoint.config, os.path.join(where or checkpoint.path, "config.json"),
                               checkpoint.names, model)
+        # a conversion's output is read as the model its conversion was told or found
+        if identify and model is None and identity.recorded_model(checkpoint.path) not in spec.recipe.models:
+            refuse_unknown_revision(spec.recipe, where or checkpoint.path,
+                                    identity.names_seen(checkpoint.path, checkpoint.config))
+        return spec
 
     def _override(self, model: str, where: str, names) -> None:
         models = named_models()

@@ -112,7 +112,7 @@ class Plan:
 def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: str | None = None) -> Plan:
     """The plan for converting `source`'s routed experts to `out_format`; `in_format`, when given,
     is the format the caller expects them in (None: whatever they are stored as)."""
-    model = ModelSpec.for_checkpoint(source, model=options.model)
+    model = ModelSpec.for_checkpoint(source, model=options.model, identify=True)
     _check_config_values(model)
     index = ExpertIndex(model, source)
     found = index.main_codec

@@ -122,6 +122,18 @@ class NamedModel:
 
 
 @dataclass(frozen=True)
+class UnknownRevision:
+    """A revision of the family known only by its name: no public config tells its checkpoints
+    apart, so one that names itself so (its Hub repository, `_name_or_path`, its model card) is
+    refused unless --model names the model it is to be read as."""
+
+    name: str    # as its releases are named, e.g. DeepSeek-V4.1-Flash-1017 (matched case-insensitively)
+    like: str    # the named model of this recipe it may match (what --model would read it as)
+    see: str     # where the search for its config is recorded
+    evidence: str = doc()
+
+
+@dataclass(frozen=True)
 class TensorEntry:
     """One entry of a synth template: a tensor (`name` with `dtype` or `format`, and `shape`), a
     named group of entries (`group`, binding `with`), or a loop (`for` over `count`, `tensors`)."""
@@ -210,6 +222,7 @@ class Recipe:
     block_config_keys: dict[str, dict[str, str]] = field(default_factory=dict)   # block kind -> role -> key,
                                                    # where a kind of block has its own (a drafter's experts)
     base: Union[str, None] = None
+    unknown_revisions: list[UnknownRevision] = field(default_factory=list)
     description: str = doc()
     evidence: dict[str, str] = doc(dict)   # field name -> where the fact comes from
 
@@ -395,6 +408,9 @@ def _check_recipe(recipe: Recipe) -> None:
         stray = sorted(set(roles) - set(recipe.config_keys))
         if stray:
             raise ValueError(f"block_config_keys.{kind}.{stray[0]}: not a role of config_keys")
+    for i, revision in enumerate(recipe.unknown_revisions):
+        if revision.like not in recipe.models:
+            raise ValueError(f"unknown_revisions[{i}].like: {revision.like!r} is not one of models")
     defaults = [name for name, m in recipe.models.items() if m.default]
     if len(defaults) > 1:
         raise ValueError(f"models: {', '.join(defaults)} are all marked default")

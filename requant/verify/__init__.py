@@ -73,7 +73,7 @@ def _check(path: str, deep: bool = False, source: str | None = None, progress: b
     if ck is not None:
         try:
             try:
-                model = ModelSpec.for_checkpoint(ck)
+                model = ModelSpec.for_checkpoint(ck, identify=files is None)   # not convert's check of its own output
             except RequantError as e:
                 out.add("error", "model", "no recipe for this model; expert checks skipped", detail=str(e))
             else:
