@@ -508,6 +508,7 @@ def _answer(checkpoint: str, config: dict, model: ModelSpec, spec: str, source_f
     return head | {"status": status, "checked": rules.checked, "rules_release": rules.checked_version,
                    "scope": scope, "what_was_checked": rules_checked_text(name, rules.checked_version, scope),
                    "build_note": rules.build_note, "caveat": rules.caveat, "upgrade": lead,
+                   "vision": rules.vision_summary,
                    "paths": [_path_json(p, errors, rules, fastest_speed(paths)) for p in paths],
                    "recommendation": recommendation,
                    "at_full_scale": at_full}
@@ -549,6 +550,8 @@ def format_advice(result: dict) -> str:
             lines.append(f"  WARNING: {a['caveat']}")
         elif a.get("what_was_checked"):
             lines.append(f"  checked: {a['what_was_checked']}")
+        if a.get("vision"):
+            lines.append(f"  vision: {a['vision']}")
         for p in a["paths"]:
             _format_path(lines, p)
         r = a["recommendation"]

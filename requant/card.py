@@ -141,9 +141,12 @@ def model_card(record: dict, rules: EngineRules) -> str:
                     "correctly (" + "; ".join(forced) + "). Other engines or versions may load it differently; "
                     "`requant verify DIR --engine NAME` says whether they do.")
     else:
-        made_for = (f"Made for **{rules.label}**: every tensor of this directory loads there into a parameter of the "
-                    "right kind (checked against that release's own loader code). Other engines or versions may load "
-                    "it differently; `requant verify DIR --engine NAME` says whether they do.")
+        tower = rules.vision.get("tower")
+        made_for = (f"Made for **{rules.label}**: every tensor of this directory"
+                    + (" but the vision tensors the next sentence names" if tower == "ignored" else "")
+                    + " loads there into a parameter of the right kind (checked against that release's own loader "
+                    "code). Other engines or versions may load it differently; `requant verify DIR --engine NAME` "
+                    "says whether they do." + (f" {rules.vision_summary}" if rules.vision_summary else ""))
     lines = [
         *front,
         "---",

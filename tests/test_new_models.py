@@ -16,7 +16,6 @@ from requant import synth
 from requant.advise import advise, format_advice
 from requant.convert import convert, plan_conversion
 from requant.describe import inspect_checkpoint
-from requant.engines import NOT_CHECKED
 from requant.errors import UnsupportedCheckpoint
 from requant.io.checkpoint import Checkpoint
 from requant.model import ModelSpec, named_models
@@ -557,44 +556,57 @@ def test_vision_exp_is_told_apart_from_0731():
         ModelSpec.for_config(without_key, names=names)
 
 
-def test_vision_exp_small_synthesizes_and_convert_names_the_missing_engine_rules(tmp_path):
-    """A small Vision-Exp checkpoint is detected as itself; no engine release has rules for it yet
-    (the tier has not run either engine's vision loader), so convert refuses in one line and writes
-    nothing."""
+def test_vision_exp_small_converts_the_text_model_and_the_card_says_what_each_engine_does_with_the_tower(tmp_path):
+    """A small Vision-Exp checkpoint is detected as itself and converts for the loader-tier releases
+    (their rules: vLLM serves the tower, SGLang 0.5.23 skips it and serves the text model); the vision
+    tensors are passed through byte for byte and the card says what the release does with them. A
+    release whose rules do not cover the family (vLLM 0.32.0, a selection-scope file) is refused in one line."""
     src = str(tmp_path / "vx")
     result = run_cli("synth", src, "--model", VISION)
     assert result.returncode == 0, result.stderr
     with Checkpoint.open(src) as ck:
         assert ModelSpec.for_checkpoint(ck).name == "deepseek_v4_vision"
         assert sum(n.startswith("vision.blocks.0.") for n in ck.names) == 8
-    result = run_cli("convert", src, str(tmp_path / "out"), "--out", "nvfp4")
+        vision = {n: ck.tensor(n) for n in ck.names if n.startswith(("vision.", "aligner.", "image_"))}
+    for fmt, engine, tower in (("nvfp4", "vllm==0.34.0", "served"), ("w4a16", "sglang==0.5.23", "ignored")):
+        out = str(tmp_path / f"out-{fmt}")
+        result = run_cli("convert", src, out, "--out", fmt, "--engine", engine)
+        assert result.returncode == 0, result.stderr
+        with Checkpoint.open(out) as ck:
+            assert all(torch.equal(ck.tensor(n), t) for n, t in vision.items())
+            rules = ModelSpec.for_checkpoint(ck).engine(engine)
+        assert rules.vision["tower"] == tower
+        card = open(os.path.join(out, "README.md")).read()
+        assert rules.vision_summary and rules.vision_summary in card
+    result = run_cli("convert", src, str(tmp_path / "old"), "--out", "nvfp4", "--engine", "vllm==0.32.0")
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
-    assert "requant has no rules for deepseek_v4_vision models" in lines[0]
-    assert not os.path.exists(tmp_path / "out")
+    assert "vLLM 0.32.0: requant has no rules for deepseek_v4_vision models (" in lines[0]
+    assert not os.path.exists(tmp_path / "old")
 
 
-def test_vision_exp_without_engine_rules_is_not_checked_by_verify_or_advise(tmp_path):
-    """No engine release has rules for Vision-Exp: verify says so per engine (a warning, "not
-    checked"), not "no engine loads it" with no warning behind it; advise answers each engine with
-    "not checked" and the reason instead of printing only its header."""
+def test_vision_exp_verify_and_advise_say_what_each_release_does_with_the_tower(tmp_path):
+    """verify and advise judge Vision-Exp by the loader-tier releases' rules and say, per release,
+    whether it serves the vision tower or the text model only; a release without rules for the
+    family is "not checked" (a warning), never "loads it"."""
     src = str(tmp_path / "vx")
     synth.write_checkpoint(src, synth.Dims(VISION), seed=3)
     result = verify(src, progress=False)
-    found = [(f["severity"], f["code"]) for f in result["findings"] if f["severity"] != "info"]
-    assert result["ok"] and found == [("warning", "no-engine-rules")] * 2, result["findings"]
+    assert result["ok"], result["findings"]
+    notes = {f["message"] for f in result["findings"] if f["code"] == "vision"}
     for name in ("vllm", "sglang"):
-        assert result["engines"][name]["checked"] is False and result["engines"][name]["loads"] is None
-        message = next(f["message"] for f in result["findings"] if f["examples"] == [name])
-        assert message.startswith("not checked: ") and "no rules for deepseek_v4_vision models in any" in message
+        assert result["engines"][name]["checked"] is True and result["engines"][name]["loads"] is True
+    assert any(n.startswith("SGLang 0.5.23 serves this model text-only") for n in notes), notes
+    assert any(n.startswith("vLLM 0.34.0 serves the vision tower too") for n in notes), notes
+    old = verify(src, engine="vllm==0.32.0", progress=False)
+    found = [(f["severity"], f["code"]) for f in old["findings"] if f["severity"] != "info"]
+    assert found == [("warning", "no-engine-rules")] and old["engines"]["vllm"]["loads"] is None, old["findings"]
     with Checkpoint.open(src) as ck:
         answer = advise(ck, [], "sm_100")
-    assert sorted(a["engine"] for a in answer["answers"]) == ["sglang", "vllm"]
     text = format_advice(answer).splitlines()
+    assert sorted(a["engine"] for a in answer["answers"]) == ["sglang", "vllm"]
     for a in answer["answers"]:
-        verdict = a["recommendation"]["verdict"]
-        assert a["status"] == NOT_CHECKED and verdict.startswith("not checked: ") and "deepseek_v4_vision" in verdict
-        assert f"  => {verdict}" in text
+        assert a["status"] == "checked" and a["vision"] and f"  vision: {a['vision']}" in text
 
 
 def test_a_recipe_base_may_have_its_own_base_and_a_circle_is_refused():

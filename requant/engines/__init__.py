@@ -243,6 +243,41 @@ class EngineRules:
         rules name none."""
         return dict(self.data.get("drafter", {}))
 
+    @property
+    def vision(self) -> dict:
+        """What this release does with the family's vision tower: "tower" ("served", or "ignored":
+        the model is served text-only), what it skips ("skipped": tensor patterns, an entry with
+        hash_layers_only matching only the hash-routed layers), evidence; {} for a family without one."""
+        return dict(self.data.get("vision", {}))
+
+    @property
+    def vision_summary(self) -> str:
+        """What this release does with the model's vision tower, in a sentence ('' for a family without one)."""
+        tower = self.vision.get("tower")
+        if tower == "served":
+            return (f"{self.label} serves the vision tower too: its VL wrapper takes vision.*, aligner.* and image_* "
+                    "beside the text model (requant's tier ran its name mapping) and builds the tower's linears "
+                    f"unquantized, for the BF16 they are; image inputs are accepted ({FROM_CODE}).")
+        if tower == "ignored":
+            skipped = [entry["what"] for entry in self.vision["skipped"]]
+            listed = ", ".join(skipped[:-1]) + f" and {skipped[-1]}" if len(skipped) > 1 else skipped[0]
+            return (f"{self.label} serves this model text-only: it builds no vision tower for it, and its loader "
+                    f"skips {listed} (requant's tier ran that loader); they are passed through unchanged, unused "
+                    f"there, and image inputs are not served ({FROM_CODE}).")
+        return ""
+
+    def vision_skipped(self, names, hash_layers: int) -> set[str]:
+        """The tensors among `names` this release's loader skips (`vision["skipped"]`), where the
+        first `hash_layers` main layers are hash-routed."""
+        out = set()
+        for entry in self.vision.get("skipped", ()):
+            pattern = re.compile(entry["tensors"])
+            for name in names:
+                m = pattern.search(name)
+                if m and (not entry.get("hash_layers_only") or int(name.split(".")[1]) < hash_layers):
+                    out.add(name)
+        return out
+
     def expert_probes(self, layer: int, projections: list[str]) -> dict[str, str]:
         """projection -> the module name the engine asks a compressed-tensors config about for
         layer `layer`'s routed experts (expert 0, as engines probe)."""

@@ -189,6 +189,8 @@ def judge(rules: EngineRules, model: ModelSpec, config: dict, formats_by_block: 
         if how.note:
             text += f"; {how.note}"
         found.append(("kernel", f"{rules.label}: {text} ({FROM_CODE})", None, None))
+    if rules.vision_summary:
+        found.append(("vision", rules.vision_summary, None, None))
     return verdict, found
 
 

@@ -11,7 +11,7 @@ from requant.errors import UnsupportedError
 from requant.verify.context import Context, Layout, Observed
 
 # Finding codes that stay informational or warnings whichever engine is judged.
-_INFO_CODES = ("kernel",)
+_INFO_CODES = ("kernel", "vision")
 _WARNING_CODES = ("marlin-flush", "marlin-unguarded")
 
 

@@ -28,7 +28,8 @@ def source_and_outputs(root: Path, dims: synth.Dims, seed: int, outputs: dict[st
 # small checkpoints of each model with a DSpark drafter (the DSpark files of the tier)
 DSPARK_MODELS = {"v4-0731": synth.Dims("deepseek-v4-flash-0731", layers=3, experts=6),
                  "v4-pro-0813": synth.Dims("deepseek-v4-pro-0813", layers=3, experts=6),
-                 "v41": synth.Dims("deepseek-v4.1-flash")}
+                 "v41": synth.Dims("deepseek-v4.1-flash"),
+                 "v4-vision": synth.Dims("deepseek-v4-flash-vision-exp", layers=3, hash_layers=2, experts=6)}
 
 
 def dspark_source_and_outputs(root: Path, model: str, engine: str, version: str, seed: int,

@@ -514,6 +514,7 @@ class LoadReport:
     loads: Counter = field(default_factory=Counter)           # "param <- checkpoint dtype" counts
     tensors: dict[str, dict] = field(default_factory=dict)    # experts module -> {param: tensor} after loading
     global_experts: set[str] = field(default_factory=set)     # "module.param" the method keeps for all experts on every EP rank
+    skipped: set[str] = field(default_factory=set)             # checkpoint tensors load_weights loads into nothing
     problems: list[str] = field(default_factory=list)
 
     def method(self, nextn: bool) -> set[str]:
@@ -663,7 +664,7 @@ class _Stream:
             yield name, t
 
 
-def _model_params(eng, qc, tensors, nextn, num_layers, problems, dspark=None):
+def _model_params(eng, qc, tensors, nextn, num_layers, problems, dspark=None, builds=None):
     """name -> dtype of the parameters DeepseekV4ForCausalLM(NextN) would have outside the routed
     experts. Modelled from the checkpoint, because building the model needs CUDA: each tensor
     under its remapped name (NextN: under model.decoder / model, as load_weights moves them), with
@@ -672,7 +673,8 @@ def _model_params(eng, qc, tensors, nextn, num_layers, problems, dspark=None):
     own get_quant_method gives it (Fp8LinearMethod: FP8 weight + weight_scale_inv, fp8.py;
     compressed-tensors W8A8Fp8 block: weight_scale, schemes/compressed_tensors_w8a8_fp8.py;
     unquantized: a BF16 weight); wo_a is built without quant_config, a BF16 weight, unless
-    wo_a_fp8_gemm_enabled (models/deepseek_v4.py MQALayer). Shapes are not modelled."""
+    wo_a_fp8_gemm_enabled (models/deepseek_v4.py MQALayer). Shapes are not modelled. `builds`
+    (main_model_builds) leaves out the tensors whose module the model does not build."""
     remap = eng.model.remap_weight_name_to_dpsk_hf_format
     wo_a_fp8 = eng.model_ns["wo_a_fp8_gemm_enabled"](qc)
     if dspark is not None:
@@ -685,6 +687,8 @@ def _model_params(eng, qc, tensors, nextn, num_layers, problems, dspark=None):
             continue
         n = remap(name, is_nextn=nextn, num_hidden_layers=num_layers)
         if n is None:   # a tensor the draft's own remap drops (DSpark: a confidence head it did not build)
+            continue
+        if builds is not None and not builds(n):   # a module the model does not build for this config
             continue
         if nextn and dspark is None:
             outside = any(w in n for w in ("shared_head.norm", "shared_head.head", "embed_tokens", ".e_proj", "h_proj",
@@ -717,6 +721,59 @@ def _model_params(eng, qc, tensors, nextn, num_layers, problems, dspark=None):
         else:
             problems.append(f"{mod}: gets {kind}, which the harness does not model for FP8-block weights")
     return out
+
+
+def _assigns_self(node: ast.AST, attribute: str) -> bool:
+    """`node` holds `self.<attribute> = <something other than None>`."""
+    return any(isinstance(a, ast.Assign) and not (isinstance(a.value, ast.Constant) and a.value.value is None)
+               and any(isinstance(t, ast.Attribute) and t.attr == attribute and getattr(t.value, "id", "") == "self"
+                       for t in a.targets) for a in ast.walk(node))
+
+
+@lru_cache(maxsize=None)
+def _built_when(relpath: str, cls: str, attribute: str):
+    """The condition under which `cls.__init__` builds `self.<attribute>`: the tests of the `if`s
+    whose body holds its assignment, all of them, compiled from the engine's source."""
+    c = next(n for n in _tree(relpath).body if isinstance(n, ast.ClassDef) and n.name == cls)
+    init = next(n for n in c.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    if not _assigns_self(init, attribute):
+        raise KeyError(f"{SRT}{relpath}: {cls}.__init__ never sets self.{attribute}")
+    tests = [n.test for n in ast.walk(init) if isinstance(n, ast.If) and any(_assigns_self(b, attribute) for b in n.body)]
+    test = ast.BoolOp(ast.And(), tests) if len(tests) > 1 else tests[0] if tests else ast.Constant(True)
+    return compile(ast.fix_missing_locations(ast.Expression(test)), f"{SRT}{relpath}:{cls}.__init__", "eval")
+
+
+@lru_cache(maxsize=None)
+def _passed_as(relpath: str, cls: str, keyword: str):
+    """The expression `cls.__init__` passes as argument `keyword` (a sub-module's constructor flag)."""
+    c = next(n for n in _tree(relpath).body if isinstance(n, ast.ClassDef) and n.name == cls)
+    init = next(n for n in c.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    value = next(k.value for n in ast.walk(init) if isinstance(n, ast.Call) for k in n.keywords if k.arg == keyword)
+    return compile(ast.Expression(value), f"{SRT}{relpath}:{cls}.__init__", "eval")
+
+
+def main_model_builds(hf) -> typing.Callable[[str], bool]:
+    """Whether DeepseekV4ForCausalLM, built for config `hf`, has parameter `name` (a remapped name)
+    among those a checkpoint may carry beside the text model: the vision tower, aligner and image
+    vectors, a gate's e_score_correction_bias(_vl). Each answer evaluates the engine's own
+    condition from its constructors' source (deepseek_v4.py DeepseekV4ForCausalLM and the decoder
+    layer's DeepseekV2MoE flag; deepseek_v2.py's hash-layer test and MoEGate) on `hf`."""
+    env = dict(config=hf, getattr=getattr)
+    vision = eval(_built_when("models/deepseek_v4.py", "DeepseekV4ForCausalLM", "vision"), env)
+    bias_vl = eval(_passed_as("models/deepseek_v4.py", "DeepseekV4DecoderLayerBase", "vl_correction_bias"), env)
+    n_hash = getattr(hf, "num_hash_layers", 0)
+
+    def gate_builds(attribute: str, layer: int) -> bool:
+        is_hash = layer < n_hash   # DeepseekV2MoE.__init__: self.is_hash for a main (not NextN) layer
+        gate_env = dict(env, is_hash_moe=is_hash, vl_correction_bias=bias_vl)
+        return bool(eval(_built_when("models/deepseek_v2.py", "MoEGate", attribute), gate_env))
+
+    def builds(name: str) -> bool:
+        if name.startswith(("vision.", "aligner.", "image_")):
+            return bool(vision)
+        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.gate\.(e_score_correction_bias(?:_vl)?)", name)
+        return gate_builds(m[2], int(m[1])) if m else True
+    return builds
 
 
 def _kind_problem(param_dtype, loaded_dtype) -> str | None:
@@ -760,7 +817,8 @@ def _load(eng, qc, hf, tensors, experts, nextn, report, dspark=None):
         dspark.self._remap_dspark_weight_name = lambda name: eng.dspark_model._remap_dspark_weight_name(dspark.self, name)
         dspark.self._assert_confidence_head_loaded = lambda **k: eng.dspark_model._assert_confidence_head_loaded(
             dspark.self, **k)
-    for pname, dtype in _model_params(eng, qc, tensors, nextn, hf.num_hidden_layers, problems, dspark).items():
+    builds = main_model_builds(hf) if not nextn else None
+    for pname, dtype in _model_params(eng, qc, tensors, nextn, hf.num_hidden_layers, problems, dspark, builds).items():
         p = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
         def load(param, loaded, *a, _name=pname, **k):
@@ -815,6 +873,7 @@ def _load(eng, qc, hf, tensors, experts, nextn, report, dspark=None):
     folded = set(seen) - set(prepared) if prepared else set()
     # DSpark: names its own remap drops on purpose (a confidence head the draft does not build)
     dropped = {n for n, _ in part if dspark is not None and dspark.self._remap_dspark_weight_name(n) is None}
+    report.skipped |= {n for n, _ in part if n not in consumed and n not in folded}
     for name in [n for n, _ in part if n not in consumed and n not in folded and n not in dropped]:
         problems.append(f"{name}: reaches no parameter (SGLang skips it)")
     if dspark is not None:   # its load_weights logs no 'not initialized' warning: check the parameters here

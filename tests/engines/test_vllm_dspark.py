@@ -62,7 +62,8 @@ def rules(ckpt: vllm.Checkpoint) -> engines.EngineRules:
 
 def test_the_checkpoints_are_dspark_ones(ckpts):
     ckpt = vllm.Checkpoint(ckpts["mxfp4"])
-    assert ckpt.dspark and ckpt.spec.recipe.name == ("deepseek_v41" if ckpt.v41 else "deepseek_v4_dspark")
+    assert ckpt.dspark and ckpt.spec.recipe.name in (("deepseek_v41",) if ckpt.v41 else
+                                                     ("deepseek_v4_dspark", "deepseek_v4_vision"))
     assert rules(ckpt).drafter["kind"] == "dspark"
     # W4A16: established for the V4 DSpark releases (the drafter converted), refused for V4.1
     if ckpt.v41:
@@ -84,6 +85,25 @@ def test_vllm_loads_every_tensor(ckpts, name):
     model.py and dspark.py loaders; its MXFP8 linears, Engram tables and vision tower are followed
     by name, their parameters not built: see vllm_load_report.)"""
     assert vllm.vllm_load_report(ckpts[name]) == []
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "vllm-nvfp4", "vllm-w4a16"])
+def test_vision_tower_is_served_as_the_rules_say(ckpts, name):
+    """Vision-Exp keeps architectures DeepseekV4ForCausalLM; vLLM's arch convertor turns it into the
+    VL wrapper DeepseekV4ForConditionalGeneration, exactly where the rules say the tower is served,
+    and the wrapper's mapper keeps every vision.*, aligner.* and image_* tensor under its own name
+    (images allowed), for the source and each output format; test_vllm_loads_every_tensor and
+    test_w4a16_loads_every_tensor_with_the_rules_methods hold that the rest loads beside them.
+    A family without a vision tower has no vision rules and loads through DeepseekV4ForCausalLM."""
+    if vllm.Checkpoint(ckpts["mxfp4"]).v41:
+        pytest.skip("V4.1's vision tower loads through deepseek_v41's own wrapper, not V4's")
+    ckpt = vllm.Checkpoint(ckpts[name])
+    vision = sorted(n for n in ckpt.header if n.startswith(("vision.", "aligner.", "image_")))
+    tower = rules(ckpt).vision.get("tower")
+    assert ckpt.vl == (tower == "served") == bool(vision)
+    if vision:
+        mapper = vllm.vl_weights_mapper(ckpt)
+        assert [mapper.map_name(n) for n in vision] == vision
 
 
 @pytest.mark.parametrize("name,drafter", [("vllm-nvfp4", "mxfp4"), ("vllm-nvfp4-convert", "nvfp4"),

@@ -58,6 +58,8 @@ DSPARK = "vllm/models/deepseek_v4/nvidia/dspark.py"
 DSPARK_V41 = "vllm/models/deepseek_v41/nvidia/dspark.py"
 MODEL_V41 = "vllm/models/deepseek_v41/nvidia/model.py"
 VL_MODEL_V41 = "vllm/models/deepseek_v41/nvidia/vl_model.py"
+VL_MODEL = "vllm/models/deepseek_v4/common/vl_model.py"
+ARCH_CONVERTOR = "vllm/transformers_utils/model_arch_config_convertor.py"
 V41_CONFIG = "vllm/transformers_utils/configs/deepseek_v41.py"
 DS4_QUANT = "vllm/models/deepseek_v4/quant_config.py"
 MODEL_UTILS = "vllm/model_executor/models/utils.py"
@@ -154,6 +156,23 @@ class Checkpoint:
         """vLLM's hf_config: config.json's keys as attributes."""
         return SimpleNamespace(**self.config)
 
+    @functools.cached_property
+    def architecture(self) -> str:
+        """The model class vLLM builds for the checkpoint: config.json's architecture as
+        DeepseekV4ModelArchConfigConvertor.__init__ leaves it (model_arch_config_convertor.py;
+        Vision-Exp: DeepseekV4ForCausalLM becomes the VL wrapper DeepseekV4ForConditionalGeneration)."""
+        hf = self.hf_config()
+        base = type("ModelArchConfigConvertorBase", (), {"__init__": lambda self, *a: None})
+        cls = klass(ARCH_CONVERTOR, "DeepseekV4ModelArchConfigConvertor", {"ModelArchConfigConvertorBase": base},
+                    ("ModelArchConfigConvertorBase",))
+        cls(hf, hf, None)
+        return hf.architectures[0]
+
+    @property
+    def vl(self) -> bool:
+        """V4 loaded through its VL wrapper (common/vl_model.py), the vision tower beside the text model."""
+        return not self.v41 and self.architecture == "DeepseekV4ForConditionalGeneration"
+
 
 def _v41_hf_config(raw: dict) -> dict:
     """transformers_utils/configs/deepseek_v41.py DeepseekV41Config(**config.json), on the
@@ -194,6 +213,29 @@ def v41_weights_mapper(ckpt: Checkpoint, linear_scale_name: str):
     language_model., with the scale name the 32x32 linears' method registers."""
     return _v41_mapper_ns()["_make_deepseek_v4_vl_weights_mapper"](ckpt.config.get("expert_dtype", "fp4"),
                                                                    linear_scale_name)
+
+
+class _ImageLimit:
+    """The wrapper's multimodal_config with no --limit-mm-per-prompt: images allowed."""
+
+    @staticmethod
+    def get_limit_per_prompt(modality: str) -> int:
+        return 1
+
+
+def vl_weights_mapper(ckpt: Checkpoint):
+    """DeepseekV4ForConditionalGeneration.hf_to_vllm_mapper (common/vl_model.py): V4's text rules
+    re-rooted under language_model., with image_enabled as its __init__ computes it for this config
+    (vision., aligner. and image_ dropped only when it is off)."""
+    ns = dict(_mapper_ns())
+    extract(VL_MODEL, ["_make_deepseek_v4_vl_weights_mapper"], ns)
+    init = next(n for n in wheels._class_node(ENGINE, VL_MODEL, "DeepseekV4ForConditionalGeneration").body
+                if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    value = next(a.value for a in ast.walk(init) if isinstance(a, ast.Assign)
+                 and any(getattr(t, "id", "") == "image_enabled" for t in a.targets))
+    image_enabled = eval(compile(ast.Expression(value), VL_MODEL, "eval"),
+                         dict(config=ckpt.hf_config(), self=SimpleNamespace(multimodal_config=_ImageLimit())))
+    return ns["_make_deepseek_v4_vl_weights_mapper"](weights_mapper(ckpt), image_enabled)
 
 
 def linear_scale_name(ckpt: Checkpoint, quant_config) -> str:
@@ -708,8 +750,9 @@ def load_main(ckpt: Checkpoint, experts: dict[int, torch.nn.Module], record: Loa
     """DeepseekV4Model.load_weights (model.py) with get_expert_mapping, over every checkpoint
     tensor that hf_to_vllm_mapper maps into the model (what AutoWeightsLoader hands it), on the
     GPU of `placement`. V4.1: deepseek_v41/nvidia/model.py's, behind the VL wrapper's mapper
-    (language_model.model.*); the wrapper's own vision tower and image_* tensors are noted as
-    taken, not loaded."""
+    (language_model.model.*); V4 with a vision tower (Checkpoint.vl): V4's, behind common/
+    vl_model.py's mapper; the wrapper's own vision tower and image_* tensors are noted as taken,
+    not loaded."""
     params = Params({f"layers.{layer}.ffn.experts.routed_experts": m for layer, m in experts.items()}, record)
     mapping = expert_params_mapping(ckpt.config["n_routed_experts"])
     ns = dict(torch=torch, typing=typing, Callable=Callable, default_weight_loader=None, dict=lambda _: params,
@@ -727,8 +770,10 @@ def load_main(ckpt: Checkpoint, experts: dict[int, torch.nn.Module], record: Loa
     model.get_expert_mapping = lambda: fns["get_expert_mapping"](model)
     pad = fns["_pad_shared_expert_weight"]
     model._pad_shared_expert_weight = getattr(pad, "__func__", pad)
-    mapper, root = ((v41_weights_mapper(ckpt, linear_scale_name(ckpt, quant_config)), "language_model.model.")
-                    if ckpt.v41 else (weights_mapper(ckpt), "model."))
+    if ckpt.v41:
+        mapper, root = v41_weights_mapper(ckpt, linear_scale_name(ckpt, quant_config)), "language_model.model."
+    else:
+        mapper, root = (vl_weights_mapper(ckpt), "language_model.model.") if ckpt.vl else (weights_mapper(ckpt), "model.")
     names = []
     for name in sorted(ckpt.header):
         mapped = mapper.map_name(name)
