@@ -433,11 +433,12 @@ def full_scale_dims(model: ModelSpec, dims: Dims) -> dict[str, Dims]:
 
 
 def advise(ck: Checkpoint, engine_specs: list[str], gpu: str, tp: int = 1, ep: int = 1,
-           errors: dict[str, dict] | None = None, prefer: str = "balanced") -> dict:
-    """The answer for checkpoint `ck` (headers and config only) on each engine release and `gpu`."""
+           errors: dict[str, dict] | None = None, prefer: str = "balanced", model: str | None = None) -> dict:
+    """The answer for checkpoint `ck` (headers and config only) on each engine release and `gpu`;
+    `model`: the named model to read it as (--model)."""
     engines.check_gpu(gpu)
     errors = errors or {}
-    model = ModelSpec.for_checkpoint(ck, identify=True)
+    model = ModelSpec.for_checkpoint(ck, model=model, identify=True)
     index = ExpertIndex(model, ck)
     source = index.main_codec
     if source is None:

@@ -81,6 +81,14 @@ def _reduced_default(dim: str) -> str:
     return f"{default}; {others}"
 
 
+def _reads_as_model(what: str):
+    """--model for a command that reads checkpoint `what` as it is."""
+    return click.option("--model", "model_name", type=click.Choice(_model_names()), default=None,
+                        help=f"The named model {what} is read as; default: detected from config.json and the tensor "
+                             "names. A checkpoint that names itself a revision requant knows only by name needs it; a "
+                             "model of another kind than the checkpoint's is refused.")
+
+
 def _default_model_name() -> str:
     from requant.model import default_model_name
 
@@ -454,14 +462,15 @@ def _resume_command(ctx: click.Context) -> str:
 
 @cli.command(epilog=EXIT_STATUS_HELP)
 @click.argument("path", type=click.Path())
+@_reads_as_model("PATH")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @verbosity_options
 @reports_errors
-def inspect(path, as_json, quiet):
+def inspect(path, model_name, as_json, quiet):
     """Describe checkpoint PATH: model, expert format, tensors per dtype, shards, quantization."""
     from requant.describe import format_report, inspect_checkpoint
 
-    info = inspect_checkpoint(path)
+    info = inspect_checkpoint(path, model_name)
     click.echo(json.dumps(info, indent=2) if as_json else format_report(info))
 
 
@@ -479,17 +488,18 @@ def inspect(path, as_json, quiet):
 @click.option("--gpu", type=click.Choice(sorted(GPU_FAMILIES)), default=None,
               help="Also name the MoE method and kernel each judged engine selects on this GPU family "
                    "(sm_80 Ampere, sm_90 Hopper, sm_100/sm_120 Blackwell), or the flag it needs to start.")
+@_reads_as_model("PATH")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @verbosity_options
 @reports_errors
-def verify(path, deep, source, device, engine, gpu, as_json, quiet):
+def verify(path, deep, source, device, engine, gpu, model_name, as_json, quiet):
     """Lint FP4 MoE checkpoint PATH (NVFP4, W4A16, MXFP4): completeness, scales, config dispatch, and
     whether vLLM / SGLang (pinned releases) load every tensor into the right kind of parameter.
     Exits 1 when it finds errors."""
     from requant.verify import failure_line, format_findings, verify as verify_lib
 
     result = verify_lib(path, deep=deep or source is not None, source=source, progress=progress_shown(quiet), engine=engine,
-                        gpu=gpu, device=device)
+                        gpu=gpu, device=device, model=model_name)
     failed = None if result["ok"] else failure_line(result)
     if failed and as_json:   # one JSON document: the findings, with the error
         result["error"] = {"code": EXIT_INPUT, "message": failed}
@@ -517,10 +527,11 @@ def verify(path, deep, source, device, engine, gpu, as_json, quiet):
               help="What the recommendation weighs once a path runs and keeps the drafter. balanced: the accuracy "
                    "tier (the source's weights exactly, activations of 8 bits or more), then the speed class, then "
                    "the measured error; accuracy: the measured error first; speed: the speed class first.")
+@_reads_as_model("CHECKPOINT")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @verbosity_options
 @reports_errors
-def advise(checkpoint, engine_specs, gpu, tp, ep, revision, token, cache_dir, prefer, as_json, quiet):
+def advise(checkpoint, engine_specs, gpu, tp, ep, revision, token, cache_dir, prefer, model_name, as_json, quiet):
     """Should CHECKPOINT (a directory or Hub id) be converted at all, for this engine and GPU?
 
     For the checkpoint as it is and each output requant could write from it: the MoE method and
@@ -534,7 +545,7 @@ def advise(checkpoint, engine_specs, gpu, tp, ep, revision, token, cache_dir, pr
     from requant.io.hub import open_headers
 
     with open_headers(checkpoint, revision, token, cache_dir) as ck:
-        result = advise_lib(ck, list(engine_specs), gpu, tp, ep, paths.measured_errors(), prefer)
+        result = advise_lib(ck, list(engine_specs), gpu, tp, ep, paths.measured_errors(), prefer, model_name)
     click.echo(json.dumps(result, indent=2) if as_json else format_advice(result))
 
 

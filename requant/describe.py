@@ -14,7 +14,8 @@ from requant.model import ModelSpec
 from requant.targets.nvfp4 import expert_dtype
 
 
-def inspect_checkpoint(path: str) -> dict:
+def inspect_checkpoint(path: str, model: str | None = None) -> dict:
+    """What checkpoint `path` holds; `model`: the named model to read it as (--model)."""
     problem = path_problem(path)   # a missing path, a file, an unfinished conversion: verify's words
     if problem is not None:
         raise CheckpointError(problem, file=path)
@@ -25,7 +26,7 @@ def inspect_checkpoint(path: str) -> dict:
                 by_dtype[info.spec.dtype][0] += 1
                 by_dtype[info.spec.dtype][1] += info.nbytes
         try:
-            model, no_recipe = ModelSpec.for_checkpoint(ck, identify=True), None
+            model, no_recipe = ModelSpec.for_checkpoint(ck, model=model, identify=True), None
         except RequantError as e:
             model, no_recipe = None, str(e)
         index = ExpertIndex(model, ck) if model else None

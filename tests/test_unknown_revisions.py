@@ -1,8 +1,8 @@
 """A revision a recipe knows only by name (recipe `unknown_revisions`: DeepSeek-V4.1-Flash-1017, whose
 config no public source gives): a checkpoint that names itself so, by its Hub repository, config.json's
 `_name_or_path` or its model card, is refused in one line by convert, verify and advise, and inspect
-says why it reads no recipe; --model converts it as the model named, and the output verifies. A
-checkpoint of the same layout that names nothing of the kind is read as before."""
+says why it reads no recipe; --model reads it as the model named (convert converts it so, and the
+output verifies). A checkpoint of the same layout that names nothing of the kind is read as before."""
 
 from __future__ import annotations
 
@@ -78,6 +78,22 @@ def test_a_hub_snapshot_of_the_revision_is_refused(v41, tmp_path):
         with Checkpoint.open(path) as ck:
             ModelSpec.for_checkpoint(ck, identify=True)
     assert str(e.value) == f"{path}: {_refusal('Hub repository id', f'deepseek-ai/{REVISION}')}"
+
+
+def test_model_reads_it_as_that_in_verify_advise_and_inspect(v41, tmp_path):
+    from click.testing import CliRunner
+
+    from requant.cli import cli
+
+    path = _named(v41, str(tmp_path / "named"), f"deepseek-ai/{REVISION}")
+    for args in (["verify", path], ["advise", path, "--gpu", "sm_100"], ["inspect", path]):
+        result = CliRunner().invoke(cli, [*args, "--model", V41, "--json"])
+        assert result.exit_code == 0, (args, result.output)
+        info = json.loads(result.stdout)
+        assert info.get("recipe", "deepseek_v41") == "deepseek_v41" and info.get("ok", True), (args, info)
+    result = CliRunner().invoke(cli, ["inspect", path, "--model", "deepseek-v4-flash"])
+    assert result.exit_code == 0 and "--model deepseek-v4-flash is a deepseek_v4 model, but this checkpoint is not" \
+        in result.stdout
 
 
 def test_model_converts_it_as_that_and_the_output_verifies(v41, tmp_path):

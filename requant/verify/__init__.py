@@ -39,13 +39,14 @@ log = logging.getLogger(__name__)
 
 
 def verify(path: str, deep: bool = False, source: str | None = None, progress: bool = True,
-           engine: str | None = None, gpu: str | None = None, device: str | None = None) -> dict:
+           engine: str | None = None, gpu: str | None = None, device: str | None = None,
+           model: str | None = None) -> dict:
     """Check checkpoint `path`; return a JSON-able result whose 'ok' is False when errors were found.
 
     `engine` (vllm, sglang): judge loading by that engine's rules only, its problems as errors;
     None: the engine requant.json names, else every engine the recipe knows. `gpu` (sm_80 ...):
     also name the MoE kernel each judged engine selects on that GPU family. `device` decodes for
-    --deep (default: CUDA when present).
+    --deep (default: CUDA when present). `model`: the named model to read it as (--model).
 
     A path that is no checkpoint at all (missing, a file, an unfinished conversion) gets one
     finding and a `diagnosis`, in the words `inspect` and `convert` use (requant.io.diagnosis)."""
@@ -57,12 +58,13 @@ def verify(path: str, deep: bool = False, source: str | None = None, progress: b
         result = {"path": os.path.abspath(path), "format": None, "experts_checked": 0, "deep": None, "engines": {},
                   "diagnosis": path_problem_line(path)}
         return _finish(result, out)
-    return _check(path, deep=deep, source=source, progress=progress, engine=engine, gpu=gpu, device=device)
+    return _check(path, deep=deep, source=source, progress=progress, engine=engine, gpu=gpu, device=device,
+                  model=model)
 
 
 def _check(path: str, deep: bool = False, source: str | None = None, progress: bool = True,
            engine: str | None = None, gpu: str | None = None, device: str | None = None,
-           files: dict | None = None, data: bool = True, engines: bool = True) -> dict:
+           files: dict | None = None, data: bool = True, engines: bool = True, model: str | None = None) -> dict:
     """verify's checks on `path` (a journal there is not looked at). `files` overlays metadata a
     conversion is about to write; `data` False reads headers only (no scale is read);
     `engines` False judges no engine."""
@@ -73,7 +75,7 @@ def _check(path: str, deep: bool = False, source: str | None = None, progress: b
     if ck is not None:
         try:
             try:
-                model = ModelSpec.for_checkpoint(ck, identify=files is None)   # not convert's check of its own output
+                model = ModelSpec.for_checkpoint(ck, model=model, identify=files is None)   # not convert's own check
             except RequantError as e:
                 out.add("error", "model", "no recipe for this model; expert checks skipped", detail=str(e))
             else:
