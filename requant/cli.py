@@ -392,7 +392,7 @@ def convert(src, dst, in_format, out_format, engine, model_name, mtp, force, inp
     if abort:
         if resume or dry_run:
             raise UsageError("--abort ends an unfinished conversion: not with --resume or --dry-run")
-        done = convert_lib.abort(src, dst)
+        done = convert_lib.abort(src, dst, _resume_command(click.get_current_context()))
         click.echo(json.dumps({"aborted": True, "message": done}, indent=2) if as_json else done)
         return
     # Only the heavy encoders (the W4A16 search) are worth a GPU.

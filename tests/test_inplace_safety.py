@@ -259,3 +259,128 @@ def test_no_message_tells_the_user_to_delete_anything():
                         and (TELLS_TO_DELETE.search(text) or BARE_START_OVER.search(text)):
                     found.append(f"{os.path.relpath(path, REQUANT)}:{node.lineno}: {text.strip()[:100]}")
     assert not found, found
+
+
+# --- a damaged state file (issue 41): journal.json, source.json or both, each way it can be damaged ---
+
+DAMAGES = {
+    "truncated": lambda data: data[:len(data) // 2],
+    "not JSON": lambda data: b"\x00\xff not json",
+    "wrong shape": lambda data: json.dumps({"format": 1, "shards": "none"}).encode(),
+    "missing": None,
+}
+STATE_FILES = {"journal": (journal.JOURNAL,), "source": (journal.SNAPSHOT,),
+               "both": (journal.JOURNAL, journal.SNAPSHOT)}
+# where the kill leaves it: the last step before the first shard is replaced (config.json and the
+# index set aside: source.json holds their only copy), and a seeded step with some shards converted
+KILLED_AT = {"nothing converted": lambda phases: max(phases[PHASES[1]]),
+             "some converted": lambda phases: random.Random(SEED + 2).choice(phases[PHASES[2]])}
+
+
+@pytest.fixture(scope="module")
+def killed(source, clean, checkpoints, tmp_path_factory):
+    """{when: (where an in-place conversion was killed there, a copy of that state)}: a test puts
+    the copy back in place (the journal names the path; copytree keeps mtimes)."""
+    _, _, phases = clean
+    found = {}
+    for when, pick in KILLED_AT.items():
+        base = tmp_path_factory.mktemp("killed")
+        target = checkpoints.copy(source, base / "k9")
+        proc, err = run_stopped(convert_args(target, None, "nvfp4"), f"kill@{pick(phases)}", str(base / "stderr"))
+        assert proc.returncode < 0, err
+        shutil.copytree(target, base / "saved")
+        found[when] = target, str(base / "saved")
+    return found
+
+
+def restore(state: str, target: str) -> None:
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(state, target)
+
+
+def said_lines(result) -> list[str]:
+    """What a command printed, but the line on taking over a killed run's lock."""
+    return [line for line in (result.stdout + result.stderr).strip().splitlines() if "taking over the lock" not in line]
+
+
+def damage(target: str, names: tuple[str, ...], how: str) -> list[str]:
+    """Damage the state files `names` of `target` as DAMAGES[how] says; their paths."""
+    paths = [journal.path_of(target, n) for n in names]
+    for path in paths:
+        if DAMAGES[how] is None:
+            os.remove(path)
+            continue
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(path, "wb") as f:
+            f.write(DAMAGES[how](data))
+    return paths
+
+
+def put_back(message: str, target: str, source: str) -> bool:
+    """What a message asks to put back from the original, done as a user would (copies); whether
+    it asked."""
+    asked = re.search(r"put back (.+?) from the same revision of the original", message)
+    if not asked:
+        return False
+    for name in re.split(r", | and ", asked.group(1)):
+        if name == "every shard whose file differs from the original's":
+            now, then = tree(target), tree(source)
+            names = [n for n in then if n.endswith(".safetensors") and now.get(n) != then[n]]
+        else:
+            names = [name]
+        for n in names:
+            shutil.copy2(os.path.join(source, n), os.path.join(target, n))
+    return True
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+@pytest.mark.parametrize("which", STATE_FILES)
+@pytest.mark.parametrize("when", KILLED_AT)
+def test_damaged_state_file_then_every_printed_command(source, clean, killed, tmp_path, when, which, how):
+    """Kill, damage, rerun as the user would: one line naming the damaged file, no deletion, and
+    each command it prints (after putting back what it asks for from the original) ends in a
+    checkpoint verify passes: the source as it was, or the finished conversion."""
+    _, expected, _ = clean
+    target, saved = killed[when]
+    state = str(tmp_path / "damaged")
+    restore(saved, target)
+    record, snapshot = journal.load(target)
+    converted = [e["name"] for e in snapshot["shards"] if not journal.still_source(target, e)]
+    assert bool(converted) == (when == "some converted"), converted
+    paths = damage(target, STATE_FILES[which], how)
+    shutil.copytree(target, state)
+    for cmd in (None, "--resume", "--abort"):   # each way in refuses or acts; refusals name the damaged file
+        restore(state, target)
+        result = CliRunner().invoke(cli, [*convert_args(target, None, "nvfp4"), *([cmd] if cmd else [])])
+        said = "\n".join(said_lines(result))
+        assert "delete" not in said.lower() and len(said_lines(result)) == 1, said
+        if (which, how) == ("both", "missing"):   # no state left to tell a conversion: refused as no checkpoint
+            assert result.exit_code != 0 and "config.json" in said, said
+            lock = os.path.join(journal.JOURNAL_DIR, journal.LOCK)   # the killed run's: taken over, then gone
+            assert tree(target) == {k: v for k, v in tree(state).items() if k != lock}, "a refusal changed it"
+            if put_back(said, target, source):
+                assert all(code == 0 for _, code, _ in follow(printed_commands(said)[0], set()))
+                assert_usable(target)
+                assert_is_source(target, source)
+            continue
+        if result.exit_code == 0:   # an abort or resume that could act at once
+            assert cmd is not None, said
+            assert_usable(target)
+            continue
+        assert result.exit_code == 1 and any(p in said for p in paths), said
+        commands = printed_commands(said)
+        assert commands, said
+        for choice in commands:
+            restore(state, target)
+            put_back(said, target, source)
+            ran = follow(choice, set())
+            assert all(code == 0 for _, code, _ in ran), ran
+            assert_usable(target)
+            if choice.endswith(" --abort"):
+                assert_is_source(target, source)
+            else:
+                assert output_tree(target) == expected, f"{when}, {which} {how}: resumed output differs"
+                with open(os.path.join(target, "requant.json")) as f:   # stats lost with the journal: named
+                    unmeasured = json.load(f)["accuracy"].get("shards_not_measured", [])
+                assert set(unmeasured) == set(converted), (unmeasured, converted)

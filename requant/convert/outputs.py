@@ -283,13 +283,16 @@ def set_aside_source_metadata(target: str, source: Checkpoint) -> None:
             fsutil.fault_point()
 
 
-def final_metadata(plan: Plan, stats: Stats | None = None) -> dict[str, dict | str]:
+def final_metadata(plan: Plan, stats: Stats | None = None, unmeasured: list[str] = ()) -> dict[str, dict | str]:
     """The files written last, in order: format side files, requant.json, the model card,
     config.json, then the index (whose arrival makes the output loadable). `stats` covers every
-    shard, resumed runs included."""
+    shard, resumed runs included, but those `unmeasured` (their stats lost with a damaged journal),
+    which requant.json's accuracy names."""
     stats = stats or Stats()
     files: dict[str, dict | str] = dict(plan.target.extra_files(plan.blocks))
     record = card.provenance(plan, stats, plan.label, linked_shards(plan))
+    if unmeasured:
+        record["accuracy"]["shards_not_measured"] = list(unmeasured)
     files[card.PROVENANCE_NAME] = record
     files[card.CARD_NAME] = card.model_card(record, plan.target.engine)
     files[CONFIG_NAME] = plan.target.config(plan.blocks, stats)

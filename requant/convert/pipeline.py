@@ -179,7 +179,7 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
         raise _stop_damaged(e, target, in_place, created) from None
     except OutputRejected as e:   # resuming would write the same bytes and be rejected again
         kept = (f"the converted shards are kept, and the source's config.json and index in {journal.path_of(target)}"
-                if in_place else aborting.start_over_advice(target).removeprefix("or "))
+                if in_place else aborting.start_over_advice(target, hint).removeprefix("or "))
         raise Stopped(f"{e}; {kept}", 1) from None
     except (RequantError, OSError) as e:
         if not journaled or isinstance(e, Stopped):
@@ -229,7 +229,7 @@ def _stop_damaged(e: SourceDamaged, target: str, in_place: bool, created: bool) 
     else:
         kept = (f"no shard was converted yet: the shards are still the source's, and its config.json and index are "
                 f"kept in {journal.path_of(target)} until the conversion finishes "
-                f"({aborting.start_over_advice(target)})")
+                f"({aborting.start_over_advice(target, record['resume'])})")
     return SourceDamaged(f"the source is damaged: {what}; {kept}; "
                          f"{journal.damage_advice(record).split('; ', 1)[1]}", e.damage)
 
@@ -280,7 +280,13 @@ def _run(plan: Plan, target: str, in_place: bool, record: dict, entries: dict, a
         outputs.copy_ancillary(plan.source.path, target, ancillary)
     else:
         outputs.set_aside_source_card(target)
-    files = outputs.final_metadata(plan, stats)
+    # converted by a run whose journal (and so these shards' stats) was lost since
+    unmeasured = [shard.name for shard, state in zip(plan.shards, record["shards"])
+                  if state["done"] and state["stats"] is None and not outputs.untouched(shard)]
+    if unmeasured:
+        log.warning("the accuracy in requant.json leaves out %s: converted before the journal holding their stats "
+                    "was lost", ", ".join(unmeasured))
+    files = outputs.final_metadata(plan, stats, unmeasured)
     # verify's own checks on what was written, before config.json and the index make it loadable
     check_written(target, files, force=plan.target.options.force)
     outputs.finish_metadata(target, files)   # after the shards: a target may summarise them

@@ -16,7 +16,7 @@ from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, read_json
 from requant.plan import ShardPlan
 from requant.targets import TARGETS, Options
 
-from requant.convert.abort import start_over_advice
+from requant.convert.abort import damaged_state_advice, start_over_advice
 from requant.convert.outputs import SourceDamaged, untouched
 
 # Options fields that never change the output, so a resume may differ in them.
@@ -49,10 +49,16 @@ def open_source(src: str, target: str, in_place: bool, resume: bool, request: di
     """The source checkpoint and its snapshot: from the journal when resuming (in place or
     streamed, converted shards' sources are gone), after checking it is the same conversion."""
     staging = journal.path_of(target, "source")   # a streamed source's small files and current shard
+    hint = request["resume"]
     if not resume:
         if journal.exists(target):   # refused: only --resume or --abort decides what becomes of it
+            try:
+                journal.load(target)
+            except journal.Damaged as e:
+                raise RequantError(f"{target} holds an unfinished conversion: {damaged_state_advice(target, e, hint)}"
+                                   ) from None
             raise RequantError(f"{target} holds an unfinished conversion ({journal.progress_message(target)}); "
-                               f"{start_over_advice(target)}")
+                               f"{start_over_advice(target, hint)}")
         if not in_place and set(os.listdir(target)) - {journal.JOURNAL_DIR}:
             raise RequantError(f"destination {target} exists and is not an empty directory")
         source = hub.open_streamed(staging) if hub else Checkpoint.open(src)
@@ -63,14 +69,9 @@ def open_source(src: str, target: str, in_place: bool, resume: bool, request: di
         return source, source.snapshot()
     try:
         record, snapshot = journal.load(target)
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
-    differences = [f"{what}{d}" for key, what in (("requant", "requant version "), ("mode", "mode "),
-                                                    ("options", ""), ("source", "Hub source "))
-                   for d in differences_between(record.get(key), request.get(key), named=key == "options")]
-    if differences:
-        raise RequantError(f"cannot resume: the conversion in {target} was started differently ({'; '.join(differences)}); "
-                           f"rerun with the original settings: `{record.get('resume')}`; {start_over_advice(target)}")
+    except journal.Damaged as e:
+        record, snapshot = _rebuilt(target, e, request)
+    _check_same(target, record, request)
     if record.get("damaged"):
         accept_replaced(target, record, snapshot)
     if hub:
@@ -84,6 +85,33 @@ def open_source(src: str, target: str, in_place: bool, resume: bool, request: di
             raise CheckpointError(f"cannot resume: the source changed since the conversion began ({'; '.join(changes)})",
                                   file=src)
     return Checkpoint.from_snapshot(src, snapshot), snapshot
+
+
+def _check_same(target: str, record: dict, request: dict) -> None:
+    """Refuses a resume asked for differently from the conversion `record` describes."""
+    differences = [f"{what}{d}" for key, what in (("requant", "requant version "), ("mode", "mode "),
+                                                    ("options", ""), ("source", "Hub source "))
+                   for d in differences_between(record.get(key), request.get(key), named=key == "options")]
+    if differences:
+        raise RequantError(f"cannot resume: the conversion in {target} was started differently ({'; '.join(differences)}); "
+                           f"rerun with the original settings: `{record.get('resume')}`; "
+                           f"{start_over_advice(target, request['resume'])}")
+
+
+def _rebuilt(target: str, e: "journal.Damaged", request: dict) -> tuple[dict, dict]:
+    """A lost or damaged journal.json, rebuilt from source.json once this resume is checked to be
+    the conversion it records: each shard is then found converted or still the source by its own
+    header (shard_done; a shard is replaced by one rename, so it is wholly one or the other). The
+    finished shards' stats were only in the journal: requant.json's accuracy leaves them out and
+    says which. Refused, naming what is safe, where source.json is damaged or records no request."""
+    try:
+        snapshot = journal.load_snapshot(target) if e.name == journal.JOURNAL else None
+    except journal.Damaged:
+        snapshot = None
+    if snapshot is None or not snapshot.get("conversion"):
+        raise CheckpointError(f"cannot resume: {damaged_state_advice(target, e, request['resume'])}") from None
+    _check_same(target, snapshot["conversion"], request)
+    return journal.rebuild(target, snapshot), snapshot
 
 
 def finished_conversion(target: str, source: str, out_format: str) -> str | None:

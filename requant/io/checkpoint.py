@@ -90,8 +90,10 @@ class Checkpoint:
             self.reads = dict(self.headers)
 
     @classmethod
-    def open(cls, path: str) -> "Checkpoint":
-        problem = path_problem(path)   # inspect's and verify's words for a missing path or a conversion in progress
+    def open(cls, path: str, unfinished: bool = False) -> "Checkpoint":
+        """`unfinished`: what the files say even with a conversion's state folder there (an abort
+        whose journal is damaged reads the directory itself)."""
+        problem = path_problem(path, unfinished)   # inspect's and verify's words for a missing path or a conversion in progress
         if problem:
             raise CheckpointError(problem, file=path)
         config = read_json(os.path.join(path, CONFIG_NAME))

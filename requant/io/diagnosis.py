@@ -9,13 +9,14 @@ import os
 from requant.io import journal
 
 
-def path_problem(path: str) -> str | None:
-    """One line on why `path` cannot be read as a checkpoint yet; None when it might be one."""
+def path_problem(path: str, unfinished: bool = False) -> str | None:
+    """One line on why `path` cannot be read as a checkpoint yet; None when it might be one
+    (`unfinished`: a conversion in progress aside)."""
     if not os.path.exists(path):
         return "no such directory"
     if not os.path.isdir(path):
         return "not a directory"
-    if journal.exists(path):
+    if journal.exists(path) and not unfinished:
         return journal.progress_message(path)
     return None
 
