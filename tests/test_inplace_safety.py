@@ -384,3 +384,33 @@ def test_damaged_state_file_then_every_printed_command(source, clean, killed, tm
                 with open(os.path.join(target, "requant.json")) as f:   # stats lost with the journal: named
                     unmeasured = json.load(f)["accuracy"].get("shards_not_measured", [])
                 assert set(unmeasured) == set(converted), (unmeasured, converted)
+
+
+@pytest.mark.parametrize("which", ["journal", "both"])
+def test_damaged_state_out_of_place_then_every_printed_command(source, tmp_path, which):
+    """Out of place the source is elsewhere: with journal.json damaged (resume rebuilds it) or both
+    files (only the abort, by the source's own shard names), each printed command ends in the
+    finished output or an empty destination, the source untouched."""
+    dst = str(tmp_path / "dst")
+    args = convert_args(source, dst, "nvfp4")
+    steps, expected = steps_and_output(convert_args(source, str(tmp_path / "clean"), "nvfp4"), str(tmp_path / "clean"))
+    before = tree(source)
+    run_stopped(args, f"kill@{steps // 2}", str(tmp_path / "stderr"))
+    damage(dst, STATE_FILES[which], "truncated")
+    state = str(tmp_path / "damaged")
+    shutil.copytree(dst, state)
+    rerun = CliRunner().invoke(cli, args)
+    said = "\n".join(said_lines(rerun))
+    assert rerun.exit_code == 1 and len(said_lines(rerun)) == 1 and journal.path_of(dst) in said, said
+    commands = printed_commands(said)
+    assert [c.rsplit(" ", 1)[1] for c in commands] == (["--resume", "--abort"] if which == "journal" else ["--abort"])
+    for choice in commands:
+        restore(state, dst)
+        ran = follow(choice, set())
+        assert all(code == 0 for _, code, _ in ran), ran
+        assert tree(source) == before
+        if choice.endswith(" --abort"):
+            assert os.listdir(dst) == [], os.listdir(dst)
+        else:
+            assert_usable(dst)
+            assert output_tree(dst) == expected
