@@ -414,3 +414,21 @@ def test_damaged_state_out_of_place_then_every_printed_command(source, tmp_path,
         else:
             assert_usable(dst)
             assert output_tree(dst) == expected
+
+
+def test_lost_journal_resume_with_other_options_is_refused(source, clean, killed):
+    """Options that change bytes but not headers (--input-scale) could not be told apart by the
+    shards: source.json's record of them refuses a resume asked for differently, changing nothing."""
+    _, expected, _ = clean
+    target, saved = killed["some converted"]
+    restore(saved, target)
+    os.remove(journal.path_of(target, journal.JOURNAL))
+    lock = os.path.join(journal.JOURNAL_DIR, journal.LOCK)
+    before = {k: v for k, v in tree(target).items() if k != lock}
+    other = CliRunner().invoke(cli, [*convert_args(target, None, "nvfp4"), "--input-scale", "2.0", "--resume"])
+    assert other.exit_code == 1 and "--input-scale" in other.stderr, other.output
+    assert tree(target) == before, "a refused resume changed the directory"
+    original = [c for c in printed_commands(other.stderr) if c.endswith(" --resume")][0]
+    assert "--input-scale" not in original and run_printed(original).exit_code == 0
+    assert_usable(target)
+    assert output_tree(target) == expected
