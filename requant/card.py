@@ -30,9 +30,11 @@ def provenance(plan, stats, source_label: str, linked: list[str] = ()) -> dict:
     blocks = set(plan.blocks)
     mtp_blocks = (getattr(plan, "experts", None) or ExpertIndex(model, plan.source)).drafter_blocks()
     groups = {"routed experts (main layers)": target.format_label}
+    donor = target.options.donor if target.mtp == "graft" else None
     if mtp_blocks:
+        kept = f"grafted from {donor}, kept as it stores them" if donor else "kept as in the source"
         groups[MTP_GROUP] = (target.format_label if set(mtp_blocks) <= blocks
-                                                else f"{plan.source_format.upper()} (kept as in the source)")
+                                                else f"{plan.source_format.upper()} ({kept})")
     groups.update(target.other_tensor_groups())
     run = getattr(plan, "run", None) or {}
     return {
@@ -40,6 +42,7 @@ def provenance(plan, stats, source_label: str, linked: list[str] = ()) -> dict:
         "source": source_label,
         "model": model.model_name,
         "source_format": plan.source_format,
+        **({"drafter_donor": donor} if donor else {}),   # --drafter graft: whose drafter this is
         "target_format": target.name,
         "options": target.describe_options(),
         "engine": {"name": rules.name, "version": rules.version, "forced": target.forced_problems},
@@ -157,6 +160,8 @@ def model_card(record: dict, rules: EngineRules) -> str:
         f"Converted by requant {record['producer']['version']} from `{src}` "
         f"({record['source_format'].upper()} routed experts), offline and without calibration data.",
         "",
+        *([f"The drafter is grafted from `{record['drafter_donor']}`: its tensors are that checkpoint's, byte for "
+           "byte, and its config.json fields come from there.", ""] if record.get("drafter_donor") else []),
         f"Command: `{command}`",
         "",
         made_for,

@@ -55,6 +55,53 @@ class EngineSpec(click.ParamType):
         return f"{name}=={version}" if version else name
 
 
+class DrafterMode(click.ParamType):
+    """--drafter keep, convert, or graft PATH: (mode, donor), the donor only for graft. The command
+    (GraftOperand) hands graft its PATH joined to it as graft=PATH."""
+
+    name = "keep|convert|graft PATH"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        mode, _, donor = value.partition("=")
+        if mode in ("keep", "convert") and not donor:
+            return mode, None
+        if mode == "graft" and donor:
+            return mode, donor
+        if mode == "graft":
+            self.fail("graft takes the checkpoint whose drafter it attaches: --drafter graft PATH", param, ctx)
+        self.fail(f"{value!r} is not keep, convert or graft PATH", param, ctx)
+
+
+class GraftOperand(click.Command):
+    """`--drafter graft PATH`: an option takes one word, so the mode's operand is joined to it
+    (graft=PATH) before click parses the line."""
+
+    options = ("--drafter", "--mtp")
+
+    def parse_args(self, ctx, args):
+        joined, i = [], 0
+        while i < len(args):
+            word = args[i]
+            if word == "--":
+                joined += args[i:]
+                break
+            graft_next = (word in self.options and args[i + 1:i + 2] == ["graft"]
+                          and i + 2 < len(args) and not args[i + 2].startswith("-"))
+            if graft_next:
+                joined += [word, "graft=" + args[i + 2]]
+                i += 3
+                continue
+            if word in {f"{o}=graft" for o in self.options} and i + 1 < len(args) and not args[i + 1].startswith("-"):
+                joined.append(f"{word}={args[i + 1]}")
+                i += 2
+                continue
+            joined.append(word)
+            i += 1
+        return super().parse_args(ctx, joined)
+
+
 SOURCE_FORMATS = sorted({source for name in TARGETS for source in formats.encoder_sources(name)})
 # The group sizes of the targets that take --group-size.
 GROUP_SIZES = [str(g) for g in sorted({g for t in TARGETS.values() for g in t.codec.group_sizes
@@ -294,7 +341,7 @@ def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_sc
                f"hidden {dims.hidden}, intermediate {dims.intermediate}{' (sparse)' if sparse else ''}")
 
 
-@cli.command(epilog=EXIT_STATUS_HELP)
+@cli.command(epilog=EXIT_STATUS_HELP, cls=GraftOperand)
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path(), required=False)
 @click.option("--in", "in_format", type=click.Choice(SOURCE_FORMATS), default=None,
@@ -308,10 +355,12 @@ def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_sc
 @click.option("--model", "model_name", type=click.Choice(_model_names()), default=None,
               help="The named model SRC is; default: detected from config.json and the tensor names. A model of "
                    "another kind than the checkpoint's is refused.")
-@click.option("--drafter", "--mtp", "mtp", type=click.Choice(["keep", "convert"]), default=None,
+@click.option("--drafter", "--mtp", "mtp", type=DrafterMode(), default=None,
               help="The drafter's routed experts (its MTP block or draft stages). keep: they stay MXFP4, listed "
                    "in the output's ignore; convert: they become --out's format as the main experts do, ignore "
-                   "leaving them out. "
+                   "leaving them out; graft PATH: the drafter of checkpoint PATH (a directory; another checkpoint "
+                   "of the same model) replaces SRC's own, its tensors byte for byte and kept as it stores them, "
+                   "its config.json fields taken over, each check refused in one line; not with --in-place. "
                    "Default: what --engine's release loads them as (requant.engines: formats.<fmt>.mtp_experts). "
                    "A choice the release would load wrongly is refused unless --force. --mtp is the same option.")
 @click.option("--force", is_flag=True, help="Write a layout that --engine would load wrongly or cannot serve (MTP "
@@ -396,7 +445,8 @@ def convert(src, dst, in_format, out_format, engine, model_name, mtp, force, inp
         click.echo(json.dumps({"aborted": True, "message": done}, indent=2) if as_json else done)
         return
     # Only the heavy encoders (the W4A16 search) are worth a GPU.
-    options = Options(mtp=mtp, input_scale=input_scale, target=target_options, engine=engine, model=model_name,
+    mtp, donor = mtp or (None, None)
+    options = Options(mtp=mtp, donor=donor, input_scale=input_scale, target=target_options, engine=engine, model=model_name,
                       force=force, device=compute_device(device) if TARGETS[out_format].cpu_heavy else "cpu")
     if dry_run:
         plan = convert_lib.plan_conversion(src, out_format, options, in_format, in_place, revision, token, cache_dir,

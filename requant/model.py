@@ -365,6 +365,15 @@ class ModelSpec:
         """The index in the block's name: L of `layers.L`, N of the MTP block `mtp.N`."""
         return self.block_position(block)[1]
 
+    def drafter_block_of(self, name: str) -> str | None:
+        """The drafter block (a block of any kind but the main layers') tensor `name` belongs to,
+        None for a tensor of the model itself."""
+        for kind, pattern in self._block_re.items():
+            prefix = re.match(pattern.pattern.removesuffix("$") + r"\.", name) if kind != MAIN_KIND else None
+            if prefix:
+                return prefix[0][:-1]
+        return None
+
     def is_mtp(self, block: str) -> bool:
         return "mtp" in self._block_re and bool(self._block_re["mtp"].match(block))
 

@@ -140,7 +140,7 @@ def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: 
         if len(shards) > 1:
             raise FormatError(f"{index.where(expert)} is split across shards {sorted(shards)}; "
                               "its projections must be converted together", tensor=names[0])
-        _check_against_config(model, source, index.reader, expert)
+        check_against_config(model, source, index.reader, expert)
         unit = target.plan_expert(expert)
         first = min(names, key=lambda n: source.info(n).start)
         units_by_first_tensor[first] = unit
@@ -162,7 +162,8 @@ def make_plan(source: Checkpoint, out_format: str, options: Options, in_format: 
                 counts["passed through" if unit.encode is None else "rewritten"] += 1
                 units.append(unit)
         header = source.headers[shard_name]
-        shards.append(ShardPlan(shard_name, units, header if whole_file_output(header, units) else None))
+        verbatim = shard_name not in source.rewritten and whole_file_output(header, units)
+        shards.append(ShardPlan(shard_name, units, header if verbatim else None))
     plan = Plan(source, model, target, shards, blocks, found.name, counts, label=source.path, in_format=in_format,
                 experts=index)
     # verify's own checks on what this plan writes, before a byte is written: an output verify
@@ -180,7 +181,7 @@ def _check_config_values(model: ModelSpec) -> None:
     model.check_config_types()
 
 
-def _check_against_config(model: ModelSpec, source: Checkpoint, reader: sources.Reader, expert: Expert) -> None:
+def check_against_config(model: ModelSpec, source: Checkpoint, reader: sources.Reader, expert: Expert) -> None:
     """A config.json that disagrees with the tensors would make the converted model unloadable."""
     hidden, inter = model.value("hidden_size"), model.value("intermediate_size")
     for proj, parts in expert.parts.items():

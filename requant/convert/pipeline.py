@@ -19,13 +19,14 @@ from requant.errors import CheckpointError, RequantError, describe_os_error
 from requant.io import fsutil
 from requant.io import hub as hub_lib
 from requant.io import journal
+from requant.io.checkpoint import Checkpoint
 from requant.io.safetensors import read_header
 from requant.plan import Plan, ShardPlan, make_plan
 from requant.targets import Options, Stats
 from requant.verify import OutputRejected, check_written
 from requant.workers import Encoders
 
-from requant.convert import abort as aborting, outputs, resume as resuming
+from requant.convert import abort as aborting, graft as grafting, outputs, resume as resuming
 from requant.convert.outputs import SourceDamaged
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,11 @@ def plan_conversion(src: str, out_format: str, options: Options, in_format: str 
     shards that stay as they are get there (outputs.choose_verbatim_as)."""
     if in_place:
         refuse_in_place_on_cache(src, hub_lib.hub_repo(src))
+    if options.mtp == grafting.GRAFT:
+        grafting.refuse_unsupported(in_place, streamed=False)
     with hub_lib.open_headers(src, revision, token, cache_dir) as source:
+        if options.mtp == grafting.GRAFT:
+            source = grafting.graft(source, options.donor, options.model).checkpoint
         plan = _logged(make_plan(source, out_format, options, in_format))
         if in_place or dst:
             outputs.choose_verbatim_as(plan, None if in_place else dst, copy_all)
@@ -121,6 +126,8 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
     repo = hub_lib.hub_repo(src)
     if in_place:
         refuse_in_place_on_cache(src, repo)
+    if options.mtp == grafting.GRAFT:
+        grafting.refuse_unsupported(in_place, stream)
     if repo:
         hub = hub_lib.HubSource(repo, revision, progress, token=token, cache_dir=cache_dir,
                                 explicit=src.startswith(hub_lib.HUB_PREFIX))
@@ -141,12 +148,20 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
                                     record=journal.path_of(target, journal.LOCK)))
         if not in_place and hub is None:   # an in-place conversion would pull the source from under us
             locks.append(fsutil.DirLock(src, exclusive=False, what="an in-place conversion of it"))
+        grafted = None
+        if options.mtp == grafting.GRAFT:
+            with Checkpoint.open(src) as base:
+                grafted = grafting.graft(base, options.donor, options.model)
+            # the donor too is read until the end
+            locks.append(fsutil.DirLock(options.donor, exclusive=False, what="an in-place conversion of it"))
+            request["donor"] = grafted.donor
         if resume and not journal.exists(target):
             finished = resuming.finished_conversion(target, request.get("source") or src, out_format)
             if finished:
                 raise AlreadyFinished(finished)
         resume = resume and journal.exists(target)   # nothing journaled yet: --resume starts afresh
-        source, snapshot = resuming.open_source(src, target, in_place, resume, request, hub)
+        source, snapshot = resuming.open_source(src, target, in_place, resume, request, hub,
+                                                grafted.checkpoint if grafted else None)
         journaled = resume
         plan = _logged(make_plan(source, out_format, options, in_format))
         plan.label = request.get("source") or src
@@ -155,7 +170,8 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
         entries = {e["name"]: e for e in snapshot["shards"]}
         aborting.remove_temporaries(target, snapshot, outputs.final_metadata(plan))
         done = [resuming.shard_done(shard, target, in_place, entries[shard.name]) for shard in plan.shards]
-        ancillary = [] if in_place else outputs.ancillary_files(source.path, set(plan.source.shard_names))
+        shard_files = set(plan.source.shard_names) | set(grafted.source_shards if grafted else ())
+        ancillary = [] if in_place else outputs.ancillary_files(source.path, shard_files)
         outputs.final_metadata(plan)   # fails now, not after the shards, on a config the target cannot extend
         outputs.check_space(plan, target, in_place, done, streamed=hub is not None)
         if not resume:

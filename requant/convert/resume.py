@@ -19,8 +19,10 @@ from requant.targets import TARGETS, Options
 from requant.convert.abort import damaged_state_advice, start_over_advice
 from requant.convert.outputs import SourceDamaged, untouched
 
-# Options fields that never change the output, so a resume may differ in them.
-_UNJOURNALED = ("target", "device")
+# Options fields not journaled among the options: the target's own (journaled under "target"), the
+# device (it never changes the output), the graft's donor (journaled with a fingerprint of its
+# drafter, under "donor": pipeline.convert).
+_UNJOURNALED = ("target", "device", "donor")
 
 
 def journaled_options(options: Options, in_format: str | None, out_format: str) -> dict:
@@ -45,9 +47,11 @@ OPTION_FLAGS: dict[str, str] = {
 
 
 def open_source(src: str, target: str, in_place: bool, resume: bool, request: dict,
-                hub: hub_lib.HubSource | None) -> tuple[Checkpoint, dict]:
+                hub: hub_lib.HubSource | None, opened: Checkpoint | None = None) -> tuple[Checkpoint, dict]:
     """The source checkpoint and its snapshot: from the journal when resuming (in place or
-    streamed, converted shards' sources are gone), after checking it is the same conversion."""
+    streamed, converted shards' sources are gone), after checking it is the same conversion.
+    `opened`: the source as the caller opened it (a graft's, which reads two directories), used
+    instead of opening `src`, and compared with the journal's snapshot on a resume."""
     staging = journal.path_of(target, "source")   # a streamed source's small files and current shard
     hint = request["resume"]
     if not resume:
@@ -61,7 +65,7 @@ def open_source(src: str, target: str, in_place: bool, resume: bool, request: di
                                f"{start_over_advice(target, hint)}")
         if not in_place and set(os.listdir(target)) - {journal.JOURNAL_DIR}:
             raise RequantError(f"destination {target} exists and is not an empty directory")
-        source = hub.open_streamed(staging) if hub else Checkpoint.open(src)
+        source = hub.open_streamed(staging) if hub else opened or Checkpoint.open(src)
         links = [n for n in source.shard_names if os.path.islink(source.shard_path(n))] if in_place else []
         if links:   # replacing a link would leave its target (e.g. a Hugging Face cache blob) behind
             raise RequantError(f"cannot convert in place: {source.shard_path(links[0])} is a symbolic link "
@@ -79,18 +83,22 @@ def open_source(src: str, target: str, in_place: bool, resume: bool, request: di
         source.reads.clear()
         return source, snapshot
     if not in_place:
-        with Checkpoint.open(src) as current:
-            changes = source_changes(snapshot, current.snapshot())
+        current = opened or Checkpoint.open(src)
+        changes = source_changes(snapshot, current.snapshot())
+        if current is not opened:
+            current.close()
         if changes:
             raise CheckpointError(f"cannot resume: the source changed since the conversion began ({'; '.join(changes)})",
                                   file=src)
-    return Checkpoint.from_snapshot(src, snapshot), snapshot
+    # a graft's snapshot names files of two directories, which from_snapshot (one directory) cannot rebuild
+    return opened or Checkpoint.from_snapshot(src, snapshot), snapshot
 
 
 def _check_same(target: str, record: dict, request: dict) -> None:
     """Refuses a resume asked for differently from the conversion `record` describes."""
     differences = [f"{what}{d}" for key, what in (("requant", "requant version "), ("mode", "mode "),
-                                                    ("options", ""), ("source", "Hub source "))
+                                                    ("options", ""), ("source", "Hub source "),
+                                                    ("donor", "drafter donor "))
                    for d in differences_between(record.get(key), request.get(key), named=key == "options")]
     if differences:
         raise RequantError(f"cannot resume: the conversion in {target} was started differently ({'; '.join(differences)}); "

@@ -81,6 +81,9 @@ class Checkpoint:
     # Where each shard's bytes are read from now: its header, unless its file was replaced by a
     # converted shard (in place) or is a downloaded copy (streamed from the Hub).
     reads: dict[str, Header] | None = None
+    # Shards whose output is always written anew, never the file they are read from (a grafted
+    # drafter's, and the source's shards it leaves: requant/convert/graft.py)
+    rewritten: frozenset[str] = frozenset()
     _fds: dict[str, int] = field(default_factory=dict, repr=False)
     _direct_fds: dict[str, int | None] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

@@ -6,6 +6,7 @@ found, through the codec pair's encoder."""
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -77,8 +78,10 @@ class Unit:
 
 @dataclass
 class Options:
-    mtp: str | None = None              # "keep" MTP experts in the source format, "convert" them, or
-                                        # None: what the engine loads them as
+    mtp: str | None = None              # "keep" MTP experts in the source format, "convert" them, "graft"
+                                        # the donor's (kept as it stores them), or None: what the engine
+                                        # loads them as
+    donor: str | None = None            # the checkpoint whose drafter "graft" takes (a directory)
     input_scale: float | None = None    # None: data-free bound; else this constant everywhere
     target: object | None = None        # the target's own options (its `options_type`); None: its defaults
     engine: str | None = None           # serving engine the layout is made for; None: the recipe's default
@@ -157,9 +160,11 @@ class Target:
         written = self.name if self.mtp == "convert" else self.source_codec.name
         if expected and has_drafter and not self.engine.mtp_loads(self.name, written):
             fix = "convert" if expected == self.name else "keep"
+            how = (f"use --mtp {fix}" if self.mtp != "graft" else
+                   f"a grafted drafter is kept as the donor stores it, so graft one stored as {expected.upper()}")
             problems.append(f"{self.engine.label} loads the MTP block's experts as {expected.upper()}, so "
                             f"{written.upper()} ones would load without error and draft garbage "
-                            f"({self.engine.mtp_evidence(self.name)}); use --mtp {fix}, or --engine for another engine")
+                            f"({self.engine.mtp_evidence(self.name)}); {how}, or --engine for another engine")
         return problems
 
     # planning -------------------------------------------------------------------------------
@@ -295,7 +300,7 @@ class Target:
 
     def describe_options(self) -> dict:
         """The options that shaped the output, as `requant convert` spells them."""
-        return {"mtp": self.mtp}
+        return {"mtp": f"graft {shlex.quote(self.options.donor or '')}" if self.mtp == "graft" else self.mtp}
 
     def other_tensor_groups(self) -> dict[str, str]:
         return {"every other tensor": "copied byte for byte"}
