@@ -27,8 +27,8 @@ if not wheels.available("sglang"):
                 allow_module_level=True)
 
 from tests.engines import sglang_kernels as K  # noqa: E402
-from tests.engines.outputs import (DRAFTER_MODE_CASES, DSPARK_MODELS, drafter_mode_name,  # noqa: E402
-                                   drafter_mode_refusal, drafter_written, dspark_source_and_outputs)
+from tests.engines.outputs import (DONOR, DRAFTER_MODE_CASES, DSPARK_MODELS, drafter_mode_name,  # noqa: E402
+                                   drafter_mode_refusal, drafter_written, dspark_source_and_outputs, graft_differences)
 from tests.engines.sglang_harness import engine, hf_config, reset, sglang_load_report  # noqa: E402
 from tests.engines.sglang_startup import sglang_accepts  # noqa: E402
 
@@ -143,7 +143,7 @@ def modelled_part(problem: str) -> str:
 
 @pytest.mark.parametrize("fmt,mode", DRAFTER_MODE_CASES)
 def test_each_drafter_mode_loads_with_the_rules_method_or_is_refused(ckpts, fmt, mode):
-    """convert --drafter keep|convert per output format: where this release's rules allow the mode,
+    """convert --drafter keep|convert|graft per output format: where this release's rules allow the mode,
     each stage's experts get the draft method the rules' kernel cell names and the drafter loads
     without a finding; where they do not, convert refuses it in one line."""
     rules, written = rules_of(ckpts["mxfp4"]), drafter_written(fmt, mode)
@@ -158,6 +158,8 @@ def test_each_drafter_mode_loads_with_the_rules_method_or_is_refused(ckpts, fmt,
     assert len(stages) == len(hf_config(ckpts[name])["dspark_target_layer_ids"])
     assert set(stages.values()) == {rules.kernel(fmt, "sm_100").mtp_path["method"]}, stages
     assert drafter_problems(report) == [], drafter_problems(report)
+    if mode == "graft":   # the donor's drafter, byte for byte
+        assert graft_differences(ckpts[name], ckpts[DONOR]) == []
 
 
 def test_converted_stages_are_skipped(ckpts):

@@ -26,8 +26,8 @@ if not wheels.available("vllm"):
                 allow_module_level=True)
 
 from . import vllm_harness as vllm  # noqa: E402
-from .outputs import (DRAFTER_MODE_CASES, DSPARK_MODELS, drafter_mode_name, drafter_mode_refusal,  # noqa: E402
-                      drafter_written, dspark_source_and_outputs, with_ignore)
+from .outputs import (DONOR, DRAFTER_MODE_CASES, DSPARK_MODELS, drafter_mode_name, drafter_mode_refusal,  # noqa: E402
+                      drafter_written, dspark_source_and_outputs, graft_differences, with_ignore)
 from .vllm_startup import vllm_accepts  # noqa: E402
 
 VERSION = wheels.version("vllm")
@@ -141,7 +141,7 @@ def test_kept_stages_outside_ignore_load_as_garbage(ckpts, tmp_path):
 
 @pytest.mark.parametrize("fmt,mode", DRAFTER_MODE_CASES)
 def test_each_drafter_mode_loads_with_the_rules_method_or_is_refused(ckpts, fmt, mode):
-    """convert --drafter keep|convert per output format: where this release's rules allow the mode,
+    """convert --drafter keep|convert|graft per output format: where this release's rules allow the mode,
     every tensor loads and each stage's experts, written as the mode says, get the method the rules
     name for the stage given the output's ignore; where they do not, convert refuses it in one line."""
     rule, written = rules(vllm.Checkpoint(ckpts["mxfp4"])), drafter_written(fmt, mode)
@@ -159,6 +159,8 @@ def test_each_drafter_mode_loads_with_the_rules_method_or_is_refused(ckpts, fmt,
         assert ckpt.expert_format(block) == written == rule.mtp_format_for(fmt, block, ignore), block
         for gpu in vllm.GPUS:
             assert type(dispatch.moe(prefix)).__name__ == rule.kernel(written, gpu).method, (block, gpu)
+    if mode == "graft":   # the donor's drafter, byte for byte
+        assert graft_differences(ckpts[name], ckpts[DONOR]) == []
 
 
 # ------------------------------------------------------------------------------------- W4A16
