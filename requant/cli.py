@@ -56,19 +56,15 @@ class EngineSpec(click.ParamType):
 
 
 class DrafterMode(click.ParamType):
-    """--drafter keep, convert, or graft PATH: (mode, donor), the donor only for graft. The command
-    (GraftOperand) hands graft its PATH joined to it as graft=PATH."""
+    """--drafter keep, convert, or graft PATH, which the command (GraftOperand) hands over joined as
+    graft=PATH (a spelling taken as it is too, so the resume command, which prints it so, parses)."""
 
     name = "keep|convert|graft PATH"
 
     def convert(self, value, param, ctx):
-        if isinstance(value, tuple):
-            return value
         mode, _, donor = value.partition("=")
-        if mode in ("keep", "convert") and not donor:
-            return mode, None
-        if mode == "graft" and donor:
-            return mode, donor
+        if mode in ("keep", "convert") and not donor or mode == "graft" and donor:
+            return value
         if mode == "graft":
             self.fail("graft takes the checkpoint whose drafter it attaches: --drafter graft PATH", param, ctx)
         self.fail(f"{value!r} is not keep, convert or graft PATH", param, ctx)
@@ -445,8 +441,8 @@ def convert(src, dst, in_format, out_format, engine, model_name, mtp, force, inp
         click.echo(json.dumps({"aborted": True, "message": done}, indent=2) if as_json else done)
         return
     # Only the heavy encoders (the W4A16 search) are worth a GPU.
-    mtp, donor = mtp or (None, None)
-    options = Options(mtp=mtp, donor=donor, input_scale=input_scale, target=target_options, engine=engine, model=model_name,
+    mtp, _, donor = (mtp or "").partition("=")
+    options = Options(mtp=mtp or None, donor=donor or None, input_scale=input_scale, target=target_options, engine=engine, model=model_name,
                       force=force, device=compute_device(device) if TARGETS[out_format].cpu_heavy else "cpu")
     if dry_run:
         plan = convert_lib.plan_conversion(src, out_format, options, in_format, in_place, revision, token, cache_dir,

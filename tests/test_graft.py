@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,17 @@ def test_resume_takes_the_same_donor_only_and_equals_an_uninterrupted_graft(chec
     assert "\n" not in str(refused.value)
     convert(src, dst, "nvfp4", options, progress=False, resume=True)
     assert output_tree(dst) == output_tree(clean)
+
+
+def test_the_printed_resume_command_resumes_the_graft(checkpoints, tmp_path, monkeypatch):
+    src, donor, dst = checkpoints.source(WITH_MTP, seed=3), checkpoints.source(DONOR, seed=4), tmp_path / "out"
+    monkeypatch.setattr(fsutil, "_fault_steps", 0)
+    monkeypatch.setenv("REQUANT_TEST_FAULT", "enospc@20")
+    stopped = run(*graft_args(src, dst, donor))
+    monkeypatch.delenv("REQUANT_TEST_FAULT")
+    assert stopped.exit_code != 0 and f"--drafter graft={donor}" in stopped.output, stopped.output
+    command = shlex.split(stopped.output.split("resume with `")[1].split("`")[0])
+    assert command[:2] == ["requant", "convert"]
+    resumed = run(*command[2:])
+    assert resumed.exit_code == 0 and "kept from the earlier run" in resumed.output, resumed.output
+    assert CliRunner().invoke(cli, ["verify", str(dst)]).exit_code == 0
