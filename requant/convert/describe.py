@@ -19,7 +19,7 @@ def describe_plan(plan: Plan, dst: str | None, in_place: bool = False, source: s
         "source_format": plan.source_format,
         "target": plan.target.name,
         "engine": plan.target.engine.label,
-        "mtp": plan.target.mtp,
+        "mtp": plan.target.describe_options()["mtp"],   # a graft names its donor
         "shards": len(plan.shards),
         "converted_blocks": plan.blocks,
         "tensors": dict(plan.counts),
