@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from requant.formats import int4_search
 from requant.io.safetensors import PAGE, TensorInfo, open_direct, read_buffer_bytes, read_tensor, write_tensors
 from requant.plan import Plan
 from requant.pools import compute_slot, forked_pool, inherited, io_spares, keep_freed_memory
@@ -106,7 +107,7 @@ class Encoders:
     encoding on `gpu` (a CUDA device) when given."""
 
     def __init__(self, plan: Plan, workers: int, processes: bool, gpu: str | None = None):
-        self.workers, self.processes = max(1, workers), processes
+        self.workers, self.processes, self.gpu = max(1, workers), processes, gpu
         if processes:
             plan.target.ready_workers()
             self.pool = forked_pool(self.workers, plan, spares=io_spares(self.workers))
@@ -137,6 +138,8 @@ class Encoders:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.gpu:
+            int4_search.release_graphs()
 
     def __enter__(self):
         return self

@@ -357,19 +357,29 @@ class _Captured:
 
 
 _CAPTURE_LOCK = threading.Lock()
-_captured = threading.local()   # per thread: (device, args) -> _Captured (a graph's tensors are its own)
+# (thread, device, args) -> _Captured: each thread replays graphs of its own (a graph's tensors are
+# its own). Not thread-local storage: a graph freed by its thread's exit aborted the process (an
+# H100, a conversion's thread pool shutting down); release_graphs frees them once threads are done.
+_captured: dict[tuple, _Captured] = {}
+
+
+def release_graphs() -> None:
+    """Free every thread's captured graphs; call once the threads that replay them have stopped."""
+    if _captured:
+        torch.cuda.synchronize()
+        _captured.clear()
 
 
 def _on_gpu(sources: dict, device: torch.device, args: tuple) -> tuple[torch.Tensor, ...]:
     """_search's results for these inputs on a CUDA device, from this thread's graph for their
     shapes; the first time, run as it is (which also readies tables and libraries) and captured."""
-    graphs = _captured.__dict__.setdefault("graphs", {})
-    graph = graphs.get((device, args))
+    key = threading.get_ident(), device, args
+    graph = _captured.get(key)
     if graph is None:
         weight = torch.cat([w.reshape(-1).to(device, non_blocking=True) for w, _ in sources.values()])
         scale = torch.cat([s.reshape(-1).to(device, non_blocking=True) for _, s in sources.values()])
         results = _search(weight, scale, *args)
-        graphs[device, args] = _Captured(weight, scale, args)
+        _captured[key] = _Captured(weight, scale, args)
         return results
     for (w, s), (b0, b1) in zip(sources.values(), _spans(args[0])):
         graph.weight[b0 * mxfp4.BLOCK // 2:b1 * mxfp4.BLOCK // 2].copy_(w.reshape(-1), non_blocking=True)
