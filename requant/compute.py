@@ -4,6 +4,7 @@ command (convert, report, verify)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 
 from requant.errors import UnsupportedError
@@ -23,12 +24,14 @@ def compute_device(requested: str | None) -> str:
 def kernel_device(requested: str | None) -> str:
     """The device requant's Triton kernel and the MoE forward around it (validate, report) run
     on: compute_device's choice, except under Triton's interpreter (TRITON_INTERPRET=1), which runs
-    kernels on host tensors only: then the CPU."""
+    kernels on host tensors only, and where triton is not installed (the torch reference then): the
+    CPU. Asking for cuda without triton is the kernel's own one-line refusal."""
     interpreter = os.environ.get("TRITON_INTERPRET") == "1"
     if requested == "cuda" and interpreter:
         raise UnsupportedError("--device cuda: TRITON_INTERPRET=1 is set, and Triton's interpreter runs kernels "
                                "on the CPU only; unset it to run on the GPU")
-    return "cpu" if requested is None and interpreter else compute_device(requested)
+    no_kernel = interpreter or importlib.util.find_spec("triton") is None
+    return "cpu" if requested is None and no_kernel else compute_device(requested)
 
 
 MAX_DEFAULT_WORKERS = 32   # W4A16: 48 processes (pools.io_spares) of ~400 MiB peak, under ~19 GiB

@@ -117,7 +117,11 @@ def test_a_forked_pool_computes_in_at_most_its_slots():
 
 def test_the_kernel_runs_where_triton_can_run_it(monkeypatch):
     """Under Triton's interpreter the kernel runs on host tensors only: the CPU by default, and a
-    clear refusal of --device cuda (an interpreted kernel fed CUDA tensors fails deep in Triton)."""
+    clear refusal of --device cuda (an interpreted kernel fed CUDA tensors fails deep in Triton).
+    Without triton a GPU machine's default is the CPU's torch reference too (report ran nothing
+    there: the kernel's refusal)."""
+    import importlib.util
+
     from requant.compute import kernel_device
     from requant.errors import UnsupportedError
 
@@ -127,3 +131,8 @@ def test_the_kernel_runs_where_triton_can_run_it(monkeypatch):
         kernel_device("cuda")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert kernel_device(None) == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert kernel_device(None) == "cuda"
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else find_spec(name, *a))
+    assert kernel_device(None) == "cpu" and kernel_device("cuda") == "cuda"
