@@ -115,7 +115,8 @@ def test_missing_path_and_unfinished_conversion_have_one_line_each(tmp_path):
     target = tmp_path / "half"
     os.makedirs(target / ".requant-convert")
     (target / ".requant-convert" / "journal.json").write_text(json.dumps(
-        {"format": 1, "shards": [{"done": True}, {"done": False}], "resume": "requant convert a half --resume"}))
+        {"format": 1, "options": {}, "resume": "requant convert a half --resume",
+         "shards": [{"name": "a.safetensors", "done": True}, {"name": "b.safetensors", "done": False}]}))
     v, i = invoke("verify", str(target), "--quiet"), invoke("inspect", str(target))
     line = f"file {target}: conversion in progress: 1 of 2 shards, resume with `requant convert a half --resume`"
     assert v.exit_code == 1 and v.output.strip() == f"requant: error: {line}"
