@@ -36,11 +36,9 @@ def effective(own: dict, version: str) -> dict:
     data = copy.deepcopy(own)
     base = data.pop("base", None)
     if base:
-        data = engines._merge({k: v for k, v in engines.release_data(ENGINE, base).items()
+        data = engines._merge({k: v for k, v in engines.release_file_merged(ENGINE, base).items()
                                if k not in engines._OWN_KEYS}, data)
-    models = data["models"] = dict(data["models"])
-    for family in list(models):
-        models[family] = engines._family(models, family, ())
+    data["models"] = engines.resolve_families(data["models"])
     return data
 
 
@@ -120,7 +118,7 @@ def main(argv=None) -> int:
         if differed and not args.check:
             path = engines._release_files()[ENGINE][version]
             path.write_text(json.dumps(own, indent=2, ensure_ascii=False) + "\n")
-            engines.release_data.cache_clear()
+            engines.reread_release_files()
             print(f"vllm {version}: wrote {path.name}")
         status |= bool(differed and args.check)
     return status

@@ -139,8 +139,7 @@ def main(argv=None) -> int:
                 stale.append(version)
                 if not args.check:
                     _write(path, data)
-                    for cached in (engines._release_files, engines.release_scope, engines.release_data):
-                        cached.cache_clear()   # the next older release reads this one as its base
+                    engines.reread_release_files()   # the next older release reads this one as its base
     finally:
         reset()
     print(("differs from the engine: " if args.check else "written: ") + (", ".join(stale) or "none"))

@@ -28,8 +28,7 @@ FLASH_FULL = synth.Dims("deepseek-v4-flash", full_scale=True)
 
 
 def _clear_caches():
-    for cached in (engines._release_files, engines.release_data, engines.release_scope):
-        cached.cache_clear()
+    engines.reread_release_files()
 
 
 @pytest.fixture

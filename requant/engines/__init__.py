@@ -381,6 +381,13 @@ def release_scope(engine: str, version: str) -> str:
     return json.loads(_release_files()[engine][version].read_text()).get("scope", "loader")
 
 
+def reread_release_files() -> None:
+    """Forget what was read of the release files: for the scripts that write them and for tests
+    that point `_RELEASES` elsewhere."""
+    for cached in (_release_files, release_scope, release_data, release_file_merged):
+        cached.cache_clear()
+
+
 def _merge(base: dict, over: dict) -> dict:
     """`over` on top of `base`, nested objects merged key by key; a null in `over` removes the key."""
     out = dict(base)
@@ -400,16 +407,26 @@ def release_data(engine: str, version: str) -> dict:
     """The data of one checked release, its `base` release's merged under it. A model family may
     name a `base` family of the same release whose rules it repeats except where it says otherwise
     (DeepSeek-V4 with a DSpark drafter: the V4 main layers, its own drafter rules)."""
-    path = _release_files()[engine][version]
-    data = json.loads(path.read_text())
+    data = dict(release_file_merged(engine, version))   # never the cached merge's own dicts
+    data["models"] = resolve_families(data["models"])
+    return data
+
+
+@lru_cache(maxsize=None)
+def release_file_merged(engine: str, version: str) -> dict:
+    """One release's file merged over its base release's, model families not yet resolved: a family
+    that names a base family takes that family's rules of this release, never of the base release
+    (a family added in one release and inherited by the next follows the next one's base family)."""
+    data = json.loads(_release_files()[engine][version].read_text())
     base = data.pop("base", None)
     if base:   # what was checked, and how, is the release's own: never its base's
-        data = _merge({k: v for k, v in release_data(engine, base).items() if k not in _OWN_KEYS}, data)
+        data = _merge({k: v for k, v in release_file_merged(engine, base).items() if k not in _OWN_KEYS}, data)
     data.setdefault("scope", "loader")
-    models = data["models"] = dict(data["models"])   # never the cached base release's own dict
-    for family in list(models):
-        models[family] = _family(models, family, ())
     return data
+
+
+def resolve_families(models: dict) -> dict:
+    return {family: _family(models, family, ()) for family in models}
 
 
 def _family(models: dict, family: str, seen: tuple) -> dict:
