@@ -98,6 +98,9 @@ def wheel(distribution: str, release: str, slim: bool = False) -> Path | None:
     name = distribution.replace("-", "_")
     pattern, slim_path = str(CACHE / f"{name}-{release}-*.whl"), CACHE / f"{name}-{release}-slim.zip"
     hits = sorted(glob.glob(pattern))
+    for dangling in [h for h in hits if not os.path.exists(h)]:   # a link whose wheel is gone: fetch again
+        os.unlink(dangling)
+        hits.remove(dangling)
     if not hits and slim_path.exists():
         return slim_path
     if not hits and not os.environ.get("REQUANT_NO_WHEEL_FETCH"):
