@@ -355,14 +355,15 @@ def test_damaged_state_file_then_every_printed_command(source, clean, killed, tm
         result = CliRunner().invoke(cli, [*convert_args(target, None, "nvfp4"), *([cmd] if cmd else [])])
         said = "\n".join(said_lines(result))
         assert "delete" not in said.lower() and len(said_lines(result)) == 1, said
-        if (which, how) == ("both", "missing"):   # no state left to tell a conversion: refused as no checkpoint
+        if (which, how) == ("both", "missing"):   # no state left to tell a conversion: refused as no checkpoint, saying
+            # what to put back from the original and the abort that then ends it
             assert result.exit_code != 0 and "config.json" in said, said
             lock = os.path.join(journal.JOURNAL_DIR, journal.LOCK)   # the killed run's: taken over, then gone
             assert tree(target) == {k: v for k, v in tree(state).items() if k != lock}, "a refusal changed it"
-            if put_back(said, target, source):
-                assert all(code == 0 for _, code, _ in follow(printed_commands(said)[0], set()))
-                assert_usable(target)
-                assert_is_source(target, source)
+            assert put_back(said, target, source), f"{cmd}: {said}"   # a plain rerun and --resume as well as --abort
+            assert all(code == 0 for _, code, _ in follow(printed_commands(said)[0], set()))
+            assert_usable(target)
+            assert_is_source(target, source)
             continue
         if result.exit_code == 0:   # an abort or resume that could act at once
             assert cmd is not None, said

@@ -67,6 +67,14 @@ def start_over_advice(target: str, hint: str) -> str:
     return f"or undo it with `{abort_command(record)}` (no shard is converted yet: the source comes back as it was)"
 
 
+def lost_state_advice(hint: str) -> str:
+    """For a directory without its config.json or index and no conversion state: what to do if an
+    in-place conversion's state was lost there (`hint`: this command's resume form)."""
+    return (f"if a conversion's state folder was emptied here, put back {CONFIG_NAME}, {INDEX_NAME} and every shard "
+            f"whose file differs from the original's from the same revision of the original, then "
+            f"`{abort_command({'resume': hint})}` ends it")
+
+
 def damaged_state_advice(target: str, e: journal.Damaged, hint: str) -> str:
     """One line on a damaged state file `e`: what is still safe and the requant command that goes
     on (`hint`, this command's resume form, where neither file names it)."""
@@ -195,9 +203,7 @@ def abort(src: str, dst: str | None, hint: str = "") -> str:
                 return (f"nothing to abort: {target} holds no unfinished conversion; removed what a killed conversion "
                         f"left ({journal.path_of(target)} and half-written files; nothing else was touched)")
             lost = "" if os.path.isfile(os.path.join(target, CONFIG_NAME)) or not os.listdir(target) else (
-                f"; it has no {CONFIG_NAME} either: if a conversion's state folder was emptied here, put back "
-                f"{CONFIG_NAME}, {INDEX_NAME} and every shard whose file differs from the original's from the same "
-                f"revision of the original, then `{abort_command({'resume': hint})}` ends it")
+                f"; it has no {CONFIG_NAME} either: {lost_state_advice(hint)}")
             raise RequantError(f"nothing to abort: {target} holds no unfinished conversion{lost}")
         try:
             record, snapshot = journal.load(target)

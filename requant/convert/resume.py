@@ -16,7 +16,7 @@ from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, read_json
 from requant.plan import ShardPlan
 from requant.targets import TARGETS, Options
 
-from requant.convert.abort import damaged_state_advice, start_over_advice
+from requant.convert.abort import damaged_state_advice, lost_state_advice, start_over_advice
 from requant.convert.outputs import SourceDamaged, untouched
 
 # Options fields not journaled among the options: the target's own (journaled under "target"), the
@@ -65,7 +65,13 @@ def open_source(src: str, target: str, in_place: bool, resume: bool, request: di
                                f"{start_over_advice(target, hint)}")
         if not in_place and set(os.listdir(target)) - {journal.JOURNAL_DIR}:
             raise RequantError(f"destination {target} exists and is not an empty directory")
-        source = hub.open_streamed(staging) if hub else opened or Checkpoint.open(src)
+        try:
+            source = hub.open_streamed(staging) if hub else opened or Checkpoint.open(src)
+        except RequantError as e:   # in place, a directory without its metadata may be a conversion whose state went
+            if in_place and not all(os.path.isfile(os.path.join(target, n)) for n in (CONFIG_NAME, INDEX_NAME)) \
+                    and any(n.endswith(".safetensors") for n in os.listdir(target)):
+                raise CheckpointError(f"{e}; {lost_state_advice(hint)}") from None
+            raise
         links = [n for n in source.shard_names if os.path.islink(source.shard_path(n))] if in_place else []
         if links:   # replacing a link would leave its target (e.g. a Hugging Face cache blob) behind
             raise RequantError(f"cannot convert in place: {source.shard_path(links[0])} is a symbolic link "
