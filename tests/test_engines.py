@@ -193,6 +193,47 @@ def test_every_family_resolves_in_every_release():
                     engines.rules_for(DSV4, engine, version).kernel("nvfp4", "sm_100").method
 
 
+def test_a_family_added_in_one_release_follows_the_next_releases_base_family():
+    """vLLM 0.34.0 says nothing of Vision-Exp, which 0.33.0 added on the DSpark family: its cells
+    are 0.34.0's DSpark cells (which are 0.34.0's V4 cells), never 0.33.0's."""
+    newer = engines.release_data("vllm", "0.34.0")["models"]
+    assert newer["deepseek_v4_vision"]["kernels"] == newer["deepseek_v4_dspark"]["kernels"]
+    cited = [e for cells in newer["deepseek_v4_vision"]["kernels"].values() for cell in cells.values()
+             for backend in cell.get("opt_in") or [] for e in backend["evidence"]]
+    assert cited and all(e.startswith("vllm 0.34.0: ") for e in cited), cited
+
+
+def test_release_files_repeat_nothing_they_inherit(tmp_path, monkeypatch):
+    """A release file holds only what differs from its base release and base family: deleting any
+    family's key from any file changes that release's data (a repeated table goes stale silently
+    when the base is regenerated)."""
+    monkeypatch.setattr(engines, "_RELEASES", tmp_path)
+    for path in Path(engines.__file__).parent.joinpath("releases").glob("*.json"):
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    engines.reread_release_files()
+    repeated = []
+    try:
+        for path in sorted(tmp_path.glob("*.json")):
+            own = json.loads(path.read_text())
+            if not own.get("base"):
+                continue
+            engine, version = own["engine"], own["version"]
+            whole = engines.release_data(engine, version)
+            for family, rules in (own.get("models") or {}).items():
+                for key in rules or {}:
+                    trial = json.loads(path.read_text())
+                    del trial["models"][family][key]
+                    path.write_text(json.dumps(trial))
+                    engines.reread_release_files()
+                    if engines.release_data(engine, version) == whole:
+                        repeated.append(f"{path.name}: models.{family}.{key}")
+                    path.write_text(json.dumps(own))
+            engines.reread_release_files()
+    finally:
+        engines.reread_release_files()
+    assert repeated == []
+
+
 @pytest.mark.parametrize("name", DSPARK_FAMILIES)
 def test_dspark_drafter_rules(name):
     """The drafter passes through (MXFP4) for NVFP4 output in every checked release; vLLM's CUDA
