@@ -22,6 +22,7 @@ from requant import expressions, formats, model as model_lib, sources
 from requant.errors import RequantError, UnsupportedError, UsageError
 from requant.formats import fp8_block, mxfp4
 from requant.io.fsutil import atomic_write_json, free_bytes
+from requant.io.names import INDEX_NAME
 from requant.io.safetensors import DTYPES, ShardWriter, TensorSpec, write_tensors
 from requant.recipe import TensorEntry, Tokenizer
 
@@ -306,7 +307,7 @@ def write_checkpoint(dest: str, dims: Dims | None = None, seed: int = 0, hard: H
         if progress:
             progress(i + 1, len(shards))
     total = sum(s.nbytes for specs in shards for s in specs)
-    atomic_write_json(os.path.join(dest, "model.safetensors.index.json"),
+    atomic_write_json(os.path.join(dest, INDEX_NAME),
                       {"metadata": {"total_size": total}, "weight_map": weight_map})
     for path, content in metadata_files(dims).items():
         os.makedirs(os.path.dirname(os.path.join(dest, path)), exist_ok=True)

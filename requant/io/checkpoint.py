@@ -20,13 +20,11 @@ import torch
 
 from requant.errors import CheckpointError, FormatError
 from requant.io.diagnosis import path_problem
+from requant.io.names import CONFIG_NAME, INDEX_NAME, SINGLE_FILE_NAME
 from requant.io.safetensors import Header, TensorInfo, open_direct, parse_header, read_header, read_tensor
 
 log = logging.getLogger(__name__)
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_FILE_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
 MAX_JSON_BYTES = 64 * 1024 * 1024
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9_.-]+\.safetensors$")
 

@@ -28,9 +28,7 @@ import os
 import shutil
 
 from requant.io.fsutil import atomic_write, atomic_write_json, fsync_dir
-
-# io.checkpoint's names, which imports this module (through diagnosis)
-CONFIG_NAME, INDEX_NAME = "config.json", "model.safetensors.index.json"
+from requant.io.names import CONFIG_NAME, INDEX_NAME
 
 JOURNAL_DIR = ".requant-convert"
 JOURNAL = "journal.json"
