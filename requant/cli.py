@@ -354,9 +354,10 @@ def synth(dest, model_name, layers, experts, hidden, intermediate, seed, full_sc
 @click.option("--drafter", "--mtp", "mtp", type=DrafterMode(), default=None,
               help="The drafter's routed experts (its MTP block or draft stages). keep: they stay MXFP4, listed "
                    "in the output's ignore; convert: they become --out's format as the main experts do, ignore "
-                   "leaving them out; graft PATH: the drafter of checkpoint PATH (a directory; another checkpoint "
-                   "of the same model) replaces SRC's own, its tensors byte for byte and kept as it stores them, "
-                   "its config.json fields taken over, each check refused in one line; not with --in-place. "
+                   "leaving them out; graft PATH: the drafter of checkpoint PATH (a directory, or a Hub "
+                   "repository of which only the drafter's shards are downloaded; another checkpoint of the same "
+                   "model) replaces SRC's own, its tensors byte for byte and kept as it stores them, its "
+                   "config.json fields taken over, each check refused in one line; not with --in-place. "
                    "Default: what --engine's release loads them as (requant.engines: formats.<fmt>.mtp_experts). "
                    "A choice the release would load wrongly is refused unless --force. --mtp is the same option.")
 @click.option("--force", is_flag=True, help="Write a layout that --engine would load wrongly or cannot serve (MTP "

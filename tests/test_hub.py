@@ -9,17 +9,20 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from requant import synth
 from requant.cli import cli
 from requant.io import hub as hub_lib
+from requant.io.checkpoint import Checkpoint
 from tests.helpers.files import output_tree, tree
 
 DIMS = synth.Dims(layers=3, experts=6)
@@ -27,15 +30,20 @@ REPO = "deepseek-ai/Tiny-V4"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
+def _files(root: str) -> dict[str, bytes]:
+    """Every file below `root` by its relative path: a repository's content."""
+    found = {}
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                found[os.path.relpath(os.path.join(dirpath, name), root)] = f.read()
+    return found
+
+
 class FakeHub(ThreadingHTTPServer):
     def __init__(self, root: str):
         super().__init__(("127.0.0.1", 0), Handler)
-        self.files = {}
-        for dirpath, _, names in os.walk(root):
-            for name in names:
-                path = os.path.join(dirpath, name)
-                with open(path, "rb") as f:
-                    self.files[os.path.relpath(path, root)] = f.read()
+        self.files = _files(root)
         self.repos = {REPO: self.files}     # repository -> path -> bytes; uploads add repositories
         self.break_once: set[str] = set()   # the next full GET of these stops halfway
         self.fail: set[str] = set()         # whole-file GETs of these answer 500
@@ -404,3 +412,92 @@ def test_advise_reads_only_headers_from_the_hub(hub):
     answer = json.loads(result.stdout)
     assert answer["source_format"] == "mxfp4" and answer["answers"][0]["paths"][0]["starts"]
     assert not [n for n in server.gets if n.endswith(".safetensors")], "advise downloaded a shard"
+
+
+DONOR_REPO = "deepseek-ai/Tiny-V4-0731"
+NO_DRAFTER = synth.Dims("deepseek-v4-flash", mtp_layers=0, layers=3, experts=6)
+
+
+def donor_on_hub(server, tmp_path, source: synth.Dims = NO_DRAFTER) -> tuple[str, str]:
+    """(a DSpark donor, served as DONOR_REPO; a local source of the same model): directories."""
+    donor, src = str(tmp_path / "donor"), str(tmp_path / "src")
+    synth.write_checkpoint(donor, synth.Dims("deepseek-v4-flash-0731", layers=3, experts=6), seed=4)
+    synth.write_checkpoint(src, source, seed=3)
+    server.repos[DONOR_REPO] = _files(donor)
+    return donor, src
+
+
+def test_graft_from_a_hub_donor_downloads_its_drafter_shards_alone(hub, tmp_path):
+    """--drafter graft OWNER/NAME: the donor's config, index and headers come from the Hub (range
+    requests; a dry run downloads no shard), then only the shards holding its drafter, into the
+    Hugging Face cache; the output holds the donor's drafter byte for byte, names the donor and its
+    commit, and verifies."""
+    server, _ = hub
+    donor, src = donor_on_hub(server, tmp_path)
+    dst = tmp_path / "out"
+    args = ["convert", src, str(dst), "--out", "nvfp4", "--engine", "vllm", "--drafter", "graft", DONOR_REPO, "-q"]
+    dry = CliRunner().invoke(cli, [*args, "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert not [n for n in server.gets if n.endswith(".safetensors")] and not dst.exists()
+    missing = CliRunner().invoke(cli, [*args[:9], "deepseek-ai/No-Such-Donor", "-q"])
+    assert missing.exit_code == 1 and "looking up deepseek-ai/No-Such-Donor on the Hub" in missing.output \
+        and len(missing.output.strip().splitlines()) == 1 and not dst.exists(), missing.output
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    with Checkpoint.open(donor) as given, Checkpoint.open(str(dst)) as out:
+        drafter = [n for n in given.names if n.startswith("mtp.")]
+        assert drafter and {n for n in out.names if n.startswith("mtp.")} == set(drafter)
+        for name in drafter:
+            assert out.info(name).spec == given.info(name).spec, name
+            assert out.tensor(name).view(-1).view(torch.uint8).numpy().tobytes() == \
+                given.tensor(name).view(-1).view(torch.uint8).numpy().tobytes(), name
+        wanted = {given.locations[n] for n in drafter}
+        assert len(wanted) < len(given.shard_names)
+    assert {n for n in server.gets if n.endswith(".safetensors")} == wanted
+    cached = tmp_path / "cache" / "models--deepseek-ai--Tiny-V4-0731" / "snapshots" / COMMIT
+    assert {p.name for p in cached.iterdir() if p.name.endswith(".safetensors")} == wanted
+    record = json.loads((dst / "requant.json").read_text())
+    assert record["drafter_donor"] == DONOR_REPO
+    state = tree(str(dst))
+    assert not any(".requant-convert" in n for n in state), state
+    verified = CliRunner().invoke(cli, ["verify", str(dst), "--engine", "vllm", "--quiet"])
+    assert verified.exit_code == 0, verified.output
+
+
+def test_graft_from_a_hub_donor_offline_needs_it_whole_in_the_cache(hub, tmp_path, monkeypatch):
+    """Offline, the cache holds only the drafter shards an earlier graft downloaded: one line saying
+    so, and nothing written."""
+    server, _ = hub
+    _, src = donor_on_hub(server, tmp_path)
+    args = ["convert", src, "", "--out", "nvfp4", "--engine", "vllm", "--drafter", "graft", DONOR_REPO, "-q"]
+    assert CliRunner().invoke(cli, [*args[:2], str(tmp_path / "first"), *args[3:]]).exit_code == 0
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = CliRunner().invoke(cli, [*args[:2], str(tmp_path / "second"), *args[3:]])
+    assert result.exit_code == 1 and "only in part" in result.output and DONOR_REPO in result.output, result.output
+    assert len(result.output.strip().splitlines()) <= 2, result.output   # the cache line, then the error
+    assert not (tmp_path / "second").exists()
+
+
+def test_a_graft_from_a_hub_donor_stopped_resumes_by_the_printed_command(hub, tmp_path, monkeypatch):
+    """The journal records the donor repository at its commit; the printed resume command fetches
+    nothing it has (the cache's drafter shards), finishes, and the result equals an uninterrupted graft."""
+    from requant.io import fsutil
+
+    server, _ = hub
+    _, src = donor_on_hub(server, tmp_path, synth.Dims("deepseek-v4-flash", layers=3, experts=6))
+    args = ["--out", "nvfp4", "--engine", "vllm", "--drafter", "graft", DONOR_REPO, "-q"]
+    clean, dst = str(tmp_path / "clean"), str(tmp_path / "dst")
+    assert CliRunner().invoke(cli, ["convert", src, clean, *args]).exit_code == 0
+    monkeypatch.setattr(fsutil, "_fault_steps", 0)
+    monkeypatch.setenv("REQUANT_TEST_FAULT", "enospc@20")
+    stopped = CliRunner().invoke(cli, ["convert", src, dst, *args])
+    monkeypatch.delenv("REQUANT_TEST_FAULT")
+    assert stopped.exit_code != 0 and f"--drafter graft={DONOR_REPO}" in stopped.output, stopped.output
+    assert json.load(open(os.path.join(dst, ".requant-convert", "journal.json")))["donor"]["path"] == \
+        f"hf://{DONOR_REPO}@{COMMIT}"
+    server.gets.clear()
+    command = shlex.split(stopped.output.split("resume with `")[1].split("`")[0])
+    resumed = CliRunner().invoke(cli, command[1:])
+    assert resumed.exit_code == 0, resumed.output
+    assert not [n for n in server.gets if n.endswith(".safetensors")], server.gets
+    assert output_tree(dst) == output_tree(clean)

@@ -1,5 +1,6 @@
 """--drafter graft DONOR: the source checkpoint with the drafter of another checkpoint of the same
-model (the donor) in place of its own, presented as one Checkpoint that the plan reads like any
+model (the donor: a directory, or a Hub repository of which only the drafter's shards are
+downloaded) in place of its own, presented as one Checkpoint that the plan reads like any
 source. The donor's drafter tensors are taken byte for byte and kept as the donor stores them (the
 keep mode's rules hold for them); the config fields only the drafter has, and the drafter's entries
 of per-layer lists, come from the donor. Everything is checked from headers and config.json before a
@@ -7,16 +8,19 @@ byte is written; each refusal is one line naming the field, tensor or file."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
 import os
+import tempfile
 from dataclasses import dataclass
 
 from requant.errors import CheckpointError, UnsupportedError, UsageError
 from requant.experts import ExpertIndex
 from requant.io import hub as hub_lib
-from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
+from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, resolve_inside
+from requant.io.safetensors import read_header
 from requant.model import ModelSpec
 from requant.plan import check_against_config
 
@@ -44,18 +48,15 @@ def refuse_unsupported(in_place: bool, streamed: bool) -> None:
                          "(convert without it; the Hub source is then downloaded into the cache)")
 
 
-def graft(base: Checkpoint, donor_path: str, model: str | None = None) -> Grafted:
-    """`base` with the drafter of the checkpoint in directory `donor_path`; `model` is --model (the
-    named model the result must be)."""
-    if not os.path.isdir(donor_path):
-        if hub_lib.hub_repo(donor_path):
-            raise UsageError(f"--drafter graft {donor_path}: a Hub repository is not read as a donor; download it "
-                             f"first (hf download {donor_path} --local-dir DIR) and graft DIR")
-        raise CheckpointError("--drafter graft: the donor checkpoint is missing (a directory is expected)",
-                              file=donor_path)
-    with Checkpoint.open(donor_path) as donor:
+def graft(base: Checkpoint, donor_ref: str, model: str | None = None, hub: dict | None = None,
+          fetch: bool = True) -> Grafted:
+    """`base` with the drafter of checkpoint `donor_ref`: a directory, or a Hub repository whose
+    headers are read by range requests and whose drafter shards, only those, are downloaded into the
+    Hugging Face cache (`hub`: HubSource's progress, token and cache_dir). `fetch` False reads
+    headers only (a plan). `model` is --model (the named model the result must be)."""
+    where = f"--drafter graft {donor_ref}"
+    with _opened_donor(donor_ref, where, hub or {}) as (donor, remote):
         base_spec, donor_spec = ModelSpec.for_checkpoint(base), ModelSpec.for_checkpoint(donor)
-        where = f"--drafter graft {donor_path}"
         if base_spec.recipe.model_type != donor_spec.recipe.model_type:
             raise UnsupportedError(f"{where}: the donor is a {donor_spec.name} checkpoint (model_type "
                                    f"{donor_spec.recipe.model_type}), {base.path} a {base_spec.name} one (model_type "
@@ -71,8 +72,47 @@ def graft(base: Checkpoint, donor_path: str, model: str | None = None) -> Grafte
         _check_drafter(grafted, donor_spec, model, where)
         shards = [name for name in donor.shard_names if any(donor.locations[t] == name for t in drafter)]
         digest = hashlib.sha256(b"".join(donor.headers[name].raw for name in shards)).hexdigest()
-        return Grafted(grafted, {"path": os.path.realpath(donor_path), "drafter_headers": digest},
-                       list(base.shard_names))
+        label = os.path.realpath(donor_ref) if remote is None else f"{hub_lib.HUB_PREFIX}{remote.repo}@{remote.commit}"
+        if remote is not None and remote.files is not None and fetch:   # online: now the drafter's bytes
+            grafted = _composite(base, _downloaded(donor, remote, shards), own, list(drafter), config)
+        return Grafted(grafted, {"path": label, "drafter_headers": digest}, list(base.shard_names))
+
+
+@contextlib.contextmanager
+def _opened_donor(ref: str, where: str, hub: dict):
+    """(the donor checkpoint, its HubSource or None). A Hub donor online is its headers only (its
+    config.json, index and small files in a temporary folder); offline, the cache's snapshot, which
+    must hold it whole (HubSource refuses one that holds part of it)."""
+    if os.path.isdir(ref):
+        with Checkpoint.open(ref) as donor:
+            yield donor, None
+        return
+    repo = hub_lib.hub_repo(ref)
+    if not repo:
+        raise CheckpointError("--drafter graft: the donor checkpoint is missing (a directory or a Hub repository id "
+                              "is expected)", file=ref)
+    remote = hub_lib.HubSource(repo, None, explicit=ref.startswith(hub_lib.HUB_PREFIX), **hub)
+    if remote.cached:   # offline, from a complete snapshot in the cache
+        with Checkpoint.open(remote.cached) as donor:
+            yield donor, remote
+        return
+    with tempfile.TemporaryDirectory(prefix="requant-donor-") as staging:
+        yield remote.open_streamed(staging), remote
+
+
+def _downloaded(donor: Checkpoint, remote: hub_lib.HubSource, shards: list[str]) -> Checkpoint:
+    """The headers-only Hub donor with its drafter shards downloaded into the cache, each checked
+    to hold the header the plan was made from."""
+    folder = remote.download(shards)
+    headers = dict(donor.headers)
+    for name in shards:
+        local = read_header(resolve_inside(folder, name, "shard"))
+        if local.raw != donor.headers[name].raw:
+            raise CheckpointError("the downloaded shard's header is not the one the Hub served for the plan",
+                                  file=f"{remote.repo}/{name}")
+        headers[name] = local
+    index = {"metadata": donor.index_metadata, "weight_map": donor.weight_map} if donor.weight_map is not None else None
+    return Checkpoint.from_parts(folder, donor.config, index, headers)
 
 
 def _flat(config: dict, prefix: str = "") -> dict[str, object]:

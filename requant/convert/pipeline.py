@@ -83,7 +83,8 @@ def plan_conversion(src: str, out_format: str, options: Options, in_format: str 
         grafting.refuse_unsupported(in_place, streamed=False)
     with hub_lib.open_headers(src, revision, token, cache_dir) as source:
         if options.mtp == grafting.GRAFT:
-            source = grafting.graft(source, options.donor, options.model).checkpoint
+            source = grafting.graft(source, options.donor, options.model, fetch=False,
+                                    hub={"progress": False, "token": token, "cache_dir": cache_dir}).checkpoint
         plan = _logged(make_plan(source, out_format, options, in_format))
         if in_place or dst:
             outputs.choose_verbatim_as(plan, None if in_place else dst, copy_all)
@@ -151,9 +152,10 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
         grafted = None
         if options.mtp == grafting.GRAFT:
             with Checkpoint.open(src) as base:
-                grafted = grafting.graft(base, options.donor, options.model)
-            # the donor too is read until the end
-            locks.append(fsutil.DirLock(options.donor, exclusive=False, what="an in-place conversion of it"))
+                grafted = grafting.graft(base, options.donor, options.model,
+                                         hub={"progress": progress, "token": token, "cache_dir": cache_dir})
+            if os.path.isdir(options.donor):   # the donor too is read until the end (a Hub donor's files are the cache's)
+                locks.append(fsutil.DirLock(options.donor, exclusive=False, what="an in-place conversion of it"))
             request["donor"] = grafted.donor
         if resume and not journal.exists(target):
             finished = resuming.finished_conversion(target, request.get("source") or src, out_format)

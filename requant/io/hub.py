@@ -180,11 +180,22 @@ class HubSource:
             self.cached = snapshot_download(self.repo, revision=revision, cache_dir=self.cache_dir,
                                             local_files_only=True)
         except Exception:   # noqa: BLE001 - whatever the reason, the cache cannot serve it
+            held = ("holds it only in part (some of its files, as a graft downloads a donor's drafter alone, or a "
+                    "download that stopped)" if self._partial_snapshot(revision) else "holds no snapshot of it")
             raise RequantError(f"{self.not_local}{self.repo}: {why}, and the Hugging Face cache {self.cache_dir} "
-                               f"holds no snapshot of it{f' at {revision}' if revision else ''}") from None
+                               f"{held}{f' at {revision}' if revision else ''}") from None
         self.commit = os.path.basename(self.cached)
         self.files = None
         print(f"requant: {why}; converting {self.repo} from the cache: {self.cached}", file=sys.stderr)
+
+    def _partial_snapshot(self, revision: str | None) -> bool:
+        """Whether the cache has a snapshot folder for `revision` (a name the cache records, or a commit)."""
+        folder = os.path.join(self.cache_dir, f"models--{self.repo.replace('/', '--')}")
+        commit = revision or "main"
+        with contextlib.suppress(OSError):
+            with open(os.path.join(folder, "refs", commit)) as f:
+                commit = f.read().strip()
+        return os.path.isdir(os.path.join(folder, "snapshots", commit))
 
     def snapshot(self) -> str:
         """The whole repository in the Hugging Face cache; returns the snapshot folder (its name is
@@ -197,6 +208,23 @@ class HubSource:
         path = call(f"downloading {self.repo}", lambda: snapshot_download(
             self.repo, revision=self.revision, cache_dir=self.cache_dir, token=self.token, **_endpoint()))
         self.commit = os.path.basename(path)
+        return path
+
+    def download(self, names: list[str]) -> str:
+        """Files `names` of the repository at the commit looked up, into the Hugging Face cache;
+        returns the snapshot folder, which holds them (and whatever else the cache had)."""
+        from huggingface_hub import snapshot_download
+
+        if self.files is None:
+            raise RequantError(f"{self.repo}: the Hub is offline or unreachable, and {', '.join(names)} must come "
+                               "from it")
+        # By the name asked for, as `snapshot` does, so the cache records which commit it named.
+        path = call(f"downloading {', '.join(names)} of {self.repo}", lambda: snapshot_download(
+            self.repo, revision=self.revision, cache_dir=self.cache_dir, token=self.token, allow_patterns=names,
+            **_endpoint()))
+        if os.path.basename(path) != self.commit:
+            raise RequantError(f"{self.repo} moved from commit {self.commit} to {os.path.basename(path)} while "
+                               "requant read it; run the command again")
         return path
 
     def open_streamed(self, staging: str) -> Checkpoint:
