@@ -42,7 +42,9 @@ def provenance(plan, stats, source_label: str, linked: list[str] = ()) -> dict:
         "source": source_label,
         "model": model.model_name,
         "source_format": plan.source_format,
-        **({"drafter_donor": donor} if donor else {}),   # --drafter graft: whose drafter this is
+        # --drafter graft: whose drafter this is, as given and as found (a directory's real path, a
+        # Hub repository at its commit)
+        **({"drafter_donor": donor, "drafter_donor_resolved": run.get("donor", donor)} if donor else {}),
         "target_format": target.name,
         "options": target.describe_options(),
         "engine": {"name": rules.name, "version": rules.version, "forced": target.forced_problems},
@@ -160,8 +162,9 @@ def model_card(record: dict, rules: EngineRules) -> str:
         f"Converted by requant {record['producer']['version']} from `{src}` "
         f"({record['source_format'].upper()} routed experts), offline and without calibration data.",
         "",
-        *([f"The drafter is grafted from `{record['drafter_donor']}`: its tensors are that checkpoint's, byte for "
-           "byte, and its config.json fields come from there.", ""] if record.get("drafter_donor") else []),
+        *([f"The drafter is grafted from `{record['drafter_donor']}` (`{record.get('drafter_donor_resolved')}`): its "
+           "tensors are that checkpoint's, byte for byte, and its config.json fields come from there.", ""]
+          if record.get("drafter_donor") else []),
         f"Command: `{command}`",
         "",
         made_for,

@@ -65,7 +65,8 @@ def test_the_donors_drafter_is_grafted_byte_for_byte(checkpoints, tmp_path, base
         assert config[key] == donor_config[key], key
     record = json.loads((dst / "requant.json").read_text())
     assert record["drafter_donor"] == donor and record["options"]["mtp"] == f"graft {donor}"
-    assert f"grafted from `{donor}`" in (dst / "README.md").read_text()
+    assert record["drafter_donor_resolved"] == os.path.realpath(donor)
+    assert f"grafted from `{donor}` (`{os.path.realpath(donor)}`)" in (dst / "README.md").read_text()
     verified = CliRunner().invoke(cli, ["verify", str(dst), "--engine", "vllm"])
     assert verified.exit_code == 0 and "0 errors" in verified.output, verified.output
 

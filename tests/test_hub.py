@@ -457,7 +457,8 @@ def test_graft_from_a_hub_donor_downloads_its_drafter_shards_alone(hub, tmp_path
     cached = tmp_path / "cache" / "models--deepseek-ai--Tiny-V4-0731" / "snapshots" / COMMIT
     assert {p.name for p in cached.iterdir() if p.name.endswith(".safetensors")} == wanted
     record = json.loads((dst / "requant.json").read_text())
-    assert record["drafter_donor"] == DONOR_REPO
+    assert record["drafter_donor"] == DONOR_REPO and record["drafter_donor_resolved"] == f"hf://{DONOR_REPO}@{COMMIT}"
+    assert f"grafted from `{DONOR_REPO}` (`hf://{DONOR_REPO}@{COMMIT}`)" in (dst / "README.md").read_text()
     state = tree(str(dst))
     assert not any(".requant-convert" in n for n in state), state
     verified = CliRunner().invoke(cli, ["verify", str(dst), "--engine", "vllm", "--quiet"])

@@ -167,7 +167,8 @@ def convert(src: str, dst: str | None, out_format: str, options: Options, in_for
         journaled = resume
         plan = _logged(make_plan(source, out_format, options, in_format))
         plan.label = request.get("source") or src
-        plan.run = {"source": given_src, "destination": dst, "in_place": in_place}
+        plan.run = {"source": given_src, "destination": dst, "in_place": in_place,
+                    **({"donor": grafted.donor["path"]} if grafted else {})}
         outputs.choose_verbatim_as(plan, dst, copy_all)
         entries = {e["name"]: e for e in snapshot["shards"]}
         aborting.remove_temporaries(target, snapshot, outputs.final_metadata(plan))
