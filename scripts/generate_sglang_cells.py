@@ -93,9 +93,9 @@ def selection_file(version: str, base: str) -> dict:
             f"SGLang {version} has no hybrid FP8+NVFP4 config (HybridFp8NvFp4Config, first in 0.5.14): requant's "
             "NVFP4 experts would be read as MXFP4; upgrade SGLang"))
     models = {"deepseek_v4": C.delta(base_model, model)}
-    # the drafter families' rules come from the loader harness, not run here: "not checked" for this release
-    models.update({family: None for family in ("deepseek_v4_dspark", "deepseek_v41")
-                   if family in engines.release_data("sglang", base)["models"]})
+    # every other family's rules (the drafter families', Vision-Exp's) come from the loader harness, not
+    # run here: "not checked" for this release
+    models.update({family: None for family in engines.release_data("sglang", base)["models"] if family != "deepseek_v4"})
     return {"engine": "sglang", "label": "SGLang", "version": version, "base": base, "scope": "selection",
             "checked": checked(version, facts), "changes": changes(version, base, kernels, tp), "models": models}
 

@@ -203,6 +203,14 @@ def test_a_family_added_in_one_release_follows_the_next_releases_base_family():
     assert cited and all(e.startswith("vllm 0.34.0: ") for e in cited), cited
 
 
+def test_a_selection_scope_release_has_rules_for_deepseek_v4_alone():
+    """Its selection code was run for DeepSeek-V4's experts only: every other family (drafters,
+    Vision-Exp, gpt-oss) is 'not checked' there, never its base release's rules by inheritance."""
+    for engine in engines.engine_names():
+        for version in engines.releases(engine, scope="selection"):
+            assert set(engines.release_data(engine, version)["models"]) == {"deepseek_v4"}, (engine, version)
+
+
 def test_release_files_repeat_nothing_they_inherit(tmp_path, monkeypatch):
     """A release file holds only what differs from its base release and base family: deleting any
     family's key from any file changes that release's data (a repeated table goes stale silently
