@@ -33,11 +33,7 @@ ENGINE = "vllm"
 def effective(own: dict, version: str) -> dict:
     """What engines.release_data would give for the file content `own` (its base's data merged
     under it, model families resolved), without writing it."""
-    data = copy.deepcopy(own)
-    base = data.pop("base", None)
-    if base:
-        data = engines._merge({k: v for k, v in engines.release_file_merged(ENGINE, base).items()
-                               if k not in engines._OWN_KEYS}, data)
+    data = engines.merged_over_base(ENGINE, copy.deepcopy(own))
     data["models"] = engines.resolve_families(data["models"])
     return data
 

@@ -417,7 +417,13 @@ def release_file_merged(engine: str, version: str) -> dict:
     """One release's file merged over its base release's, model families not yet resolved: a family
     that names a base family takes that family's rules of this release, never of the base release
     (a family added in one release and inherited by the next follows the next one's base family)."""
-    data = json.loads(_release_files()[engine][version].read_text())
+    return merged_over_base(engine, json.loads(_release_files()[engine][version].read_text()))
+
+
+def merged_over_base(engine: str, own: dict) -> dict:
+    """A release file's content `own` merged over its `base` release's file (itself so merged),
+    families unresolved; `own` is left as it is."""
+    data = dict(own)
     base = data.pop("base", None)
     if base:   # what was checked, and how, is the release's own: never its base's
         data = _merge({k: v for k, v in release_file_merged(engine, base).items() if k not in _OWN_KEYS}, data)
