@@ -190,7 +190,9 @@ class HubSource:
 
     def _partial_snapshot(self, revision: str | None) -> bool:
         """Whether the cache has a snapshot folder for `revision` (a name the cache records, or a commit)."""
-        folder = os.path.join(self.cache_dir, f"models--{self.repo.replace('/', '--')}")
+        from huggingface_hub.file_download import repo_folder_name
+
+        folder = os.path.join(self.cache_dir, repo_folder_name(repo_id=self.repo, repo_type="model"))
         commit = revision or "main"
         with contextlib.suppress(OSError):
             with open(os.path.join(folder, "refs", commit)) as f:
