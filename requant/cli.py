@@ -487,10 +487,8 @@ def _finished(target: str, e: BaseException) -> bool:
     (a Stopped error, not a bare interrupt from before anything was written) and the journal is
     gone, config.json and the index in place."""
     from requant.io import journal
-    from requant.io.checkpoint import CONFIG_NAME, INDEX_NAME
 
-    return (isinstance(e, RequantError) and not journal.exists(target)
-            and all(os.path.isfile(os.path.join(target, n)) for n in (CONFIG_NAME, INDEX_NAME)))
+    return isinstance(e, RequantError) and not journal.exists(target) and journal.has_metadata(target)
 
 
 def _resume_command(ctx: click.Context) -> str:

@@ -68,7 +68,7 @@ def open_source(src: str, target: str, in_place: bool, resume: bool, request: di
         try:
             source = hub.open_streamed(staging) if hub else opened or Checkpoint.open(src)
         except RequantError as e:   # in place, a directory without its metadata may be a conversion whose state went
-            if in_place and not all(os.path.isfile(os.path.join(target, n)) for n in (CONFIG_NAME, INDEX_NAME)) \
+            if in_place and not journal.has_metadata(target) \
                     and any(n.endswith(".safetensors") for n in os.listdir(target)):
                 raise CheckpointError(f"{e}; {lost_state_advice(hint)}") from None
             raise
@@ -140,7 +140,7 @@ def finished_conversion(target: str, source: str, out_format: str) -> str | None
     same_source = isinstance(recorded, str) and (
         recorded == source or os.path.exists(source) and os.path.exists(recorded) and os.path.samefile(recorded, source))
     if (not same_source or record.get("target_format") != out_format
-            or not all(os.path.isfile(os.path.join(target, n)) for n in (CONFIG_NAME, INDEX_NAME))):
+            or not journal.has_metadata(target)):
         return None
     return (f"{target} is a finished conversion of {source} to {out_format} (its requant.json says how it was "
             f"made); nothing to resume. `requant verify {target}` checks it")

@@ -50,7 +50,13 @@ def exists(target: str) -> bool:
     if os.path.isfile(path_of(target, JOURNAL)):
         return True
     return (state_left(target) and bool(set(os.listdir(target)) - {JOURNAL_DIR})
-            and not all(os.path.isfile(os.path.join(target, n)) for n in (CONFIG_NAME, INDEX_NAME)))
+            and not has_metadata(target))
+
+
+def has_metadata(target: str) -> bool:
+    """Whether config.json and the index are in `target` (an in-place conversion sets them aside in
+    source.json until it ends)."""
+    return all(os.path.isfile(os.path.join(target, n)) for n in (CONFIG_NAME, INDEX_NAME))
 
 
 def state_left(target: str) -> bool:
