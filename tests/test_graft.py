@@ -12,7 +12,6 @@ import shlex
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from requant import synth
@@ -22,7 +21,7 @@ from requant.errors import EXIT_USAGE, RequantError
 from requant.io import fsutil, journal
 from requant.io.checkpoint import Checkpoint
 from requant.targets import Options
-from tests.helpers.files import output_tree
+from tests.helpers.files import output_tree, tensor_bytes
 
 DIMS = {"layers": 3, "experts": 6}
 DONOR = synth.Dims("deepseek-v4-flash-0731", **DIMS)          # a DSpark drafter, 3 stages
@@ -38,10 +37,6 @@ def graft_args(src: str, dst, donor: str, *more: str) -> list[str]:
     return [src, str(dst), "--out", "nvfp4", "--engine", "vllm", "--drafter", "graft", donor, *more]
 
 
-def raw_bytes(ck: Checkpoint, name: str) -> bytes:
-    return ck.tensor(name).view(-1).view(dtype=torch.uint8).numpy().tobytes()
-
-
 @pytest.mark.parametrize("base", [WITHOUT, WITH_MTP], ids=["no-drafter", "mtp"])
 def test_the_donors_drafter_is_grafted_byte_for_byte(checkpoints, tmp_path, base):
     src, donor = checkpoints.source(base, seed=3), checkpoints.source(DONOR, seed=4)
@@ -53,7 +48,7 @@ def test_the_donors_drafter_is_grafted_byte_for_byte(checkpoints, tmp_path, base
         assert drafter and {n for n in out.names if n.startswith("mtp.")} == set(drafter)
         for name in drafter:
             assert out.info(name).spec == given.info(name).spec, name
-            assert raw_bytes(out, name) == raw_bytes(given, name), name
+            assert tensor_bytes(out, name) == tensor_bytes(given, name), name
         # the drafter's shards are written, never links to the donor's files; the source's own MTP shard is gone
         for shard in {out.locations[n] for n in drafter}:
             assert shard.startswith("model-drafter-")
@@ -80,7 +75,7 @@ def test_an_nvfp4_dspark_donor_gives_its_kept_drafter(checkpoints, tmp_path):
     assert result.exit_code == 0, result.output
     with Checkpoint.open(str(dst)) as out, Checkpoint.open(donor) as given:
         drafter = [n for n in given.names if n.startswith("mtp.")]
-        assert all(raw_bytes(out, n) == raw_bytes(given, n) for n in drafter)
+        assert all(tensor_bytes(out, n) == tensor_bytes(given, n) for n in drafter)
 
 
 def refusal(args: list[str], dst) -> str:

@@ -1,9 +1,11 @@
-"""Directories compared by their bytes, and what the filesystem under a directory supports."""
+"""Directories and tensors compared by their bytes, and what the filesystem under a directory supports."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+
+import torch
 
 # The model card and requant.json name the source as the user gave it (a path, or repo@commit), and
 # the card the command as run (its destination too), so two conversions of the same bytes from or to
@@ -44,3 +46,8 @@ def direct_writes_supported(directory: str) -> bool:
         return fd is not None
     finally:
         os.remove(probe)
+
+
+def tensor_bytes(ck, name: str) -> bytes:
+    """Tensor `name` of checkpoint `ck` as stored, byte for byte."""
+    return ck.tensor(name).contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes()
