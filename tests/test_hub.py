@@ -500,3 +500,27 @@ def test_a_graft_from_a_hub_donor_stopped_resumes_by_the_printed_command(hub, tm
     assert resumed.exit_code == 0, resumed.output
     assert not [n for n in server.gets if n.endswith(".safetensors")], server.gets
     assert output_tree(dst) == output_tree(clean)
+
+
+def test_a_corrupt_download_of_the_donors_drafter_is_one_line_then_downloaded_anew(hub, tmp_path):
+    """The drafter shards are held to the Hub's sha256 like a streamed source's: bytes that differ
+    are one line naming the file, nothing is written, and the cache keeps no bad copy, so the same
+    command run again downloads the shard anew and grafts the donor's bytes."""
+    server, _ = hub
+    donor, src = donor_on_hub(server, tmp_path)
+    with Checkpoint.open(donor) as given:
+        wanted = {given.locations[n] for n in given.names if n.startswith("mtp.")}
+    server.corrupt.update(wanted)
+    dst = tmp_path / "out"
+    args = ["convert", src, str(dst), "--out", "nvfp4", "--engine", "vllm", "--drafter", "graft", DONOR_REPO, "-q"]
+    bad = CliRunner().invoke(cli, args)
+    assert bad.exit_code == 1 and "do not match the Hub's sha256" in bad.output and DONOR_REPO in bad.output \
+        and len(bad.output.strip().splitlines()) == 1, bad.output
+    assert not dst.exists()
+    server.corrupt.clear()
+    server.gets.clear()
+    good = CliRunner().invoke(cli, args)
+    assert good.exit_code == 0, good.output
+    assert {n for n in server.gets if n.endswith(".safetensors")} == wanted
+    with Checkpoint.open(donor) as given, Checkpoint.open(str(dst)) as out:
+        assert all(tensor_bytes(out, n) == tensor_bytes(given, n) for n in given.names if n.startswith("mtp."))

@@ -227,6 +227,7 @@ class HubSource:
         if os.path.basename(path) != self.commit:
             raise RequantError(f"{self.repo} moved from commit {self.commit} to {os.path.basename(path)} while "
                                "requant read it; run the command again")
+        self._check_sha256(path, names)
         return path
 
     def open_streamed(self, staging: str) -> Checkpoint:
@@ -308,16 +309,32 @@ class HubSource:
         path = call(f"downloading {self.repo}/{name}", download)
         if os.path.realpath(path) != os.path.realpath(target):
             raise CheckpointError("download landed outside the staging folder", file=path)
-        etag = self._metadata(name).etag or "" if name.endswith(".safetensors") else ""
-        if _SHA256.match(etag):
-            digest = hashlib.sha256()
+        self._check_sha256(staging, [name])
+        return path
+
+    def _check_sha256(self, folder: str, names: list[str]) -> None:
+        """Downloaded shards' bytes against the Hub's sha256 ETags, where the Hub gives them. Every
+        file that differs is removed (a cache link with its blob), so running again downloads it
+        anew; the first is named."""
+        bad = []
+        for name in names:
+            etag = self._metadata(name).etag or "" if name.endswith(".safetensors") else ""
+            if not _SHA256.match(etag):
+                continue
+            path, digest = os.path.join(folder, name), hashlib.sha256()
             with open(path, "rb") as f:
                 while chunk := f.read(16 << 20):
                     digest.update(chunk)
             if digest.hexdigest() != etag:
+                stored = os.path.realpath(path)
                 os.remove(path)
-                raise CheckpointError(f"downloaded bytes do not match the Hub's sha256 {etag}", file=f"{self.repo}/{name}")
-        return path
+                if stored != os.path.abspath(path):
+                    os.remove(stored)
+                bad.append((name, etag))
+        if bad:
+            more = f" ({len(bad) - 1} more such files removed too)" if len(bad) > 1 else ""
+            raise CheckpointError(f"downloaded bytes do not match the Hub's sha256 {bad[0][1]}{more}",
+                                  file=f"{self.repo}/{bad[0][0]}")
 
 
 def upload(folder: str, repo: str, token: str | None = None, private: bool = False, message: str | None = None,
